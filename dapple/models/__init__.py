@@ -1,0 +1,7 @@
+"""Built-in models: a small GPT, a ResNet-like CNN, and emulated-accelerator layers for CPU benchmarks."""
+
+from .emulated import EmulatedLayer, EmulatedNet
+from .gpt import GPT, GPTConfig, lm_loss, random_tokens
+from .resnet import ResNet
+
+__all__ = ["GPT", "GPTConfig", "EmulatedLayer", "EmulatedNet", "ResNet", "lm_loss", "random_tokens"]

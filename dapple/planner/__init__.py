@@ -1,0 +1,7 @@
+"""The planner: cluster model, pivot-stage latency model, Fresh/Append/Scatter placement, DP search."""
+
+from .cluster import Cluster
+from .plan import Estimate, Plan, Stage
+from .schedule import Op, stage_ops, warmup_counts
+
+__all__ = ["Cluster", "Estimate", "Op", "Plan", "Stage", "stage_ops", "warmup_counts"]

@@ -1,0 +1,157 @@
+"""The Cluster document: servers of devices, intra/inter-server links, device memory; paper Table 3 presets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+import networkx as nx
+
+from .. import _io
+
+VERSION = 1
+
+GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclass
+class Cluster:
+    """``servers`` x ``devices_per_server`` devices; device id d is on server d // devices_per_server.
+
+    Bandwidths in bytes/s, latencies in seconds, memory in bytes. Device id == torchrun global rank.
+    """
+
+    servers: int
+    devices_per_server: int
+    intra_bandwidth: float
+    inter_bandwidth: float
+    intra_latency: float = 5e-6
+    inter_latency: float = 30e-6
+    device_memory: float = 16e9
+    name: str = ""
+    meta: dict = field(default_factory=dict)  # how the numbers were obtained (measured, preset, ...)
+
+    def __post_init__(self) -> None:
+        for key in ("servers", "devices_per_server"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Cluster.{key}: expected a positive integer, got {v!r}")
+        for key in ("intra_bandwidth", "inter_bandwidth", "device_memory"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"Cluster.{key}: expected a positive number, got {v!r}")
+        for key in ("intra_latency", "inter_latency"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"Cluster.{key}: expected a number of seconds >= 0, got {v!r}")
+
+    # ---- topology ------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.servers * self.devices_per_server
+
+    def server_of(self, device: int) -> int:
+        if not 0 <= device < self.num_devices:
+            raise ValueError(f"device {device} is not in this cluster (ids 0..{self.num_devices - 1})")
+        return device // self.devices_per_server
+
+    def servers_of(self, devices: Iterable[int]) -> set[int]:
+        return {self.server_of(d) for d in devices}
+
+    def link(self, a: int, b: int) -> tuple[float, float]:
+        """(bandwidth B/s, latency s) of the slowest link a transfer from device a to device b crosses."""
+        if self.server_of(a) == self.server_of(b):
+            return self.intra_bandwidth, self.intra_latency
+        return self.inter_bandwidth, self.inter_latency
+
+    def span_link(self, devices: Iterable[int]) -> tuple[float, float]:
+        """(bandwidth, latency) of the slowest link a collective over ``devices`` crosses."""
+        if len(self.servers_of(devices)) > 1:
+            return self.inter_bandwidth, self.inter_latency
+        return self.intra_bandwidth, self.intra_latency
+
+    def graph(self) -> nx.Graph:
+        """The topology: device nodes ``("device", d)`` joined to their ``("server", s)`` switch (intra
+        links), servers joined to one ``"network"`` node (inter links); edges carry bandwidth and latency."""
+        g = nx.Graph(name=self.name or "cluster")
+        g.add_node("network")
+        for s in range(self.servers):
+            g.add_node(("server", s))
+            g.add_edge(("server", s), "network", bandwidth=self.inter_bandwidth, latency=self.inter_latency / 2)
+            for i in range(self.devices_per_server):
+                d = s * self.devices_per_server + i
+                g.add_node(("device", d), server=s)
+                g.add_edge(("device", d), ("server", s), bandwidth=self.intra_bandwidth,
+                           latency=self.intra_latency / 2)
+        return g
+
+    def path(self, a: int, b: int) -> list:
+        """The links a transfer from device a to device b crosses, as a node path in :meth:`graph`."""
+        return nx.shortest_path(self.graph(), ("device", a), ("device", b))
+
+    # ---- constructors --------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, servers: int | None = None) -> "Cluster":
+        """Paper Table 3: "A" 2x8 V100 NVLink + 25 Gbps, "B" 16x1 25 Gbps, "C" 16x1 10 Gbps (16 GB each)."""
+        key = str(name).upper()
+        if key == "A":
+            return cls(servers=servers or 2, devices_per_server=8, intra_bandwidth=130e9, inter_bandwidth=25 * GBPS,
+                       intra_latency=5e-6, inter_latency=30e-6, device_memory=16e9, name="A")
+        if key in ("B", "C"):
+            bw = 25 * GBPS if key == "B" else 10 * GBPS
+            return cls(servers=servers or 16, devices_per_server=1, intra_bandwidth=bw, inter_bandwidth=bw,
+                       intra_latency=30e-6, inter_latency=30e-6, device_memory=16e9, name=key)
+        raise ValueError(f"unknown cluster preset {name!r}; expected 'A', 'B' or 'C' (paper Table 3)")
+
+    @classmethod
+    def local(cls, world_size: int, bandwidth: float | None = None, latency: float | None = None,
+              device_memory: float | None = None) -> "Cluster":
+        """``world_size`` processes on this machine, one server. Numbers not given get defaults for gloo
+        over loopback; :func:`dapple.planner.probe` measures them instead."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"Cluster.local: world_size must be a positive integer, got {world_size!r}")
+        if device_memory is None:
+            device_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world_size
+        bw = bandwidth if bandwidth is not None else 1e9
+        lat = latency if latency is not None else 100e-6
+        return cls(servers=1, devices_per_server=world_size, intra_bandwidth=bw, inter_bandwidth=bw,
+                   intra_latency=lat, inter_latency=lat, device_memory=float(device_memory), name="local",
+                   meta={"bandwidth": "given" if bandwidth is not None else "default"})
+
+    # ---- YAML ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {"dapple_cluster": VERSION, **asdict(self)}
+        if not d["meta"]:
+            del d["meta"]
+        return d
+
+    def save(self, path: _io.PathLike) -> None:
+        _io.dump(self.to_dict(), path)
+
+    @classmethod
+    def from_dict(cls, doc: dict, where: str = "Cluster") -> "Cluster":
+        f = _io.Fields(doc, where)
+        try:
+            return cls(servers=f.number("servers", integer=True, minimum=1),
+                       devices_per_server=f.number("devices_per_server", integer=True, minimum=1),
+                       intra_bandwidth=f.number("intra_bandwidth"), inter_bandwidth=f.number("inter_bandwidth"),
+                       intra_latency=f.number("intra_latency", default=5e-6),
+                       inter_latency=f.number("inter_latency", default=30e-6),
+                       device_memory=f.number("device_memory", default=16e9), name=str(doc.get("name", "")),
+                       meta=dict(doc.get("meta") or {}))
+        except _io.DocumentError:
+            raise
+        except ValueError as e:
+            raise _io.DocumentError(f"{where}: {e}") from e
+
+    @classmethod
+    def load(cls, path: _io.PathLike) -> "Cluster":
+        return cls.from_dict(_io.load(path, "dapple_cluster", VERSION), where=str(path))
+
+    def __str__(self) -> str:
+        gb = 1e9
+        return (f"Cluster {self.name or ''}: {self.servers} x {self.devices_per_server} devices, "
+                f"intra {self.intra_bandwidth / gb:.3g} GB/s + {self.intra_latency * 1e6:.3g} us, "
+                f"inter {self.inter_bandwidth / gb:.3g} GB/s + {self.inter_latency * 1e6:.3g} us, "
+                f"{self.device_memory / gb:.3g} GB per device")

@@ -1,0 +1,213 @@
+"""The Plan document: stages (layer range, devices, warmup K_i), micro-batching, schedule, estimate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .. import _io
+from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
+
+VERSION = 1
+
+
+@dataclass
+class Stage:
+    """Layers ``[start, end)`` replicated on ``devices``; ``warmup`` is K_i (None: from the plan's policy)."""
+
+    layers: tuple[int, int]
+    devices: list[int]
+    warmup: int | None = None
+
+    def __post_init__(self) -> None:
+        self.layers = tuple(self.layers)  # type: ignore[assignment]
+        self.devices = list(self.devices)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.devices)
+
+
+@dataclass
+class Estimate:
+    """The planner's latency model of one training iteration (paper formula 2), in milliseconds."""
+
+    latency_ms: float
+    warmup_ms: float
+    steady_ms: float
+    ending_ms: float
+    pivot_stage: int
+    details: dict = field(default_factory=dict)  # per-stage F/B/AR, bubble fraction, ... (planner-defined)
+
+    def to_dict(self) -> dict:
+        d = {k: (round(float(getattr(self, k)), 6) if k != "pivot_stage" else int(self.pivot_stage))
+             for k in ("latency_ms", "warmup_ms", "steady_ms", "ending_ms", "pivot_stage")}
+        if self.details:
+            d["details"] = self.details
+        return d
+
+    @classmethod
+    def from_dict(cls, f: _io.Fields) -> "Estimate":
+        return cls(latency_ms=f.number("latency_ms"), warmup_ms=f.number("warmup_ms"),
+                   steady_ms=f.number("steady_ms", minimum=None), ending_ms=f.number("ending_ms", minimum=None),
+                   pivot_stage=f.number("pivot_stage", integer=True), details=dict(f.data.get("details") or {}))
+
+
+@dataclass
+class Plan:
+    """How to run a model: see DESIGN.md, 'The three YAML documents'. Validated on construction."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    stages: list[Stage]
+    schedule: str = "dapple"
+    warmup_policy: str = "A"
+    layer_names: list[str] | None = None
+    estimate: Estimate | None = None
+    meta: dict = field(default_factory=dict)  # model, cluster, planner name, planning time, ...
+
+    def __post_init__(self) -> None:
+        self.stages = [s if isinstance(s, Stage) else Stage(*s) for s in self.stages]
+        if all(s.warmup is None for s in self.stages):
+            for s, k in zip(self.stages, warmup_counts(len(self.stages), self.num_micro_batches,
+                                                       self.warmup_policy)):
+                s.warmup = k
+        self.validate()
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(len(s.devices) for s in self.stages)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    @property
+    def warmup(self) -> list[int]:
+        return [int(s.warmup) for s in self.stages]  # type: ignore[arg-type]
+
+    def stage_of_device(self, device: int) -> int:
+        for i, s in enumerate(self.stages):
+            if device in s.devices:
+                return i
+        raise ValueError(f"device {device} is in no stage of this plan (devices 0..{self.num_devices - 1})")
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self, where: str = "Plan") -> None:
+        """Raise ValueError naming the offending field and value if the plan is inconsistent."""
+        g, b = self.global_batch_size, self.micro_batch_size
+        for key, v in (("global_batch_size", g), ("micro_batch_size", b)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{where}.{key}: expected a positive integer, got {v!r}")
+        if g % b:
+            raise ValueError(f"{where}: global_batch_size {g} is not divisible by micro_batch_size {b}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{where}.schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+        if self.warmup_policy not in WARMUP_POLICIES:
+            raise ValueError(f"{where}.warmup_policy: expected one of {WARMUP_POLICIES}, got {self.warmup_policy!r}")
+        if not self.stages:
+            raise ValueError(f"{where}.stages: expected at least one stage, got none")
+        start = 0
+        seen: dict[int, int] = {}
+        for i, s in enumerate(self.stages):
+            lo, hi = s.layers
+            if lo != start or hi <= lo:
+                raise ValueError(f"{where}.stages[{i}].layers: expected a non-empty range starting at layer {start} "
+                                 f"(ranges must be contiguous from 0), got [{lo}, {hi})")
+            start = hi
+            if not s.devices:
+                raise ValueError(f"{where}.stages[{i}].devices: expected at least one device, got []")
+            if b < len(s.devices):
+                raise ValueError(f"{where}.stages[{i}]: {len(s.devices)} replicas cannot split a micro-batch of "
+                                 f"{b} rows (each replica needs at least one row)")
+            for d in s.devices:
+                if not isinstance(d, int) or d < 0:
+                    raise ValueError(f"{where}.stages[{i}].devices: expected device ids >= 0, got {d!r}")
+                if d in seen:
+                    raise ValueError(f"{where}.stages[{i}].devices: device {d} is already in stage {seen[d]}")
+                seen[d] = i
+            if s.warmup is None:
+                raise ValueError(f"{where}.stages[{i}].warmup: missing while other stages give one; give K_i for "
+                                 f"every stage or for none")
+        if sorted(seen) != list(range(len(seen))):
+            raise ValueError(f"{where}: device ids must be 0..{len(seen) - 1} (device id == global rank), "
+                             f"got {sorted(seen)}")
+        if self.layer_names is not None and len(self.layer_names) != start:
+            raise ValueError(f"{where}: stages cover {start} layers but layer_names lists {len(self.layer_names)}")
+        try:
+            validate_warmup(self.warmup, self.num_micro_batches)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    # ---- YAML ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        doc: dict = {"dapple_plan": VERSION, "global_batch_size": self.global_batch_size,
+                     "micro_batch_size": self.micro_batch_size, "schedule": self.schedule,
+                     "warmup_policy": self.warmup_policy,
+                     "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup}
+                                for s in self.stages]}
+        if self.layer_names is not None:
+            doc["layer_names"] = list(self.layer_names)
+        if self.estimate is not None:
+            doc["estimate"] = self.estimate.to_dict()
+        if self.meta:
+            doc["meta"] = dict(self.meta)
+        return doc
+
+    def save(self, path: _io.PathLike) -> None:
+        _io.dump(self.to_dict(), path)
+
+    @classmethod
+    def from_dict(cls, doc: dict, where: str = "Plan") -> "Plan":
+        f = _io.Fields(doc, where)
+
+        def stage(g: _io.Fields) -> Stage:
+            layers = g.numbers("layers", length=2, integer=True)
+            warmup = g.number("warmup", integer=True, minimum=1) if g.data.get("warmup") is not None else None
+            return Stage(layers=(layers[0], layers[1]), devices=g.numbers("devices", integer=True), warmup=warmup)
+
+        names = f.data.get("layer_names")
+        if names is not None and (not isinstance(names, list) or not all(isinstance(x, str) for x in names)):
+            raise _io.DocumentError(f"{where}.layer_names: expected a list of strings, got {names!r:.100}")
+        estimate = Estimate.from_dict(f.sub("estimate")) if f.data.get("estimate") is not None else None
+        try:
+            return cls(global_batch_size=f.number("global_batch_size", integer=True, minimum=1),
+                       micro_batch_size=f.number("micro_batch_size", integer=True, minimum=1),
+                       stages=f.each("stages", stage), schedule=f.str("schedule", default="dapple"),
+                       warmup_policy=str(f.data.get("warmup_policy", "A")), layer_names=names, estimate=estimate,
+                       meta=dict(f.data.get("meta") or {}))
+        except _io.DocumentError:
+            raise
+        except ValueError as e:
+            raise _io.DocumentError(str(e).replace("Plan", where, 1)) from e
+
+    @classmethod
+    def load(cls, path: _io.PathLike) -> "Plan":
+        return cls.from_dict(_io.load(path, "dapple_plan", VERSION), where=str(path))
+
+    # ---- display -------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        from .display import format_plan
+        return format_plan(self)
+
+
+def device_ranges(devices: Sequence[int]) -> str:
+    """Compact device list: [0, 1, 2, 3, 7] -> "0-3,7"."""
+    ds = sorted(devices)
+    parts, i = [], 0
+    while i < len(ds):
+        j = i
+        while j + 1 < len(ds) and ds[j + 1] == ds[j] + 1:
+            j += 1
+        parts.append(f"{ds[i]}" if i == j else f"{ds[i]}-{ds[j]}")
+        i = j + 1
+    return ",".join(parts)

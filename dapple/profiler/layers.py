@@ -1,0 +1,173 @@
+"""Grouping an fx graph into layers: the units a plan may cut between, shared by profiler and runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch.fx as fx
+from torch import nn
+
+from .trace import LeafSpec, symbolic_trace
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+@dataclass
+class LayerGraph:
+    """A traced model whose every call node belongs to exactly one layer.
+
+    Along every graph edge the layer index never decreases, so a cut between any two consecutive
+    layers is a valid split. Nodes that depend only on the model's inputs and attributes (``x.size(1)``,
+    ``self.pos``) are copied into each layer that uses them, so they never cross a cut.
+    """
+
+    gm: fx.GraphModule
+    names: list[str]  # layer names: module paths in the original model, in execution order
+    layer_of: dict[fx.Node, int]  # every node except placeholders and output -> its layer index
+    inputs: list[str] = field(default_factory=list)  # the model's forward() argument names
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+    def nodes(self, layer: int) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if self.layer_of.get(n) == layer]
+
+    def stage_of_node(self, cuts: list[int]) -> dict[fx.Node, int]:
+        """Map each node to its stage for stage boundaries ``cuts`` (layer index where each stage starts)."""
+        import bisect
+        return {n: bisect.bisect_right(cuts, k) - 1 for n, k in self.layer_of.items()}
+
+    def crossing(self, layer: int) -> list[fx.Node]:
+        """Nodes computed in layers <= ``layer`` that are used after it: what a cut after ``layer`` carries."""
+        out = []
+        for n, k in self.layer_of.items():
+            if k <= layer and any(self._user_layer(u) > layer for u in n.users):
+                out.append(n)
+        return out
+
+    def _user_layer(self, user: fx.Node) -> int:
+        return self.num_layers - 1 if user.op == "output" else self.layer_of[user]
+
+    def layer_inputs(self, layer: int) -> list[int]:
+        """Indices of the earlier layers whose outputs ``layer`` reads."""
+        return sorted({self.layer_of[a] for n in self.nodes(layer) for a in n.all_input_nodes
+                       if a in self.layer_of and self.layer_of[a] < layer})
+
+    def params_by_layer(self) -> list[list[tuple[str, Any]]]:
+        """(name, tensor) of the parameters each layer uses; a tied parameter only at its first layer."""
+        seen: set[int] = set()
+        result: list[list[tuple[str, Any]]] = [[] for _ in self.names]
+        named = dict(self.gm.named_parameters(remove_duplicate=False))
+        for n in self.gm.graph.nodes:
+            if n not in self.layer_of:
+                continue
+            if n.op == "call_module":
+                mod = self.gm.get_submodule(n.target)
+                pairs = [(f"{n.target}.{k}", p) for k, p in mod.named_parameters(remove_duplicate=False)]
+            elif n.op == "get_attr" and n.target in named:
+                pairs = [(n.target, named[n.target])]
+            else:
+                continue
+            for name, p in pairs:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    result[self.layer_of[n]].append((name, p))
+        return result
+
+
+def layer_units(model: nn.Module) -> list[str]:
+    """Candidate layer paths: top-level children, containers (ModuleList/Sequential) expanded one level."""
+    units = []
+    for name, child in model.named_children():
+        if isinstance(child, CONTAINERS) and len(child) > 0:
+            units.extend(f"{name}.{sub}" for sub, _ in child.named_children())
+        else:
+            units.append(name)
+    return units
+
+
+def _owner(node: fx.Node, units: set[str]) -> str | None:
+    """The layer unit a node belongs to: the outermost unit in its module stack, or None."""
+    paths: list[str] = []
+    stack = node.meta.get("nn_module_stack") or {}
+    for key, value in stack.items():
+        paths.append(value[0] if isinstance(value, tuple) else key)
+    if node.op == "call_module":
+        paths.append(node.target)
+    for path in paths:
+        parts = path.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix in units:
+                return prefix
+    return None
+
+
+def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None,
+                 leaf_modules: LeafSpec = ()) -> LayerGraph:
+    """Trace ``model`` with torch.fx and group its nodes into layers (see DESIGN.md, Profile)."""
+    gm = symbolic_trace(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
+    return group_layers(gm, layer_units(model))
+
+
+def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
+    """Assign layers to the nodes of ``gm``; see :class:`LayerGraph` for the guarantees."""
+    units = set(units)
+    nodes = list(gm.graph.nodes)
+    rank: dict[str, int] = {}  # unit -> order of first appearance
+    owner: dict[fx.Node, str | None] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            owner[n] = None  # inputs and attributes join whichever layers use them
+            continue
+        owner[n] = _owner(n, units)
+        if owner[n] is not None:
+            rank.setdefault(owner[n], len(rank))
+    if not rank:
+        raise ValueError(f"{type(gm).__name__}: no layer found; the model calls none of its children "
+                         f"({sorted(units)}), so there is nothing to cut between")
+
+    # Forward pass: a node sits no earlier than its own module's layer and any of its inputs' layers.
+    level: dict[fx.Node, int | None] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        ins = [level[a] for a in n.all_input_nodes if level.get(a) is not None]
+        own = [rank[owner[n]]] if owner[n] is not None else []
+        level[n] = max(own + ins) if own or ins else None
+    # Backward pass: input-only nodes (no owner, depend only on inputs/attributes) join their users.
+    _place_input_only_nodes(gm, level, last=max(rank.values()))
+    gm.recompile()
+
+    # Layers are the ranks that kept nodes, renumbered densely (a module reused later joins later layers).
+    used = sorted({k for k in level.values()})
+    dense = {k: i for i, k in enumerate(used)}
+    by_rank = {r: u for u, r in rank.items()}
+    names = [by_rank[k] for k in used]
+    layer_of = {n: dense[k] for n, k in level.items()}
+    inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    return LayerGraph(gm=gm, names=names, layer_of=layer_of, inputs=inputs)
+
+
+def _place_input_only_nodes(gm: fx.GraphModule, level: dict[fx.Node, int | None], last: int) -> None:
+    """Place each unplaced node in its users' layer, copying it for every further layer that uses it."""
+    graph = gm.graph
+    for n in reversed(list(graph.nodes)):  # users come later, so they are placed before n is reached
+        if n.op in ("placeholder", "output") or level[n] is not None:
+            continue
+        by_level: dict[int, list[fx.Node]] = {}
+        for u in n.users:
+            by_level.setdefault(last if u.op == "output" else level[u], []).append(u)
+        if not by_level:  # dead code: nothing uses it
+            level[n] = 0
+            continue
+        first, *later = sorted(by_level)
+        level[n] = first
+        for k in later:  # a copy per later layer, so the value never crosses a cut
+            with graph.inserting_after(n):
+                copy = graph.node_copy(n, lambda a: a)
+            level[copy] = k
+            for u in by_level[k]:
+                u.replace_input_with(n, copy)

@@ -1,0 +1,266 @@
+"""The Profile document: per-layer times and sizes at a few batch sizes, with a linear fit in batch size."""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from .. import _io
+
+VERSION = 1
+
+
+@dataclass
+class LayerProfile:
+    """One layer (a unit a plan may cut after); every list holds one value per profiled batch size."""
+
+    name: str
+    forward_ms: list[float]
+    backward_ms: list[float]
+    boundary_bytes: list[int]  # bytes of ALL tensors crossing a cut placed right after this layer
+    saved_bytes: list[int]  # activations autograd keeps for this layer's backward
+    param_bytes: int  # parameters owned by this layer (a tied parameter counts once, at its first layer)
+    inputs: list[int] | None = None  # earlier layers whose outputs this layer reads (None: the previous one)
+
+
+@dataclass
+class LayerCosts:
+    """All layers' costs at one (possibly fractional, unprofiled) batch size; plain lists for fast planning."""
+
+    batch: float
+    forward_ms: list[float]
+    backward_ms: list[float]
+    boundary_bytes: list[float]
+    saved_bytes: list[float]
+    param_bytes: list[int]
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear fit of y(x) through the profiled points, extrapolated along the end segments.
+
+    With one point the value is taken as proportional to x (zero at x = 0). Never negative.
+    """
+    if len(xs) == 1:
+        return max(0.0, ys[0] * x / xs[0])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class Profile:
+    """What the planner needs to know of a model: see DESIGN.md, 'The three YAML documents'."""
+
+    model: str
+    device: str
+    batch_sizes: list[int]
+    layers: list[LayerProfile]
+    meta: dict = field(default_factory=dict)  # free-form extras (dtype, repeats, torch version, ...)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def costs(self, batch: float) -> LayerCosts:
+        """Per-layer forward/backward ms and bytes at ``batch`` rows, from the linear fit (memoised).
+
+        Treat a Profile as immutable once made: the fit is cached per batch size.
+        """
+        batch = float(batch)
+        if batch <= 0:
+            raise ValueError(f"batch must be positive, got {batch}")
+        if (hit := self._cache.get(batch)) is None:
+            xs = self.batch_sizes
+
+            def fit(key: str) -> list[float]:
+                return [interpolate(xs, getattr(layer, key), batch) for layer in self.layers]
+
+            hit = self._cache[batch] = LayerCosts(
+                batch=batch, forward_ms=fit("forward_ms"), backward_ms=fit("backward_ms"),
+                boundary_bytes=fit("boundary_bytes"), saved_bytes=fit("saved_bytes"),
+                param_bytes=[layer.param_bytes for layer in self.layers])
+        return hit
+
+    def forward_ms(self, layer: int, batch: float) -> float:
+        return self.costs(batch).forward_ms[layer]
+
+    def backward_ms(self, layer: int, batch: float) -> float:
+        return self.costs(batch).backward_ms[layer]
+
+    def boundary_bytes(self, layer: int, batch: float) -> float:
+        return self.costs(batch).boundary_bytes[layer]
+
+    def saved_bytes(self, layer: int, batch: float) -> float:
+        return self.costs(batch).saved_bytes[layer]
+
+    # ---- validation and YAML -------------------------------------------------------------------
+    def validate(self, where: str = "Profile") -> None:
+        """Raise ValueError naming the offending field if the profile is inconsistent."""
+        n = len(self.batch_sizes)
+        if n == 0:
+            raise ValueError(f"{where}.batch_sizes: expected at least one batch size, got []")
+        if any(not isinstance(b, int) or b <= 0 for b in self.batch_sizes) or sorted(set(self.batch_sizes)) != list(
+                self.batch_sizes):
+            raise ValueError(f"{where}.batch_sizes: expected strictly increasing positive integers, "
+                             f"got {self.batch_sizes}")
+        if not self.layers:
+            raise ValueError(f"{where}.layers: expected at least one layer, got none")
+        for i, layer in enumerate(self.layers):
+            for key in ("forward_ms", "backward_ms", "boundary_bytes", "saved_bytes"):
+                values = getattr(layer, key)
+                if len(values) != n:
+                    raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: expected {n} values, one per "
+                                     f"batch size {self.batch_sizes}, got {len(values)}: {values}")
+                if any(v < 0 for v in values):
+                    raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: negative value in {values}")
+            if layer.param_bytes < 0:
+                raise ValueError(f"{where}.layers[{i}] ({layer.name}).param_bytes: negative: {layer.param_bytes}")
+            if layer.inputs is not None and any(not 0 <= j < i for j in layer.inputs):
+                raise ValueError(f"{where}.layers[{i}] ({layer.name}).inputs: expected indices of earlier layers "
+                                 f"(0..{i - 1}), got {layer.inputs}")
+
+    def to_dict(self) -> dict:
+        doc: dict = {"dapple_profile": VERSION, "model": self.model, "device": self.device,
+                     "batch_sizes": list(self.batch_sizes)}
+        if self.meta:
+            doc["meta"] = dict(self.meta)
+        layers = []
+        for layer in self.layers:
+            d = {"name": layer.name, "forward_ms": [round(float(v), 6) for v in layer.forward_ms],
+                 "backward_ms": [round(float(v), 6) for v in layer.backward_ms],
+                 "boundary_bytes": [int(v) for v in layer.boundary_bytes],
+                 "saved_bytes": [int(v) for v in layer.saved_bytes], "param_bytes": int(layer.param_bytes)}
+            if layer.inputs is not None:
+                d["inputs"] = list(layer.inputs)
+            layers.append(d)
+        doc["layers"] = layers
+        return doc
+
+    def save(self, path: _io.PathLike) -> None:
+        _io.dump(self.to_dict(), path)
+
+    @classmethod
+    def from_dict(cls, doc: dict, where: str = "Profile") -> "Profile":
+        f = _io.Fields(doc, where)
+        batch_sizes = f.numbers("batch_sizes", integer=True, minimum=1)
+        n = len(batch_sizes)
+
+        def layer(g: _io.Fields) -> LayerProfile:
+            inputs = g.numbers("inputs", integer=True, default=[]) if "inputs" in g.data else None
+            return LayerProfile(name=g.str("name"), forward_ms=g.numbers("forward_ms", n),
+                                backward_ms=g.numbers("backward_ms", n),
+                                boundary_bytes=g.numbers("boundary_bytes", n),
+                                saved_bytes=g.numbers("saved_bytes", n),
+                                param_bytes=g.number("param_bytes", integer=False), inputs=inputs)
+
+        layers = f.each("layers", layer)
+        meta = dict(f.data.get("meta") or {})
+        try:
+            return cls(model=f.str("model"), device=f.str("device"), batch_sizes=batch_sizes, layers=layers,
+                       meta=meta)
+        except ValueError as e:
+            raise _io.DocumentError(str(e).replace("Profile", where, 1)) from e
+
+    @classmethod
+    def load(cls, path: _io.PathLike) -> "Profile":
+        return cls.from_dict(_io.load(path, "dapple_profile", VERSION), where=str(path))
+
+    def __str__(self) -> str:
+        b = self.batch_sizes[-1]
+        c = self.costs(b)
+        lines = [f"Profile of {self.model} on {self.device}: {self.num_layers} layers, "
+                 f"{self.param_bytes() / 1e6:.3f} MB of parameters, batch sizes {self.batch_sizes}",
+                 f"  {'#':>3}  {'layer':<28} {'fwd ms':>9} {'bwd ms':>9} {'boundary B':>12} {'saved B':>12} "
+                 f"{'param B':>12}   (at batch {b})"]
+        for i, layer in enumerate(self.layers):
+            lines.append(f"  {i:>3}  {layer.name[:28]:<28} {c.forward_ms[i]:>9.3f} {c.backward_ms[i]:>9.3f} "
+                         f"{c.boundary_bytes[i]:>12.0f} {c.saved_bytes[i]:>12.0f} {layer.param_bytes:>12}")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_pipedream(cls, path: _io.PathLike, batch_size: int) -> "Profile":
+        """Read a PipeDream ``graph.txt`` profile measured at ``batch_size`` (nodes ordered topologically)."""
+        return _from_pipedream(Path(path), batch_size)
+
+
+
+_NODE = re.compile(r"^(node\d+) -- (.*) -- (forward_compute_time=.*)$")
+_EDGE = re.compile(r"^\s+(node\d+) -- (node\d+)\s*$")
+
+
+def _from_pipedream(path: Path, batch_size: int) -> Profile:
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"from_pipedream: batch_size must be a positive integer (the batch size {path.name} was "
+                         f"profiled at), got {batch_size!r}")
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise _io.DocumentError(f"{path}: cannot read PipeDream profile: {e}") from e
+    nodes: dict[str, tuple[str, dict[str, float]]] = {}
+    edges: list[tuple[str, str]] = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if m := _NODE.match(line):
+            stats = {}
+            for item in m.group(3).split(","):
+                key, _, value = item.strip().partition("=")
+                try:
+                    value = value.strip()
+                    if value.startswith("[") and value.endswith("]"):  # several outputs: PipeDream sums them
+                        stats[key] = sum(float(v) for v in value[1:-1].split(";"))
+                    else:
+                        stats[key] = float(value)
+                except ValueError:
+                    raise _io.DocumentError(f"{path}:{lineno}: {key}={value!r} is not a number") from None
+            for key in ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size"):
+                if key not in stats:
+                    raise _io.DocumentError(f"{path}:{lineno}: node {m.group(1)} lacks {key}")
+            nodes[m.group(1)] = (m.group(2).strip(), stats)
+        elif m := _EDGE.match(line):
+            edges.append((m.group(1), m.group(2)))
+        else:
+            raise _io.DocumentError(f"{path}:{lineno}: expected 'nodeN -- name -- stats' or '\\tnodeA -- nodeB', "
+                                    f"got {line!r:.100}")
+    if not nodes:
+        raise _io.DocumentError(f"{path}: no nodes found; is this a PipeDream graph.txt?")
+    for a, b in edges:
+        for x in (a, b):
+            if x not in nodes:
+                raise _io.DocumentError(f"{path}: edge {a} -- {b} names unknown node {x}")
+    order = sorted(nodes, key=lambda s: int(s[4:]))  # PipeDream numbers nodes in a topological order
+    index = {n: i for i, n in enumerate(order)}
+    preds: list[set[int]] = [set() for _ in order]
+    last_use = list(range(len(order)))  # index of the last consumer of each node's output
+    for a, b in edges:
+        if index[a] >= index[b]:
+            raise _io.DocumentError(f"{path}: edge {a} -- {b} goes backwards in node order; not a topological order")
+        preds[index[b]].add(index[a])
+        last_use[index[a]] = max(last_use[index[a]], index[b])
+    act = [nodes[n][1]["activation_size"] for n in order]
+    layers = []
+    for i, n in enumerate(order):
+        name, s = nodes[n]
+        # everything produced at or before i and still needed after i crosses a cut right after i
+        boundary = sum(act[k] for k in range(i + 1) if last_use[k] > i)
+        layers.append(LayerProfile(
+            name=f"{n}:{name}"[:120], forward_ms=[s["forward_compute_time"]], backward_ms=[s["backward_compute_time"]],
+            boundary_bytes=[int(boundary)], saved_bytes=[int(s["activation_size"])],
+            param_bytes=int(s["parameter_size"]), inputs=sorted(preds[i])))
+    return Profile(model=path.stem, device="pipedream", batch_sizes=[batch_size], layers=layers,
+                   meta={"source": str(path), "format": "pipedream graph.txt"})

@@ -1,0 +1,1 @@
+"""The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, checkpoints."""

@@ -1,0 +1,1 @@
+"""Examples of using dapple's public API (models for the CLI, training scripts)."""

@@ -1,0 +1,30 @@
+"""Shared test setup: seeded RNGs, one thread per process, paths to the shared PipeDream profiles."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPEDREAM = ROOT.parent / "shared" / "profiles" / "pipedream"
+PIPEDREAM_MODELS = {  # file -> batch size it was profiled at (paper Table 2)
+    "vgg19": 32, "resnet50": 128, "gnmt_16": 64, "bert_48": 2, "bert_large": 2, "xlnet_36": 1, "amoebanet_36": 1,
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    random.seed(0)
+    torch.set_num_threads(1)
+    yield
+
+
+def pipedream_path(name: str) -> Path:
+    path = PIPEDREAM / f"{name}.txt"
+    if not path.exists():
+        pytest.skip(f"shared PipeDream profile {path} not found")
+    return path

@@ -1,0 +1,74 @@
+"""Plan and Cluster documents: round trips, validation naming values, presets, topology graph."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from dapple import Cluster, Plan
+from dapple._io import DocumentError
+from dapple.planner import Estimate, Stage
+
+
+def _plan(**kw):
+    args = dict(global_batch_size=16, micro_batch_size=4,
+                stages=[Stage((0, 3), [0, 1]), Stage((3, 5), [2])], layer_names=list("abcde"))
+    args.update(kw)
+    return Plan(**args)
+
+
+def test_plan_defaults_and_round_trip(tmp_path):
+    p = _plan(estimate=Estimate(10.0, 2.0, 6.0, 2.0, 1, details={"bubble_fraction": 0.25}))
+    assert p.num_micro_batches == 4 and p.warmup == [2, 1]
+    p.save(tmp_path / "plan.yaml")
+    q = Plan.load(tmp_path / "plan.yaml")
+    assert q == p
+    text = str(q)
+    assert "[0, 3) a .. c" in text and "0-1 (x2)" in text and "pivot stage Q = 1" in text
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(micro_batch_size=5), "not divisible by micro_batch_size 5"),
+    (dict(stages=[Stage((0, 2), [0]), Stage((3, 5), [1])]), "starting at layer 2"),
+    (dict(stages=[Stage((0, 3), [0, 1]), Stage((3, 5), [1])]), "device 1 is already in stage 0"),
+    (dict(stages=[Stage((0, 3), [0]), Stage((3, 5), [2])]), "device ids must be 0..1"),
+    (dict(stages=[Stage((0, 5), [0, 1, 2, 3, 4])]), "5 replicas cannot split a micro-batch of 4"),
+    (dict(schedule="1f1b"), "schedule: expected one of"),
+    (dict(stages=[Stage((0, 3), [0], 1), Stage((3, 5), [1], 2)]), "K_1=2 exceeds K_0=1"),
+    (dict(layer_names=list("abc")), "stages cover 5 layers but layer_names lists 3"),
+])
+def test_invalid_plans_name_the_value(kw, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        _plan(**kw)
+
+
+def test_bad_plan_file_names_file(tmp_path):
+    d = _plan().to_dict()
+    d["stages"][1]["devices"] = "two"
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(DocumentError, match=r"p.yaml.stages\[1\].devices: expected a list of integers"):
+        Plan.load(path)
+
+
+def test_cluster_presets_and_links():
+    a = Cluster.preset("A")
+    assert (a.servers, a.devices_per_server, a.num_devices) == (2, 8, 16)
+    assert a.link(0, 7) == (a.intra_bandwidth, a.intra_latency)
+    assert a.link(7, 8) == (a.inter_bandwidth, a.inter_latency)
+    assert a.span_link(range(8))[0] == a.intra_bandwidth and a.span_link([0, 8])[0] == a.inter_bandwidth
+    assert a.inter_bandwidth == pytest.approx(25e9 / 8)
+    assert Cluster.preset("c").inter_bandwidth == pytest.approx(10e9 / 8)
+    assert Cluster.preset("B").num_devices == 16
+    assert a.path(0, 9) == [("device", 0), ("server", 0), "network", ("server", 1), ("device", 9)]
+    with pytest.raises(ValueError, match="unknown cluster preset 'D'"):
+        Cluster.preset("D")
+
+
+def test_cluster_round_trip_and_errors(tmp_path):
+    c = Cluster(servers=2, devices_per_server=4, intra_bandwidth=1e10, inter_bandwidth=1e9)
+    c.save(tmp_path / "c.yaml")
+    assert Cluster.load(tmp_path / "c.yaml") == c
+    with pytest.raises(ValueError, match=r"devices_per_server: expected a positive integer, got 0"):
+        Cluster(servers=1, devices_per_server=0, intra_bandwidth=1, inter_bandwidth=1)
+    assert Cluster.local(3).num_devices == 3

@@ -1,0 +1,98 @@
+"""Profile documents: YAML round trip, validation errors that name the field, PipeDream import, the fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapple import Profile
+from dapple._io import DocumentError
+from dapple.profiler import LayerProfile
+from dapple.profiler.profile import interpolate
+
+from ..conftest import PIPEDREAM_MODELS, pipedream_path
+
+
+def _profile():
+    layers = [LayerProfile(f"l{i}", [1.0 + i, 2.0 + 2 * i], [2.0, 4.0], [100, 200], [300, 600], 10 * i)
+              for i in range(3)]
+    return Profile(model="toy", device="cpu", batch_sizes=[4, 8], layers=layers)
+
+
+def test_yaml_round_trip(tmp_path):
+    p = _profile()
+    p.save(tmp_path / "p.yaml")
+    q = Profile.load(tmp_path / "p.yaml")
+    assert q == p
+    assert "dapple_profile: 1" in (tmp_path / "p.yaml").read_text()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("dapple_profile"), "missing header field 'dapple_profile'"),
+    (lambda d: d.update(dapple_profile=7), "dapple_profile is 7"),
+    (lambda d: d["layers"][1].update(forward_ms=[1.0]), "layers[1].forward_ms: expected a list of 2 numbers"),
+    (lambda d: d["layers"][2].pop("param_bytes"), "layers[2]: missing field 'param_bytes'"),
+    (lambda d: d["layers"][0].update(saved_bytes=[1, -5]), "layers[0].saved_bytes[1]: expected number >= 0"),
+    (lambda d: d.update(batch_sizes=[8, 4]), "batch_sizes: expected strictly increasing"),
+])
+def test_bad_yaml_names_file_and_field(tmp_path, edit, message):
+    d = _profile().to_dict()
+    edit(d)
+    import yaml
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(DocumentError) as e:
+        Profile.load(path)
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_not_yaml(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("a: [1, 2\n")
+    with pytest.raises(DocumentError, match="not valid YAML"):
+        Profile.load(path)
+
+
+def test_linear_fit_between_and_beyond_profiled_points():
+    assert interpolate([4, 8], [1.0, 2.0], 6) == pytest.approx(1.5)
+    assert interpolate([4, 8], [1.0, 2.0], 16) == pytest.approx(4.0)
+    assert interpolate([4, 8], [1.0, 2.0], 2) == pytest.approx(0.5)
+    assert interpolate([32], [3.2], 8) == pytest.approx(0.8)  # one point: proportional
+    p = _profile()
+    assert p.forward_ms(2, 6.0) == pytest.approx(4.5)
+    assert p.costs(2.5).saved_bytes[0] == pytest.approx(187.5)
+
+
+@pytest.mark.parametrize("name", sorted(PIPEDREAM_MODELS))
+def test_all_shared_pipedream_profiles_import(name):
+    prof = Profile.from_pipedream(pipedream_path(name), batch_size=PIPEDREAM_MODELS[name])
+    assert prof.num_layers > 10 and prof.batch_sizes == [PIPEDREAM_MODELS[name]]
+    assert prof.param_bytes() > 0
+    assert prof.layers[-1].boundary_bytes == [0]
+    assert all(all(j < i for j in layer.inputs) for i, layer in enumerate(prof.layers))
+
+
+def test_pipedream_vgg19_numbers():
+    prof = Profile.from_pipedream(pipedream_path("vgg19"), batch_size=32)
+    assert prof.num_layers == 26
+    assert prof.layers[22].name.endswith("FC1") and prof.layers[22].param_bytes == 392015625
+    assert prof.layers[21].boundary_bytes == [3000000]  # the 3 MB activation between convs and FCs
+
+
+def test_pipedream_skip_edges_count_in_boundary(tmp_path):
+    path = tmp_path / "g.txt"
+    path.write_text(
+        "node1 -- a -- forward_compute_time=1, backward_compute_time=2, activation_size=10, parameter_size=0\n"
+        "node2 -- b -- forward_compute_time=1, backward_compute_time=2, activation_size=20, parameter_size=5\n"
+        "node3 -- c -- forward_compute_time=1, backward_compute_time=2, activation_size=30, parameter_size=0\n"
+        "\tnode1 -- node2\n\tnode2 -- node3\n\tnode1 -- node3\n")
+    prof = Profile.from_pipedream(path, batch_size=4)
+    assert [layer.boundary_bytes[0] for layer in prof.layers] == [10, 30, 0]
+    assert prof.layers[2].inputs == [0, 1]
+
+
+def test_pipedream_bad_line(tmp_path):
+    path = tmp_path / "g.txt"
+    path.write_text("node1 -- a -- forward_compute_time=x, backward_compute_time=2, activation_size=1, "
+                    "parameter_size=0\n")
+    with pytest.raises(DocumentError, match=r"g.txt:1: forward_compute_time='x'"):
+        Profile.from_pipedream(path, batch_size=1)
