@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPEDREAM = ROOT.parent / "shared" / "profiles" / "pipedream"
+PIPEDREAM = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT.parent / "shared" / "profiles" / "pipedream"))
 PIPEDREAM_MODELS = {  # file -> batch size it was profiled at (paper Table 2)
     "vgg19": 32, "resnet50": 128, "gnmt_16": 64, "bert_48": 2, "bert_large": 2, "xlnet_36": 1, "amoebanet_36": 1,
 }
