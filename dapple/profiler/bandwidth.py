@@ -1,0 +1,143 @@
+"""Bandwidth probe: P2P and AllReduce time fitted as latency + bytes / bandwidth, written as a Cluster."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
+
+
+def fit_line(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of seconds = latency + nbytes / bandwidth; returns (latency s, bandwidth B/s)."""
+    if len(nbytes) < 2 or len(set(nbytes)) < 2:
+        raise ValueError(f"need at least two distinct sizes to fit latency and bandwidth, got {list(nbytes)}")
+    slope, intercept = np.polyfit(np.asarray(nbytes, float), np.asarray(seconds, float), 1)
+    bandwidth = 1.0 / slope if slope > 0 else float("inf")
+    return max(0.0, float(intercept)), float(bandwidth)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict[int, float]:
+    """One-way transfer seconds (median of half round trips) between two ranks; every rank must call it."""
+    rank, device = dist.get_rank(), _device()
+    out: dict[int, float] = {}
+    for n in sizes:
+        buf = torch.empty(max(1, n // 4), dtype=torch.float32, device=device)  # n bytes
+        times = []
+        for i in range(repeats + 1):
+            dist.barrier()
+            if rank == peer_a:
+                _sync(device)
+                t0 = time.perf_counter()
+                dist.send(buf, peer_b)
+                dist.recv(buf, peer_b)
+                _sync(device)
+                if i:  # the first round trip sets up the connection
+                    times.append((time.perf_counter() - t0) / 2)
+            elif rank == peer_b:
+                dist.recv(buf, peer_a)
+                dist.send(buf, peer_a)
+        if rank == peer_a:
+            out[n] = statistics.median(times)
+    return out
+
+
+def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict[int, float]:
+    """Median seconds of an all_reduce(sum) of each size over the default group; every rank calls it."""
+    device = _device()
+    out: dict[int, float] = {}
+    for n in sizes:
+        buf = torch.ones(max(1, n // 4), dtype=torch.float32, device=device)
+        times = []
+        for i in range(repeats + 1):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times)
+    return out
+
+
+def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
+    """Probe the links of an initialised process group (e.g. under torchrun); every rank calls it.
+
+    Servers are told apart by host name; ranks must be laid out server by server (torchrun's order). Returns
+    the fits on every rank: ``{"servers", "devices_per_server", "intra": (lat, bw), "inter": (lat, bw) or None,
+    "allreduce": (lat, bw) per ring step, "hosts"}``.
+    """
+    world = dist.get_world_size()
+    if world < 2:
+        raise ValueError(f"the bandwidth probe needs at least 2 ranks, the world has {world}")
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    names = list(dict.fromkeys(hosts))
+    per = hosts.count(names[0])
+    expect = [h for h in names for _ in range(per)]
+    if hosts != expect:
+        raise ValueError(f"ranks must be laid out server by server with the same count on each (torchrun's "
+                         f"order), got hosts by rank: {hosts}")
+    result: dict = {"servers": len(names), "devices_per_server": per, "hosts": names, "inter": None}
+    if per > 1:
+        t = ping_pong(0, 1, sizes, repeats)
+        result["intra"] = fit_line(list(t), list(t.values())) if t else None
+    if len(names) > 1:
+        t = ping_pong(0, per, sizes, repeats)
+        result["inter"] = fit_line(list(t), list(t.values())) if t else None
+    ar = allreduce_times(sizes, repeats)
+    r = world
+    # ring AllReduce moves 2(r-1)/r of the bytes over the slowest link in 2(r-1) latency-bound steps
+    lat, bw = fit_line([2 * (r - 1) / r * n for n in ar], list(ar.values()))
+    result["allreduce"] = (lat / (2 * (r - 1)), bw)
+    fits = [result]
+    dist.broadcast_object_list(fits, src=0)  # rank 0 timed the ping-pongs: everyone gets its numbers
+    return fits[0]
+
+
+def _worker(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        fits = measure(sizes, repeats)
+        if rank == 0:
+            queue.put(fits)
+    finally:
+        dist.destroy_process_group()
+
+
+def probe_local(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
+    """Start ``world_size`` gloo processes on this machine and :func:`measure` their links."""
+    import torch.multiprocessing as mp
+
+    if world_size < 2:
+        raise ValueError(f"probe_local: world_size must be >= 2 to measure a link, got {world_size}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_worker, args=(world_size, port, tuple(sizes), repeats, queue), nprocs=world_size,
+                       join=True, start_method="spawn")
+    return queue.get(timeout=10)
