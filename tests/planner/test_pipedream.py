@@ -334,3 +334,21 @@ def test_bad_types():
         pipedream_plan("vgg19.txt", PAPER, 1024)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="cluster must be a dapple Cluster"):
         pipedream_plan(_load("vgg19"), "A", 1024)  # type: ignore[arg-type]
+
+
+def test_input_source_joins_stage_0_and_removed_sink_its_producer():
+    # node1:Input -> A -> B -> C, and B -> __getitem__ (a sink PipeDream removes before planning)
+    def layer(name, inputs, ms=10.0):
+        return LayerProfile(name=name, forward_ms=[ms], backward_ms=[2 * ms], boundary_bytes=[0],
+                            saved_bytes=[100], param_bytes=int(1e8 * ms), inputs=inputs)  # AllReduce dear
+
+    prof = Profile(model="toy", device="synthetic", batch_sizes=[4], layers=[
+        layer("node1:Input", [], 0.0), layer("node2:A", [0]), layer("node3:B", [1]), layer("node4:C", [2]),
+        layer("node5:__getitem__", [2], 0.0)])
+    plan = pipedream_plan(prof, Cluster(servers=1, devices_per_server=3, intra_bandwidth=1e10, inter_bandwidth=1e10),
+                          global_batch_size=12)
+    assert _raw(plan) == [(0, 1, 1), (1, 2, 1), (2, 3, 1)]  # three states A, B, C: straight
+    # stage ids per layer: Input 0, A 0, B 1, C 2, __getitem__ 1 (B's) -> contiguous by counts, two layers moved
+    assert [s.layers for s in plan.stages] == [(0, 2), (2, 4), (4, 5)]
+    assert plan.meta["pipedream"]["moved_layers"] == [3, 4]
+    assert plan.micro_batch_size == 4 and plan.num_micro_batches == 3
