@@ -21,8 +21,10 @@ def fit_line(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, 
     if len(nbytes) < 2 or len(set(nbytes)) < 2:
         raise ValueError(f"need at least two distinct sizes to fit latency and bandwidth, got {list(nbytes)}")
     slope, intercept = np.polyfit(np.asarray(nbytes, float), np.asarray(seconds, float), 1)
-    bandwidth = 1.0 / slope if slope > 0 else float("inf")
-    return max(0.0, float(intercept)), float(bandwidth)
+    if slope <= 0:
+        raise ValueError(f"transfer time does not grow with size (times {list(seconds)} s for sizes "
+                         f"{list(nbytes)} B): too noisy to fit; probe larger sizes or more repeats")
+    return max(0.0, float(intercept)), float(1.0 / slope)
 
 
 def _device() -> torch.device:

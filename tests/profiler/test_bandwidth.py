@@ -13,10 +13,12 @@ def test_fit_recovers_latency_and_bandwidth():
     assert lat == pytest.approx(50e-6, rel=1e-6) and bw == pytest.approx(2e9, rel=1e-6)
     with pytest.raises(ValueError, match="two distinct sizes"):
         fit_line([1e3, 1e3], [1.0, 1.0])
+    with pytest.raises(ValueError, match="too noisy"):
+        fit_line([1e3, 1e6], [2e-3, 1e-3])
 
 
 def test_probe_two_local_processes():
-    fits = probe_local(2, sizes=(1 << 12, 1 << 16, 1 << 20), repeats=3)
+    fits = probe_local(2, sizes=(1 << 16, 1 << 20, 1 << 22), repeats=3)
     assert fits["servers"] == 1 and fits["devices_per_server"] == 2 and fits["inter"] is None
     lat, bw = fits["intra"]
     assert lat >= 0 and 1e6 < bw < 1e12  # loopback moves between a MB/s and a TB/s
