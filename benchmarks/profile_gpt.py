@@ -1,13 +1,14 @@
 """How long profiling a 12-block GPT takes, and how the sum of per-layer fwd+bwd compares with a whole step.
 
     python benchmarks/profile_gpt.py                      # 12 blocks, d=256, seq 128, batch sizes 4 8, 3 trials
-    python benchmarks/profile_gpt.py --threads 1 --trials 5
+    python benchmarks/profile_gpt.py --threads 2 --trials 5
 
 For each trial: profile the model (dapple.profile, loss included in the last layer, check_step=True so
-whole-model steps are also timed in the same rounds as the layers), then time whole-model training steps
-(forward + loss + backward, median of --repeats after --warmup) at each profiled batch size, and report
-sum over layers of (forward_ms + backward_ms) / step_ms against both. Medians over the trials are printed last.
-Uses only the public API.
+whole-model steps are also timed in the same rounds as the layers), and time whole-model training steps
+(forward + loss + backward, --repeats after --warmup, both before and after profiling, median of all) at each
+profiled batch size; report the sum over layers of (forward_ms + backward_ms) / step_ms against both. Medians
+over the trials are printed last. On a shared machine the in-round ratio is the fair one: both sides see the
+same load. Uses only the public API.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import dapple
 from dapple.models import GPT, lm_loss, random_tokens
 
 
-def step_ms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int, warmup: int) -> float:
-    """Median ms of one training step (zero_grad, forward, loss, backward) on the whole model."""
+def step_times(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int, warmup: int) -> list[float]:
+    """ms of ``repeats`` training steps (zero_grad, forward, loss, backward) on the whole model, after warm-up."""
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []
     for i in range(warmup + repeats):
@@ -35,7 +36,7 @@ def step_ms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: i
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return times
 
 
 def main() -> None:
@@ -49,7 +50,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch.set_num_threads (default 1, as the runtime sets per process; 0: torch's default)")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -65,6 +67,7 @@ def main() -> None:
 
     seconds, ratios, inside = [], {b: [] for b in args.batch_sizes}, {b: [] for b in args.batch_sizes}
     for trial in range(args.trials):
+        before = {b: step_times(model, x[:b], y[:b], args.repeats, args.warmup) for b in args.batch_sizes}
         t0 = time.perf_counter()
         prof = dapple.profile(model, x, lm_loss, args.batch_sizes, targets=y, repeats=args.repeats,
                               warmup=args.warmup, device=device, check_step=True)
@@ -72,15 +75,15 @@ def main() -> None:
         line = [f"trial {trial}: profiled {prof.num_layers} layers in {seconds[-1]:.1f} s"]
         for i, b in enumerate(prof.batch_sizes):
             layers_ms = sum(layer.forward_ms[i] + layer.backward_ms[i] for layer in prof.layers)
-            whole_ms = step_ms(model, x[:b], y[:b], args.repeats, args.warmup)
+            whole_ms = statistics.median(before[b] + step_times(model, x[:b], y[:b], args.repeats, args.warmup))
             ratios[b].append(layers_ms / whole_ms)
             inside[b].append(prof.meta["layers_over_step"][i])
-            line.append(f"batch {b}: sum of layers {layers_ms:.1f} ms, whole step {whole_ms:.1f} ms after / "
+            line.append(f"batch {b}: sum of layers {layers_ms:.1f} ms, whole step {whole_ms:.1f} ms before+after / "
                         f"{prof.meta['step_ms'][i]:.1f} ms during profiling, ratio {ratios[b][-1]:.3f} / "
                         f"{inside[b][-1]:.3f}")
         print("; ".join(line), flush=True)
     print(f"median profiling time {statistics.median(seconds):.1f} s over {args.trials} trials; median ratio "
-          "sum of layers / whole step timed after (timed in the same rounds): "
+          "sum of layers / whole step timed before+after (timed in the same rounds): "
           + ", ".join(f"batch {b}: {statistics.median(ratios[b]):.3f} ({statistics.median(inside[b]):.3f})"
                       for b in ratios))
     print(prof)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -14,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .layers import LayerGraph, trace_layers
-from .measure import LayerMeasurement, LayerTimer, step_seconds, synchronizer
+from .measure import LayerMeasurement, LayerTimer, time_rounds
 from .profile import LayerProfile, Profile
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
@@ -93,7 +91,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                           for lm in layers]
                 per_batch.append([t.measure_sizes() for t in timers])
                 bar.update(len(timers))
-                step = _rounds(timers, warmup, repeats, bar, f"batch {b}",
+                step = time_rounds(timers, warmup, repeats, bar, f"batch {b}",
                                whole=(model, x, y, loss_fn) if check_step else None, device=dev)
                 if step is not None:
                     steps.append(step)
@@ -123,32 +121,6 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                                     for i, s in enumerate(steps)]
     return Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
                    meta=meta)
-
-
-def _rounds(timers: list[LayerTimer], warmup: int, repeats: int, bar: Any, label: str, *,
-            whole: tuple | None, device: torch.device) -> float | None:
-    """Warm-up rounds, then timed rounds; each round runs every layer once (in model order), so a burst of load
-    on a shared machine spreads over all layers instead of inflating a few. With ``whole`` = (model, inputs,
-    targets, loss_fn), each timed round also times a whole-model step; returns its median in seconds."""
-    steps = []
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # no collector pauses inside a timed run
-    try:
-        for r in range(warmup + repeats):
-            keep = r >= warmup
-            bar.set_postfix_str(f"{label}, {'round' if keep else 'warm-up'} {r + 1 - warmup * keep}", refresh=False)
-            for t in timers:
-                t.run(keep=keep)
-                bar.update()
-            if whole is not None and r >= warmup - 1:  # the step gets one warm-up run of its own
-                model, x, y, loss_fn = whole
-                s = step_seconds(model, x, loss_fn=loss_fn, targets=y, sync=synchronizer(device))
-                if keep:
-                    steps.append(s)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return statistics.median(steps) if steps else None
 
 
 def _saved_once(lg: LayerGraph, measured: list[LayerMeasurement]) -> list[int]:

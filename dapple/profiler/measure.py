@@ -1,7 +1,8 @@
-"""Timing one layer on its own: forward and backward from recorded inputs, saved-tensor sizes on the side."""
+"""Timing layers on their own: forward and backward from recorded inputs, in rounds; saved-tensor sizes."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -125,3 +126,29 @@ def step_seconds(model: torch.nn.Module, inputs: tuple[Tensor, ...], *, loss_fn:
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     sync()
     return time.perf_counter() - t0
+
+
+def time_rounds(timers: list[LayerTimer], warmup: int, repeats: int, bar: Any, label: str, *,
+                whole: tuple | None, device: torch.device) -> float | None:
+    """Warm-up rounds, then timed rounds; each round runs every layer once (in model order), so a burst of load
+    on a shared machine spreads over all layers instead of inflating a few. With ``whole`` = (model, inputs,
+    targets, loss_fn), each timed round also times a whole-model step; returns its median in seconds."""
+    steps = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # no collector pauses inside a timed run
+    try:
+        for r in range(warmup + repeats):
+            keep = r >= warmup
+            bar.set_postfix_str(f"{label}, {'round' if keep else 'warm-up'} {r + 1 - warmup * keep}", refresh=False)
+            for t in timers:
+                t.run(keep=keep)
+                bar.update()
+            if whole is not None and r >= warmup - 1:  # the step gets one warm-up run of its own
+                model, x, y, loss_fn = whole
+                s = step_seconds(model, x, loss_fn=loss_fn, targets=y, sync=synchronizer(device))
+                if keep:
+                    steps.append(s)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return statistics.median(steps) if steps else None
