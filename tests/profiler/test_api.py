@@ -206,3 +206,10 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(capsys):
     assert "profiling LongSkip" in capsys.readouterr().err
     dapple.profile(LongSkip(), torch.randn(2, 6), batch_sizes=(2,), **FAST)  # pytest's stderr is no TTY
     assert "profiling" not in capsys.readouterr().err
+
+
+def test_dtype_follows_the_model():
+    prof = dapple.profile(LongSkip().double(), torch.randn(3, 6), batch_sizes=(3,), **FAST)  # float32 inputs cast
+    assert prof.meta["dtype"] == "float64"
+    assert prof.layers[0].boundary_bytes == [3 * 6 * 8]
+    assert prof.param_bytes() == 4 * (6 * 6 + 6) * 8
