@@ -92,7 +92,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                 per_batch.append([t.measure_sizes() for t in timers])
                 bar.update(len(timers))
                 step = time_rounds(timers, warmup, repeats, bar, f"batch {b}",
-                               whole=(model, x, y, loss_fn) if check_step else None, device=dev)
+                                   whole=(model, x, y, loss_fn) if check_step else None, device=dev)
                 if step is not None:
                     steps.append(step)
                 del values, timers
@@ -117,8 +117,9 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             "profiling_seconds": round(seconds, 3)}
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
         meta["step_ms"] = [round(s * 1e3, 6) for s in steps]
-        meta["layers_over_step"] = [round(sum(l.forward_ms[i] + l.backward_ms[i] for l in result) / (s * 1e3), 4)
-                                    for i, s in enumerate(steps)]
+        meta["layers_over_step"] = [
+            round(sum(layer.forward_ms[i] + layer.backward_ms[i] for layer in result) / (s * 1e3), 4)
+            for i, s in enumerate(steps)]
     return Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
                    meta=meta)
 
