@@ -30,7 +30,103 @@ def _run_show(args: argparse.Namespace) -> int:
     raise SystemExit(f"dapple show: {args.path} is not a dapple document (expected one of {sorted(kinds)})")
 
 
-COMMANDS: list[Adder] = [_add_show]
+def _parse_model_args(items: Sequence[str]) -> dict:
+    """['n_layer=12', "norm='group'"] -> {'n_layer': 12, 'norm': 'group'} (Python literals, else strings)."""
+    import ast
+
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise SystemExit(f"dapple: --model-arg expects KEY=VALUE with KEY a Python name, got {item!r}")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = value
+    return kwargs
+
+
+def load_example(spec: str, model_args: Sequence[str] = ()):
+    """Call the factory named by ``spec`` ('pkg.module:factory' or 'file.py:factory') with ``model_args``.
+
+    The result follows the convention of examples/models.py: ``.model``, ``.batch(n) -> (inputs, targets)``,
+    ``.loss_fn``, optionally ``.name``, ``.leaf_modules``, ``.concrete_args``.
+    """
+    import importlib
+    import importlib.util
+    import os
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"dapple: expected a model spec 'module:factory' (e.g. examples.models:gpt), got {spec!r}")
+    if module_name.endswith(".py"):
+        if not os.path.exists(module_name):
+            raise SystemExit(f"dapple: {spec}: file {module_name} not found")
+        name = "_dapple_spec_" + os.path.basename(module_name)[:-3]
+        loader = importlib.util.spec_from_file_location(name, module_name)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module  # dataclasses and pickling look their module up here
+        loader.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path:  # the console script does not see the current directory by itself
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise SystemExit(f"dapple: {spec}: cannot import {module_name} ({e}); run from the directory that "
+                             "contains it or give a path/to/file.py:factory") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise SystemExit(f"dapple: {spec}: {module_name} has no callable {attr!r}")
+    try:
+        example = factory(**_parse_model_args(model_args))
+    except TypeError as e:
+        raise SystemExit(f"dapple: {spec}: bad --model-arg for {attr}(): {e}") from e
+    missing = [a for a in ("model", "batch", "loss_fn") if not hasattr(example, a)]
+    if missing:
+        raise SystemExit(f"dapple: {spec} returned {type(example).__name__} without {missing}; a factory returns an "
+                         "object with .model, .batch(n) -> (inputs, targets) and .loss_fn (see examples/models.py)")
+    return example
+
+
+def _add_profile(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("profile", help="measure a model's layers (times, sizes) into a Profile YAML")
+    p.add_argument("spec", help="model factory 'module:factory' or 'file.py:factory' (see examples/models.py)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 8], metavar="B", help="default: 4 8")
+    p.add_argument("-o", "--output", help="write the Profile YAML here")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory, e.g. n_layer=12 (repeatable)")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per layer (median; default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs per layer first (default 3)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before profiling")
+    p.add_argument("--quiet", action="store_true", help="do not print the profile")
+    p.set_defaults(run=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import profile
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    ex = load_example(args.spec, args.model_arg)
+    inputs, targets = ex.batch(max(args.batch_sizes))
+    prof = profile(ex.model, inputs, ex.loss_fn, args.batch_sizes,
+                   targets=targets if ex.loss_fn is not None else None, repeats=args.repeats, warmup=args.warmup,
+                   device=args.device, concrete_args=getattr(ex, "concrete_args", None),
+                   leaf_modules=getattr(ex, "leaf_modules", ()) or (), name=getattr(ex, "name", None) or None)
+    if not args.quiet:
+        print(prof)
+    if args.output:
+        prof.save(args.output)
+        print(f"wrote {args.output} ({prof.num_layers} layers, batch sizes {prof.batch_sizes}, "
+              f"{prof.meta['profiling_seconds']:.1f} s)")
+    return 0
+
+
+COMMANDS: list[Adder] = [_add_show, _add_profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,15 +39,23 @@ class LayerCosts:
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear fit of y(x) through the profiled points, extrapolated along the end segments.
+    """Piecewise-linear fit of y(x) through the profiled points (xs increasing), for any batch x > 0.
 
-    With one point the value is taken as proportional to x (zero at x = 0). Never negative.
+    Between points: linear. Beyond the ends: the end segment extended, but never below what proportional
+    scaling of the nearest point gives for a smaller batch (y0 * x / x0: a fixed cost does not shrink, so a
+    steep noisy first segment cannot make a small slice free), and never below the last point for a larger
+    batch (more rows never cost less). With one point the value is proportional to x. Never negative.
     """
     if len(xs) == 1:
         return max(0.0, ys[0] * x / xs[0])
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    if x < xs[0]:
+        y = max(y, ys[0] * x / xs[0])
+    elif x > xs[-1]:
+        y = max(y, ys[-1])
+    return max(0.0, y)
 
 
 @dataclass

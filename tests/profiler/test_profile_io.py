@@ -96,3 +96,12 @@ def test_pipedream_bad_line(tmp_path):
                     "parameter_size=0\n")
     with pytest.raises(DocumentError, match=r"g.txt:1: forward_compute_time='x'"):
         Profile.from_pipedream(path, batch_size=1)
+
+
+def test_fit_beyond_the_profiled_points_stays_sensible():
+    # a steep (noisy) first segment: a small slice still costs at least its proportional share
+    assert interpolate([4, 8], [1.0, 3.0], 1) == pytest.approx(0.25)
+    assert interpolate([4, 8], [2.0, 3.0], 2) == pytest.approx(1.5)  # fixed cost: the affine value, not less
+    # a falling (noisy) last segment: more rows never cost less than the last point
+    assert interpolate([4, 8], [3.0, 2.0], 16) == pytest.approx(2.0)
+    assert interpolate([2, 4, 8], [1.0, 2.0, 5.0], 6) == pytest.approx(3.5)

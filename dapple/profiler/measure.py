@@ -1,0 +1,154 @@
+"""Timing layers on their own: forward and backward from recorded inputs, in rounds; saved-tensor sizes."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from .record import LayerModule, fresh
+from .sizes import SavedTensors, tensors
+
+
+@dataclass
+class LayerMeasurement:
+    """One layer at one batch size."""
+
+    saved_bytes: int  # storages saved for backward, each once, parameters and buffers excluded
+    saved_inputs: dict[fx.Node, int] = field(default_factory=dict)  # input node -> bytes of it the layer saved
+    saved_outputs: set[fx.Node] = field(default_factory=set)  # output nodes the layer itself saved
+    forward_s: list[float] = field(default_factory=list)  # one per timed run
+    backward_s: list[float] = field(default_factory=list)
+
+    @property
+    def forward_ms(self) -> float:
+        return statistics.median(self.forward_s) * 1e3
+
+    @property
+    def backward_ms(self) -> float:
+        return statistics.median(self.backward_s) * 1e3
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def check_loss(loss: Any) -> Tensor:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a one-element tensor, got {type(loss).__name__} "
+                         f"{tuple(getattr(loss, 'shape', ()))}")
+    return loss
+
+
+class LayerTimer:
+    """Runs layer ``lm`` (plus the loss, for the last layer) forward and backward from copies of its inputs.
+
+    ``measure_sizes()`` first (one untimed run with saved-tensor hooks, which also fixes the gradients that
+    backward starts from), then ``run()`` as often as wanted; ``run(keep=True)`` records the times.
+    """
+
+    def __init__(self, lm: LayerModule, values: dict[fx.Node, Any], *, loss_fn: Callable | None, targets: Any,
+                 state: set[int], device: torch.device):
+        self.lm, self.values, self.targets, self.state = lm, values, targets, state
+        self.loss_fn = loss_fn if lm.is_last else None
+        self.sync = synchronizer(device)
+        self.grads: list[Tensor] | None = None
+        self.result: LayerMeasurement | None = None
+
+    def _args(self) -> list[Any]:
+        return [tree_map(fresh, self.values[a]) for a in self.lm.inputs]
+
+    def _forward(self, args: list[Any]) -> tuple[Any, list[Tensor]]:
+        """-> (outputs, the tensors backward starts from: the loss, or every output that requires grad)."""
+        out = self.lm.gm(*args)
+        if self.loss_fn is not None:
+            loss = check_loss(self.loss_fn(out, self.targets))
+            return out, [loss] if loss.requires_grad else []
+        return out, [t for t in tensors(out) if t.requires_grad]
+
+    def measure_sizes(self) -> LayerMeasurement:
+        """What autograd saves, and which of the layer's inputs and outputs are among it (untimed)."""
+        args = self._args()
+        with SavedTensors(exclude=self.state) as saved:
+            out, roots = self._forward(args)
+        m = LayerMeasurement(saved_bytes=saved.total)
+        for node, value in zip(self.lm.inputs, args):
+            if b := saved.bytes_of(value):
+                m.saved_inputs[node] = b
+        if not self.lm.is_last:
+            m.saved_outputs = {node for node, value in zip(self.lm.outputs, out) if saved.bytes_of(value)}
+        self.grads = [torch.ones_like(t) for t in roots]  # d(output); a loss's own gradient is 1
+        if roots:
+            torch.autograd.backward(roots, self.grads)
+        self.result = m
+        return m
+
+    def run(self, keep: bool = False) -> None:
+        """One forward + backward from fresh input copies (in-place ops), clocks read after device syncs."""
+        if self.result is None or self.grads is None:
+            raise RuntimeError("LayerTimer.measure_sizes() must run first")
+        args = self._args()
+        self.sync()
+        t0 = time.perf_counter()
+        out, roots = self._forward(args)
+        self.sync()
+        t1 = time.perf_counter()
+        if roots:
+            torch.autograd.backward(roots, self.grads)
+        self.sync()
+        t2 = time.perf_counter()
+        if keep:
+            self.result.forward_s.append(t1 - t0)
+            self.result.backward_s.append(t2 - t1 if roots else 0.0)
+
+
+def step_seconds(model: torch.nn.Module, inputs: tuple[Tensor, ...], *, loss_fn: Callable | None, targets: Any,
+                 sync: Callable[[], None]) -> float:
+    """One whole-model training step (forward, loss, backward) in seconds: the yardstick for the layer sum."""
+    args = [t.clone() for t in inputs]
+    sync()
+    t0 = time.perf_counter()
+    out = model(*args)
+    if loss_fn is not None:
+        roots = [check_loss(loss_fn(out, targets))]
+    else:
+        roots = [t for t in tensors(out) if t.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+    sync()
+    return time.perf_counter() - t0
+
+
+def time_rounds(timers: list[LayerTimer], warmup: int, repeats: int, bar: Any, label: str, *,
+                whole: tuple | None, device: torch.device) -> float | None:
+    """Warm-up rounds, then timed rounds; each round runs every layer once (in model order), so a burst of load
+    on a shared machine spreads over all layers instead of inflating a few. With ``whole`` = (model, inputs,
+    targets, loss_fn), each timed round also times a whole-model step; returns its median in seconds."""
+    steps = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # no collector pauses inside a timed run
+    try:
+        for r in range(warmup + repeats):
+            keep = r >= warmup
+            bar.set_postfix_str(f"{label}, {'round' if keep else 'warm-up'} {r + 1 - warmup * keep}", refresh=False)
+            for t in timers:
+                t.run(keep=keep)
+                bar.update()
+            if whole is not None and r >= warmup - 1:  # the step gets one warm-up run of its own
+                model, x, y, loss_fn = whole
+                s = step_seconds(model, x, loss_fn=loss_fn, targets=y, sync=synchronizer(device))
+                if keep:
+                    steps.append(s)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return statistics.median(steps) if steps else None

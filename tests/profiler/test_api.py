@@ -1,0 +1,215 @@
+"""dapple.profile end to end: names, sizes (boundary, saved, params) checked exactly, model left untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dapple
+from dapple.models import GPT, EmulatedNet, ResNet, lm_loss, random_tokens
+from dapple.profiler import TraceError
+
+FAST = dict(repeats=1, warmup=0, device="cpu")
+F32 = 4  # bytes per float32
+
+
+def test_gpt_profile_names_fields_and_param_bytes():
+    m = GPT(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+    x, y = random_tokens(4, 16, 64)
+    prof = dapple.profile(m, x, lm_loss, (2, 4), targets=y, **FAST)
+    assert prof.model == "GPT" and prof.device == "cpu" and prof.batch_sizes == [2, 4]
+    assert prof.layer_names == ["wte", "wpe", "drop", "blocks.0", "blocks.1", "ln_f", "lm_head"]
+    assert prof.param_bytes() == sum(p.numel() * F32 for p in m.parameters())  # tied head weight counted once
+    assert prof.layers[-1].param_bytes == 0  # its weight is the embedding's, counted at wte
+    for i, layer in enumerate(prof.layers):
+        assert all(t > 0 for t in layer.forward_ms), layer.name
+        assert all(t > 0 for t in layer.backward_ms), layer.name
+        if i < prof.num_layers - 1:  # every cut carries the (B, T, C) activation, nothing else
+            assert layer.boundary_bytes == [b * 16 * 32 * F32 for b in (2, 4)], layer.name
+    assert prof.layers[-1].boundary_bytes == [0, 0]
+    assert [layer.inputs for layer in prof.layers] == [[], [0], [1], [2], [3], [4], [5]]
+    # blocks save far more than they send; the head saves the logits' log-softmax (B, T, V) and more
+    blk, head = prof.layers[3], prof.layers[-1]
+    assert all(s > 4 * bb for s, bb in zip(blk.saved_bytes, blk.boundary_bytes))
+    assert head.saved_bytes[1] >= 4 * 16 * 64 * F32
+    assert blk.saved_bytes[1] == 2 * blk.saved_bytes[0]  # sizes are exactly linear in batch
+    assert prof.meta["loss"] == "lm_loss" and prof.meta["repeats"] == 1
+
+
+class LinGelu(nn.Module):
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.fc = nn.Linear(cin, cout)
+
+    def forward(self, x):
+        return F.gelu(self.fc(x))
+
+
+class LinRelu(LinGelu):
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class Two(nn.Module):
+    def __init__(self, first: nn.Module, cin: int, cout: int):
+        super().__init__()
+        self.first, self.head = first, nn.Linear(cin, cout)
+
+    def forward(self, x):
+        return self.head(self.first(x))
+
+
+def test_saved_and_boundary_bytes_of_linear_gelu_by_hand():
+    # Linear saves its input x (B, 8) (the weight is a parameter: excluded); GELU saves its input (B, 16).
+    prof = dapple.profile(Two(LinGelu(8, 16), 16, 2), torch.randn(5, 8), batch_sizes=(5,), **FAST)
+    first, head = prof.layers
+    assert first.boundary_bytes == [5 * 16 * F32]  # only the GELU output is sent
+    assert first.saved_bytes == [5 * (8 + 16) * F32]  # what backward needs is more than what is sent
+    assert head.saved_bytes == [5 * 16 * F32]  # the head's Linear saves its input
+    assert first.param_bytes == (8 * 16 + 16) * F32 and head.param_bytes == (16 * 2 + 2) * F32
+
+
+def test_tensor_saved_by_maker_and_reader_counts_once():
+    # ReLU saves its output; the next Linear saves the same tensor as its input: counted at the ReLU's layer.
+    prof = dapple.profile(Two(LinRelu(8, 16), 16, 2), torch.randn(5, 8), batch_sizes=(5,), **FAST)
+    first, head = prof.layers
+    assert first.saved_bytes == [5 * (8 + 16) * F32]
+    assert head.saved_bytes == [0]
+
+
+class LongSkip(nn.Module):
+    def __init__(self, w: int = 6):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(w, w) for _ in range(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.d(self.c(self.b(h)) + h)  # h skips over b and c
+
+
+def test_long_skip_boundary_counts_both_tensors():
+    prof = dapple.profile(LongSkip(), torch.randn(3, 6), batch_sizes=(3, 7), **FAST)
+    assert prof.layer_names == ["a", "b", "c", "d"]
+    one = [b * 6 * F32 for b in (3, 7)]
+    assert prof.layers[0].boundary_bytes == one
+    assert prof.layers[1].boundary_bytes == [2 * v for v in one]  # b's output and the skip h
+    assert prof.layers[2].boundary_bytes == one  # the sum
+    assert prof.layers[2].inputs == [0, 1]  # c's layer reads h from a
+
+
+def test_residual_model_with_inplace_ops_and_batchnorm_left_untouched():
+    m = ResNet(widths=(4, 8), depth=1, norm="batch")
+    m.eval()
+    m.layers[0].bn1.training = True  # a mixed mode to restore
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    rng = torch.get_rng_state()
+    prof = dapple.profile(m, x, F.cross_entropy, (2, 4), targets=y, **FAST)
+    assert prof.layer_names == ["stem.0", "stem.1", "stem.2", "layers.0", "layers.1", "pool", "fc"]
+    assert prof.layers[2].boundary_bytes == [b * 4 * 8 * 8 * F32 for b in (2, 4)]  # in-place ReLU layer ran
+    assert prof.layers[4].boundary_bytes == [b * 8 * 4 * 4 * F32 for b in (2, 4)]
+    for k, v in m.state_dict().items():  # running stats and num_batches_tracked included
+        assert torch.equal(v, before[k]), k
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in m.parameters())
+    assert not m.training and m.layers[0].bn1.training and not m.layers[0].bn2.training
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_emulated_layer_times_land_on_their_layers():
+    ms = 2.0  # per row forward, twice that backward; sleeping never returns early, so these are lower bounds
+    prof = dapple.profile(EmulatedNet([0.0, ms]), torch.randn(4, 16), batch_sizes=(2, 4), **FAST)
+    slow = prof.layers[1]
+    for b, f, bw in zip((2, 4), slow.forward_ms, slow.backward_ms):
+        assert f >= b * ms and bw >= 2 * b * ms
+    assert prof.layers[0].forward_ms[1] < 4 * ms  # the fast layer is not charged the slow one's sleep
+
+
+def test_real_profile_yaml_round_trip(tmp_path):
+    prof = dapple.profile(LongSkip(), torch.randn(2, 6), F.mse_loss, (1, 2), targets=torch.randn(2, 6),
+                          **FAST, check_step=True)
+    assert len(prof.meta["step_ms"]) == 2 and all(r > 0 for r in prof.meta["layers_over_step"])
+    prof.save(tmp_path / "p.yaml")
+    assert dapple.Profile.load(tmp_path / "p.yaml") == prof
+
+
+def test_batch_sizes_made_by_taking_and_repeating_rows():
+    prof = dapple.profile(LongSkip(), torch.randn(3, 6), batch_sizes=[8, 1, 8], **FAST)
+    assert prof.batch_sizes == [1, 8]
+    assert prof.layers[0].boundary_bytes == [6 * F32, 8 * 6 * F32]
+    default = dapple.profile(LongSkip(), torch.randn(6, 6), **FAST)
+    assert default.batch_sizes == [3, 6]
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_model_raises_trace_error():
+    with pytest.raises(TraceError, match=r"could not trace Untraceable(.|\n)*if x.sum\(\) > 0(.|\n)*leaf_modules"):
+        dapple.profile(Untraceable(), torch.randn(2, 4), **FAST)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, z):
+        return self.b(self.a(x) + z)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), batch_sizes=()), ValueError,
+     "batch_sizes: expected at least one"),
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), batch_sizes=(4, 0)), ValueError,
+     r"batch_sizes: expected positive integers, got \[4, 0\]"),
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(3, 4))), ValueError,
+     r"example_inputs\[0\] \(x\) \(2, 4\), example_inputs\[1\] \(z\) \(3, 4\)"),
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss), ValueError,
+     "loss_fn was given without targets"),
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss, targets=torch.randn(3, 4)),
+     ValueError, r"targets \(3, 4\)"),
+    (lambda m: dapple.profile(m, torch.randn(2, 4)), ValueError, r"forward takes \['x', 'z'\]"),
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), 3)), TypeError, r"example_inputs\[1\]: expected a tensor"),
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), repeats=0), ValueError,
+     "repeats: expected an integer >= 1, got 0"),
+    (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), device="cuda:7"), ValueError,
+     "device"),
+])
+def test_bad_arguments_name_the_value(call, error, message):
+    if message == "device" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(error, match=message):
+        call(TwoInputs())
+
+
+def test_two_inputs_and_no_loss():
+    prof = dapple.profile(TwoInputs(), (torch.randn(2, 4), torch.randn(2, 4)), batch_sizes=(2,), **FAST)
+    assert prof.layer_names == ["a", "b"]
+    assert prof.layers[1].inputs == [0]
+    assert all(t > 0 for layer in prof.layers for t in layer.backward_ms)  # ones backpropagated from the output
+
+
+def test_progress_bar_only_when_asked_or_on_a_terminal(capsys):
+    dapple.profile(LongSkip(), torch.randn(2, 6), batch_sizes=(2,), **FAST, progress=True)
+    assert "profiling LongSkip" in capsys.readouterr().err
+    dapple.profile(LongSkip(), torch.randn(2, 6), batch_sizes=(2,), **FAST)  # pytest's stderr is no TTY
+    assert "profiling" not in capsys.readouterr().err
+
+
+def test_dtype_follows_the_model():
+    prof = dapple.profile(LongSkip().double(), torch.randn(3, 6), batch_sizes=(3,), **FAST)  # float32 inputs cast
+    assert prof.meta["dtype"] == "float64"
+    assert prof.layers[0].boundary_bytes == [3 * 6 * 8]
+    assert prof.param_bytes() == 4 * (6 * 6 + 6) * 8
