@@ -50,7 +50,7 @@ def load_example(spec: str, model_args: Sequence[str] = ()):
     """Call the factory named by ``spec`` ('pkg.module:factory' or 'file.py:factory') with ``model_args``.
 
     The result follows the convention of examples/models.py: ``.model``, ``.batch(n) -> (inputs, targets)``,
-    ``.loss_fn``, optionally ``.name``, ``.leaf_modules``, ``.concrete_args``.
+    ``.loss_fn``, optionally ``.name``, ``.leaf_modules``, ``.concrete_args``, ``.dynamic_shapes``.
     """
     import importlib
     import importlib.util
@@ -101,6 +101,8 @@ def _add_profile(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before profiling")
     p.add_argument("--quiet", action="store_true", help="do not print the profile")
+    p.add_argument("--trace", choices=("auto", "fx", "export"), default="auto",
+                   help="tracer: torch.fx, torch.export, or auto (fx, export where fx fails; default)")
     p.set_defaults(run=_run_profile)
 
 
@@ -116,7 +118,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     prof = profile(ex.model, inputs, ex.loss_fn, args.batch_sizes,
                    targets=targets if ex.loss_fn is not None else None, repeats=args.repeats, warmup=args.warmup,
                    device=args.device, concrete_args=getattr(ex, "concrete_args", None),
-                   leaf_modules=getattr(ex, "leaf_modules", ()) or (), name=getattr(ex, "name", None) or None)
+                   leaf_modules=getattr(ex, "leaf_modules", ()) or (), name=getattr(ex, "name", None) or None,
+                   trace=args.trace, dynamic_shapes=getattr(ex, "dynamic_shapes", None))
     if not args.quiet:
         print(prof)
     if args.output:

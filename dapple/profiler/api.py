@@ -11,6 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
+from .export import retarget_devices
 from .layers import LayerGraph, trace_layers
 from .measure import LayerMeasurement, LayerTimer, time_rounds
 from .profile import LayerProfile, Profile
@@ -24,7 +25,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             batch_sizes: int | tuple[int, ...] | list[int] | None = None, *, targets: Batch | None = None,
             repeats: int = 10, warmup: int = 3, device: str | torch.device | None = None,
             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), name: str | None = None,
-            progress: bool | None = None, check_step: bool = False) -> Profile:
+            progress: bool | None = None, check_step: bool = False, trace: str = "auto",
+            dynamic_shapes: Any = None) -> Profile:
     """Measure every layer of ``model`` (forward/backward ms, boundary/saved/param bytes) at each batch size.
 
     ``example_inputs``: the model's positional inputs (a tensor or tuple of tensors) at any batch size; rows
@@ -35,7 +37,9 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     on its own, from inputs recorded in one run of the whole model; the model is profiled in training mode on
     ``device`` (default: cuda if available, else cpu; the model is moved there and back) in its own dtype,
     and its flags, buffers (BatchNorm statistics), gradients and the RNG are left as they were.
-    ``concrete_args`` / ``leaf_modules`` go to torch.fx (see :class:`~dapple.profiler.TraceError`).
+    ``concrete_args`` / ``leaf_modules`` go to torch.fx (see :class:`~dapple.profiler.TraceError`). ``trace``:
+    ``"fx"``, ``"export"`` (torch.export from ``example_inputs``, batch dim dynamic, other dims per
+    ``dynamic_shapes``) or ``"auto"`` (fx, torch.export where fx fails); see :func:`~dapple.profiler.trace_layers`.
     ``progress``: a progress bar over layers (None: only when stderr is a terminal). ``check_step``: also time
     whole-model steps in the same rounds, into ``meta["step_ms"]`` and ``meta["layers_over_step"]`` (the sum of
     the layers' forward + backward over a whole step; 1.0 when the layers add up exactly).
@@ -57,7 +61,9 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
 
-    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules)  # TraceError before any work
+    cast = tuple(to_model(t, t.device, model_dtype(model)) for t in inputs)  # torch.export traces with these
+    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=trace,
+                      example_inputs=cast, dynamic_shapes=dynamic_shapes)  # TraceError before any work
     required = [n for n in lg.gm.graph.nodes if n.op == "placeholder" and not n.args]  # no default value
     if not len(required) <= len(inputs) <= len(lg.inputs):
         raise ValueError(f"example_inputs: {type(model).__name__}.forward takes {lg.inputs} "
@@ -74,6 +80,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     steps: list[float] = []
     with on_device(model, dev), untouched(model, dev):
         lg.gm.to(dev)  # tensor constants fx lifted into the traced module
+        retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
         layers = [layer_module(lg, k) for k in range(lg.num_layers)]
         state = state_storages([model, lg.gm])
         show = sys.stderr.isatty() if progress is None else progress
@@ -114,7 +121,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     meta = {"dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
             "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
-            "profiling_seconds": round(seconds, 3)}
+            "profiling_seconds": round(seconds, 3), "trace": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
         meta["step_ms"] = [round(s * 1e3, 6) for s in steps]
         meta["layers_over_step"] = [

@@ -8,7 +8,8 @@ from typing import Any, Iterable
 import torch.fx as fx
 from torch import nn
 
-from .trace import LeafSpec, symbolic_trace
+from .export import check_cuts, localise_sizes, trace_graph
+from .trace import LeafSpec
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -105,11 +106,21 @@ def _owner(node: fx.Node, units: set[str]) -> str | None:
     return None
 
 
-def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None,
-                 leaf_modules: LeafSpec = ()) -> LayerGraph:
-    """Trace ``model`` with torch.fx and group its nodes into layers (see DESIGN.md, Profile)."""
-    gm = symbolic_trace(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
-    return group_layers(gm, layer_units(model))
+def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), *,
+                 method: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None) -> LayerGraph:
+    """Trace ``model`` and group its nodes into layers (see DESIGN.md, Profile).
+
+    ``method``: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
+    ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows; see
+    dapple/profiler/export.py), or ``"auto"``: fx, and export when fx fails and example inputs are given.
+    """
+    gm = trace_graph(model, method=method, concrete_args=concrete_args, leaf_modules=leaf_modules,
+                     example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
+    lg = group_layers(gm, layer_units(model))
+    if gm.meta.get("dapple_trace", {}).get("method") == "export":
+        localise_sizes(lg)  # blocks read sizes off their own inputs, not the model's
+        check_cuts(lg)
+    return lg
 
 
 def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
