@@ -53,6 +53,10 @@ class _MetaRun(nn.Module):
         return rec.values
 
 
+def _same(t: Any) -> Any:
+    return t
+
+
 class BoundaryShapes:
     """Spec of every value crossing a cut, per (input shapes, slice rows); computed once, then cached.
 
@@ -80,7 +84,9 @@ class BoundaryShapes:
                  for k, v in self.gm.named_parameters()}
         state.update({f"gm.{k}": torch.empty_like(v, device="meta") for k, v in self.gm.named_buffers()})
         metas = [torch.empty((rows, *shape), dtype=dtype, device="meta") for shape, dtype in key]
-        with torch.enable_grad():
+        # enable_grad: requires_grad tells which values carry a gradient back. Identity saved-tensor hooks
+        # shield the caller's own hooks (offloading, memory meters) from these meta tensors.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             values = torch.func.functional_call(runner, state, tuple(metas))
         out = []
         for c, names in enumerate(self.boundary):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -68,7 +69,8 @@ def _compare(pipe: dapple.Pipeline, loss: float, ref_loss: float, ref: dict[str,
     for name, p in pipe.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         errs[name] = _rel(g, scale * ref[name])
-    return {"loss": abs(loss - ref_loss) / abs(ref_loss), "grads": errs}
+    return {"loss": abs(loss - ref_loss) / abs(ref_loss), "grads": errs, "expected": sorted(ref),
+            "stage": pipe.stage}
 
 
 def _chain_data(gbs: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +134,66 @@ def case_resnet(stages, gbs, mbs) -> list[dict]:
     return [_compare(pipe, pipe.train_step(x, y), ref_loss, ref)]
 
 
+class SavedBytes:
+    """Bytes of the distinct tensors autograd holds for backward (parameters excluded); tracks the peak.
+
+    A view counts its own bytes (an input slice is not charged the whole batch it is cut from).
+    """
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.alive: dict[tuple, list[int]] = {}  # view -> [holders, bytes]
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in self.params:
+            return t
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        entry = self.alive.setdefault(key, [0, t.numel() * t.element_size()])
+        if entry[0] == 0:
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        return _Held(self, key, t)
+
+    def unpack(self, h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, key: tuple) -> None:
+        entry = self.alive[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.alive[key]
+
+
+class _Held:
+    def __init__(self, meter: SavedBytes, key: tuple, t: torch.Tensor):
+        self.meter, self.key, self.t = meter, key, t
+
+    def __del__(self):
+        self.meter.release(self.key)
+
+
+def case_memory(m_values=(4, 8)) -> dict[str, int]:
+    """Peak saved-activation bytes of this rank per (schedule, M) at a fixed micro-batch size (straight 4)."""
+    out = {}
+    for schedule in ("dapple", "gpipe"):
+        for m in m_values:
+            torch.manual_seed(0)
+            model = Chain(width=64).double()
+            plan = _plan(model, [((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 4 * m, 4,
+                         schedule=schedule)
+            pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
+            x = torch.randn(4 * m, 64, dtype=torch.float64)
+            y = torch.randint(0, 3, (4 * m,))
+            meter = SavedBytes(pipe.parameters())
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                pipe.train_step(x, y)
+            out[f"{schedule}/{m}"] = meter.peak
+    return out
+
+
 # name -> (case function, args); every case uses all 4 ranks. Chain layers: blocks.0-3, head (5 layers).
 CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "straight_4": (case_chain, ([((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 8, 2), {"steps": 2}),
@@ -146,6 +208,7 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "long_skip": (case_skip, ([((0, 1), [0]), ((1, 2), [1, 2]), ((2, 4), [3])], 9, 3), {}),
     "gpt_tied_seq_change": (case_gpt, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {"seqs": (8, 5)}),
     "resnet_2_to_2": (case_resnet, ([((0, 4), [0, 1]), ((4, 7), [2, 3])], 6, 3), {}),
+    "memory": (case_memory, (), {}),
 }
 
 
@@ -155,32 +218,32 @@ def run_cases(cases: dict[str, tuple[Callable, tuple, dict]]) -> dict[str, Any]:
     return {name: fn(*args, **kw) for name, (fn, args, kw) in cases.items()}
 
 
-def _vanish_hook(rank: int, after: int) -> Callable:
+def _vanish_hook(rank: int, after: int, stall: float) -> Callable:
     calls = [0]
 
     def hook(module: nn.Module, args: Any) -> None:
         calls[0] += 1
         if int(os.environ["RANK"]) == rank and calls[0] >= after:
+            time.sleep(stall)  # a stuck peer first (0: none), then a vanished one
             os._exit(0)
     return hook
 
 
-def run_vanishing_peer(dying_rank: int, after_forwards: int, timeout: float) -> str:
-    """3 straight stages; ``dying_rank`` exits in its n-th forward. Returns the error text seen here."""
-    import time
+def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall: float = 0.0) -> str:
+    """Straight stages, one per rank; ``dying_rank`` stalls ``stall`` s then exits in its n-th forward.
+    Returns what this rank saw: the error message and how long after the step started it came."""
     torch.manual_seed(0)
-    model = Chain(depth=2).double()
-    plan = _plan(model, [((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2])], 8, 2)
+    world = int(os.environ["WORLD_SIZE"])
+    model = Chain(depth=world - 1).double()
+    plan = _plan(model, [((i, i + 1), [i]) for i in range(world)], 8, 2)
     pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=timeout)
-    for _, mod in pipe.module.named_modules():
-        if isinstance(mod, nn.Linear):
-            mod.register_forward_pre_hook(_vanish_hook(dying_rank, after_forwards))
-            break
+    first = next(m for m in pipe.module.modules() if isinstance(m, nn.Linear))
+    first.register_forward_pre_hook(_vanish_hook(dying_rank, after_forwards, stall))
     x, y = _chain_data(8)
-    t0 = time.monotonic()
-    try:
-        for _ in range(5):
-            pipe.train_step(x.double(), y)
-    except dapple.runtime.PipelineError as e:
-        return f"{time.monotonic() - t0:.1f}s: {e}"
+    for _ in range(5):
+        t0 = time.monotonic()
+        try:
+            pipe.train_step(x, y)
+        except dapple.runtime.PipelineError as e:
+            return f"after {time.monotonic() - t0:.1f}s: {e}"
     return "no error"
