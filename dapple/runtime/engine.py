@@ -159,8 +159,8 @@ class Pipeline:
             grads = set(layout.grads[self.stage - 1])
             for v, name in enumerate(g.recv):
                 x = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])  # (rows, ...)
-                env[name] = x.requires_grad_(v in grads)
-                leaves.append(env[name])
+                leaves.append(x.requires_grad_(v in grads))
+                env[name] = x.clone() if name in g.modified and x.requires_grad else x  # leaves stay intact
         outs = self.module(*[env[a] for a in g.args])
         env.update(zip(g.outs, outs))
         if self.stage == self.plan.num_stages - 1:

@@ -28,6 +28,7 @@ class StageGraph:
     send: list[str]  # boundary values leaving for stage index+1 (including relayed ones)
     output: Any = None  # last stage: the model's output structure, value names in place of nodes
     inputs: list[str] = field(default_factory=list)  # the model inputs this stage reads locally
+    modified: set[str] = field(default_factory=set)  # received values the stage changes in place
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's parameters, each once, in module order."""
@@ -83,11 +84,30 @@ def split_stages(lg: LayerGraph, stage_layers: Sequence[tuple[int, int]]) -> lis
         module = fx.GraphModule(lg.gm, graph, f"Stage{s}")  # copies referenced submodules under their paths
         stage = StageGraph(index=s, module=module, args=args, outs=outs,
                            recv=carry[s - 1] if s > 0 else [], send=carry[s] if s < num_stages - 1 else [],
-                           inputs=[a for a in args if a in model_inputs])
+                           inputs=[a for a in args if a in model_inputs], modified=_modified_in_place(module))
         stages.append(stage)
     out_node = next(n for n in lg.gm.graph.nodes if n.op == "output")
     stages[-1].output = fx.node.map_arg(out_node.args[0], lambda n: _Ref(n.name))
     return stages
+
+
+def _modified_in_place(gm: fx.GraphModule) -> set[str]:
+    """Placeholders that an op changes in place (``relu_``, ``x.add_``, ``nn.ReLU(inplace=True)``).
+
+    Received values become autograd leaves, which may not be modified in place; the engine hands
+    these ones to the stage through a copy.
+    """
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or not n.args or not isinstance(n.args[0], fx.Node) or n.args[0].op != "placeholder":
+            continue
+        name = getattr(n.target, "__name__", str(n.target))
+        inplace = n.kwargs.get("inplace", False) is True or (name.endswith("_") and not name.endswith("__"))
+        if n.op == "call_module":
+            inplace = getattr(gm.get_submodule(n.target), "inplace", False) is True
+        if inplace:
+            out.add(n.args[0].name)
+    return out
 
 
 class _Ref(str):

@@ -207,13 +207,21 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
                  {"warmup_policy": "B"}),
     "long_skip": (case_skip, ([((0, 1), [0]), ((1, 2), [1, 2]), ((2, 4), [3])], 9, 3), {}),
     "gpt_tied_seq_change": (case_gpt, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {"seqs": (8, 5)}),
-    "resnet_2_to_2": (case_resnet, ([((0, 4), [0, 1]), ((4, 7), [2, 3])], 6, 3), {}),
+    # cut before stem.2, a ReLU(inplace=True): the received activation is changed in place
+    "resnet_2_to_2": (case_resnet, ([((0, 2), [0, 1]), ((2, 7), [2, 3])], 6, 3), {}),
     "memory": (case_memory, (), {}),
+}
+
+
+CASES_2: dict[str, tuple[Callable, tuple, dict]] = {
+    "straight_2": (case_chain, ([((0, 2), [0]), ((2, 5), [1])], 8, 2), {"steps": 2}),
+    "pure_dp_2": (case_gpt, ([((0, 7), [0, 1])], 6, 3), {}),
 }
 
 
 def run_cases(cases: dict[str, tuple[Callable, tuple, dict]]) -> dict[str, Any]:
     """Every case on this rank, one after the other (all ranks run the same sequence)."""
+    torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     return {name: fn(*args, **kw) for name, (fn, args, kw) in cases.items()}
 
