@@ -15,7 +15,7 @@ from ..profiler.layers import trace_layers
 from ..profiler.trace import LeafSpec
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
-from .groups import GradGroup, PendingAllReduce, canonical_names, make_grad_groups
+from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
 from .program import Instr, Layout, Transfer, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
 from .split import StageGraph, resolve_output, split_stages
@@ -67,6 +67,7 @@ class Pipeline:
         grad_p2p = dist.new_group(list(range(self.ctx.world_size)), timeout=pg_timeout) if plan.num_stages > 1 \
             else None
         self._groups: list[GradGroup] = make_grad_groups(plan, self.graphs, self._names, rank, self.timeout)
+        self._reducer = GradReducer(self._groups)
         self._p2p = P2P(rank, plan.stage_of_device, None, grad_p2p, self.timeout, self._value_name)
         self._handshake()
 
@@ -131,11 +132,12 @@ class Pipeline:
                 if alive[ins.op.micro_batch].loss is not None:
                     loss_sum += alive[ins.op.micro_batch].loss.detach()
             else:
+                if ins.op.micro_batch == self.plan.num_micro_batches - 1:  # the last backward of the step
+                    self._reducer.arm()  # gradient AllReduce buckets start as their gradients become final
                 outbox = self._backward(ins.op.micro_batch, waits[ins.op], alive, layout, key)
-        reduce = PendingAllReduce(self._groups)  # launched now, waited after the last sends
         self._p2p.finish()
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
-        reduce.wait(self.timeout, where)
+        self._reducer.finish(self.timeout, where)
         try:  # the global mean loss lives on the last stage's replicas; every rank returns it
             dist.all_reduce(loss_sum, async_op=True).wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:

@@ -77,22 +77,66 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
     return [s for s in specs if s.group is not None]
 
 
-class PendingAllReduce:
-    """Bucketed AllReduces in flight; :meth:`wait` copies the sums back into ``.grad``."""
+class GradReducer:
+    """Bucketed gradient AllReduce, overlapped with the step's last backward.
+
+    Buckets hold a group's parameters in reverse order (the order backward finishes them). While the last
+    backward op runs (:meth:`arm`), a hook after each parameter's final gradient accumulation launches a
+    bucket's async AllReduce as soon as all its parameters are done and the group's earlier buckets are
+    launched (so every member launches the same buckets in the same order). :meth:`finish` launches the
+    rest (parameters the last backward did not reach), waits, and copies the sums into ``.grad``.
+    """
 
     def __init__(self, groups: Sequence[GradGroup], bucket_bytes: int = BUCKET_BYTES):
-        self.pending = []
+        self.buckets: list[tuple[GradGroup, list[nn.Parameter]]] = []
         for g in groups:  # same group order and bucket layout on every member
-            for bucket in _buckets([p for p in g.params if p.requires_grad], bucket_bytes):
-                for p in bucket:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                grads = [p.grad for p in bucket]
-                flat = torch._utils._flatten_dense_tensors(grads)  # (sum of numels,)
-                self.pending.append((g, grads, flat, dist.all_reduce(flat, group=g.group, async_op=True)))
+            self.buckets += [(g, b) for b in _buckets([p for p in reversed(g.params) if p.requires_grad],
+                                                      bucket_bytes)]
+        self._bucket_of = {id(p): i for i, (_, b) in enumerate(self.buckets) for p in b}
+        self._armed = False
+        self._left: list[int] = []
+        self._launched: list[tuple | None] = []
+        for _, bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._ready)
 
-    def wait(self, timeout: float, where: str) -> None:
-        for g, grads, flat, work in self.pending:
+    def arm(self) -> None:
+        """From now on (the step's last backward), launch each bucket once its gradients are final."""
+        self._left = [len(b) for _, b in self.buckets]
+        self._launched = [None] * len(self.buckets)
+        self._armed = True
+
+    def _ready(self, p: nn.Parameter) -> None:
+        i = self._bucket_of.get(id(p))
+        if not self._armed or i is None:
+            return
+        self._left[i] -= 1
+        group = self.buckets[i][0]
+        for k, (g, _) in enumerate(self.buckets):  # launch this group's buckets in order, while ready
+            if g is group and self._launched[k] is None:
+                if self._left[k] > 0:
+                    break
+                self._launch(k)
+
+    def _launch(self, k: int) -> None:
+        g, bucket = self.buckets[k]
+        for p in bucket:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in bucket]
+        flat = torch._utils._flatten_dense_tensors(grads)  # (sum of numels,)
+        self._launched[k] = (grads, flat, dist.all_reduce(flat, group=g.group, async_op=True))
+
+    def finish(self, timeout: float, where: str) -> None:
+        """Launch what is left, wait for every bucket, write the sums back into ``.grad``."""
+        if not self._armed:
+            self.arm()
+        self._armed = False
+        for k in range(len(self.buckets)):
+            if self._launched[k] is None:
+                self._launch(k)
+        for k, (g, _) in enumerate(self.buckets):
+            grads, flat, work = self._launched[k]
             try:
                 work.wait(timeout=timedelta(seconds=timeout))
             except Exception as e:
@@ -100,7 +144,7 @@ class PendingAllReduce:
                                     f"out (timeout {timeout:g}s): {_first_line(e)}") from e
             for dst, src in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 dst.copy_(src)
-        self.pending = []
+        self._launched = []
 
 
 def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:

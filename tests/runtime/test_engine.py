@@ -38,6 +38,14 @@ def test_pipeline_equals_single_process(results, shape):
 
 
 @pytest.mark.slow
+def test_gradient_allreduce_overlaps_the_last_backward(results):
+    for rank, per_step in enumerate(r["pure_dp_4"] for r in results):
+        for res in per_step:
+            buckets, early = res["buckets"]
+            assert buckets > 0 and early == buckets, (rank, res["buckets"])  # all launched by backward hooks
+
+
+@pytest.mark.slow
 def test_activation_memory_bounded_by_warmup_not_micro_batches(results):
     """Saved-for-backward bytes per rank (straight 4 stages, policy A: K = 4, 3, 2, 1) at M = 4 and 8."""
     for rank, peaks in enumerate(r["memory"] for r in results):

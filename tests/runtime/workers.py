@@ -84,6 +84,7 @@ def case_chain(stages, gbs, mbs, steps: int = 1, accumulate: bool = False, **kw)
     model = Chain().double()
     plan = _plan(model, stages, gbs, mbs, **kw)
     pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
+    launches = _watch_bucket_launches(pipe)
     ref_model = copy.deepcopy(model)
     opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref_model.parameters(), lr=0.1)
     out = []
@@ -94,10 +95,24 @@ def case_chain(stages, gbs, mbs, steps: int = 1, accumulate: bool = False, **kw)
         if accumulate:  # a second call without zero_grad adds the same gradient again
             pipe.train_step(x, y)
         out.append(_compare(pipe, loss, ref_loss, ref, 2.0 if accumulate else 1.0))
+        out[-1]["buckets"] = (len(pipe._reducer.buckets), sum(launches))
+        launches.clear()
         for n, p in ref_model.named_parameters():
             p.grad = ref[n].clone()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     return out
+
+
+def _watch_bucket_launches(pipe: dapple.Pipeline) -> list[bool]:
+    """Record, for each gradient AllReduce bucket launched, whether it started during the last backward."""
+    reducer, seen = pipe._reducer, []
+    launch = reducer._launch
+
+    def watched(k: int) -> None:
+        seen.append(reducer._armed)
+        launch(k)
+    reducer._launch = watched
+    return seen
 
 
 def case_skip(stages, gbs, mbs) -> list[dict]:
