@@ -126,7 +126,7 @@ class Pipeline:
                 self._p2p.post_recv(t, torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device))
             elif ins.action == "send":
                 lo = t.start - self._rows[0]  # rows of this rank's slice that the route covers
-                self._p2p.send(t, outbox[t.value][lo:lo + t.rows])
+                self._p2p.send(t, self._checked(outbox[t.value][lo:lo + t.rows], self._spec(key, t), t))
             elif ins.op.kind == "F":
                 outbox = self._forward(ins.op.micro_batch, waits[ins.op], xs, ys, alive, layout, key)
                 if alive[ins.op.micro_batch].loss is not None:
@@ -191,7 +191,7 @@ class Pipeline:
                 g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
                 if m.sent[v].requires_grad:
                     roots.append(m.sent[v])
-                    grads.append(g)
+                    grads.append(g.to(m.sent[v].dtype))
             if roots:
                 torch.autograd.backward(roots, grads)
         if self.stage == 0:
@@ -203,6 +203,14 @@ class Pipeline:
             else:
                 out.append(None)
         return out
+
+    def _checked(self, x: torch.Tensor, spec: Spec, t: Transfer) -> torch.Tensor:
+        """What goes on the wire must be what the receiver allocated (shape inference is a promise)."""
+        if tuple(x.shape) != spec.shape:
+            raise PipelineError(f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}: {self._value_name(t)} "
+                                f"of micro-batch {t.micro_batch} has shape {tuple(x.shape)} but shape inference "
+                                f"(meta device) gave {spec.shape}; the model's shapes must not depend on values")
+        return x if x.dtype == spec.dtype else x.to(spec.dtype)  # e.g. under autocast (meta runs without it)
 
     def _gather(self, recvs: list[Transfer], count: int) -> list[list[torch.Tensor]]:
         """Wait for an op's receives; per value, the pieces in row order (routes are sorted by rows)."""

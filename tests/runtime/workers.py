@@ -46,9 +46,10 @@ class Skip(nn.Module):
         return self.head(a2 + a0)
 
 
-def _plan(model: nn.Module, stages: list[tuple[tuple[int, int], list[int]]], gbs: int, mbs: int, **kw: Any) -> Plan:
+def _plan(model: nn.Module, stages: list[tuple], gbs: int, mbs: int, **kw: Any) -> Plan:
+    """Stages as (layers, devices) or (layers, devices, warmup K_i)."""
     names = trace_layers(model).names
-    return Plan(global_batch_size=gbs, micro_batch_size=mbs, stages=[Stage(l, d) for l, d in stages],
+    return Plan(global_batch_size=gbs, micro_batch_size=mbs, stages=[Stage(*st) for st in stages],
                 layer_names=names, **kw)
 
 
@@ -218,6 +219,7 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "two_to_two_uneven": (case_chain, ([((0, 2), [0, 1]), ((2, 5), [2, 3])], 15, 5), {}),
     "one_two_one": (case_chain, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {"accumulate": True}),
     "gpipe": (case_chain, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 12, 3), {"schedule": "gpipe"}),
+    "explicit_warmup": (case_chain, ([((0, 1), [0], 3), ((1, 3), [1, 2], 2), ((3, 5), [3], 2)], 15, 3), {}),
     "policy_b": (case_chain, ([((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 16, 2),
                  {"warmup_policy": "B"}),
     "long_skip": (case_skip, ([((0, 1), [0]), ((1, 2), [1, 2]), ((2, 4), [3])], 9, 3), {}),
