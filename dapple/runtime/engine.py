@@ -56,7 +56,10 @@ class Pipeline:
         self.graph = self.graphs[self.stage]
         self.module: nn.Module = self.graph.module.to(self.ctx.device)
         self._names = canonical_names(model)
-        self._input_names = [n.name for n in lg.gm.graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
+        self._input_names = [n.name for n in placeholders]
+        self._defaults = {n.name: n.args[0] for n in placeholders if n.args}  # forward(x, mask=None): mask
+        self._required = len([n for n in placeholders if not n.args])
         self._shapes = BoundaryShapes(lg.gm, self._input_names, [g.send for g in self.graphs[:-1]])
         self._rows = slice_bounds(plan.micro_batch_size, plan.stages[self.stage].replicas)[self.replica]
         self._programs: dict[Layout, tuple[list[Instr], dict]] = {}
@@ -93,7 +96,7 @@ class Pipeline:
             raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
                                 f"groups are unusable; restart the job ({self._failed})")
         xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
-        check_batch(self.plan, xs, ys, self._input_names)
+        check_batch(self.plan, xs, ys, self._input_names, self._required)
         self.step += 1
         self._p2p.step = self.step
         try:
@@ -154,7 +157,8 @@ class Pipeline:
         lo, hi = j * b + self._rows[0], j * b + self._rows[1]  # this replica's rows of the global batch
         env: dict[str, Any] = {}
         for name in g.inputs:
-            env[name] = xs[self._input_names.index(name)][lo:hi].to(self.ctx.device, non_blocking=True)
+            i = self._input_names.index(name)
+            env[name] = xs[i][lo:hi].to(self.ctx.device, non_blocking=True) if i < len(xs) else self._defaults[name]
         leaves: list[torch.Tensor] = []
         if self.stage > 0:  # concat: the pieces of each value from the senders whose slices overlap ours
             pieces = self._gather(recvs, len(g.recv))

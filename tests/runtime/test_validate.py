@@ -62,6 +62,31 @@ def test_batch_sizes_are_checked_with_values():
     assert pipe.step == 0  # nothing ran
 
 
+class Optional(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x, scale=1.0, flag=False):
+        y = self.a(x)
+        if flag:  # specialised away by concrete_args
+            y = y * 2
+        return self.b(y * scale)
+
+
+def test_arguments_with_defaults_may_be_left_out():
+    model = Optional().double()
+    plan = Plan(global_batch_size=8, micro_batch_size=4, stages=[Stage((0, 2), [0])], layer_names=["a", "b"])
+    pipe = dapple.pipeline(model, plan, F.cross_entropy, concrete_args={"flag": False})
+    x, y = _chain_data(8)
+    assert pipe.train_step(x, y) == pytest.approx(float(F.cross_entropy(model(x), y).detach()), rel=1e-12)
+    scale = torch.full((8, 6), 0.5, dtype=torch.float64)
+    assert pipe.train_step((x, scale), y) == pytest.approx(float(F.cross_entropy(model(x, scale), y).detach()),
+                                                           rel=1e-12)
+    with pytest.raises(ValueError, match=r"the model takes 1 to 3 inputs \['x', 'scale', 'flag_1'\], got 4"):
+        pipe.train_step((x, x, x, x), y)
+
+
 def test_single_rank_accumulates_micro_batches_exactly():
     """One rank, 4 micro-batches: the accumulated gradient is the whole-batch gradient (and the loss its mean)."""
     model = Chain().double()
