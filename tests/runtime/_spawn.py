@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import time
 import traceback
 from typing import Any, Callable

@@ -49,8 +49,8 @@ class Frozen(nn.Module):
 
 def test_boundary_must_be_batch_first():
     shapes = _shapes(Transposed(), [(0, 1), (1, 2)])
-    with pytest.raises(ValueError, match=r"'transpose' crosses the cut after stage 0 with shape \(5, 3, 4\) for a slice of "
-                                         r"3 rows"):
+    with pytest.raises(ValueError, match=r"'transpose' crosses the cut after stage 0 with shape \(5, 3, 4\) "
+                                         r"for a slice of 3 rows"):
         shapes.specs(input_key([torch.zeros(8, 5, 4)]), 3)
 
 
