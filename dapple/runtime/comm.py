@@ -80,8 +80,9 @@ class P2P:
     def _error(self, t: Transfer, peer: int, doing: str, e: BaseException) -> PipelineError:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         cause = "timed out" if "imeout" in text or "imed out" in text else "failed"
+        what = (f"{WHAT[t.kind]} of micro-batch {t.micro_batch} ({self.value_name(t)}, rows {t.start}:{t.end})"
+                if t.micro_batch >= 0 else f"the {t.kind} channel check (before the first step)")
         return PipelineError(
-            f"rank {self.rank} (stage {self.stage_of(self.rank)}), step {self.step}: {cause} {doing} "
-            f"{WHAT[t.kind]} of micro-batch {t.micro_batch} ({self.value_name(t)}, rows {t.start}:{t.end}) "
+            f"rank {self.rank} (stage {self.stage_of(self.rank)}), step {self.step}: {cause} {doing} {what} "
             f"{'from' if peer == t.src else 'to'} rank {peer} (stage {self.stage_of(peer)}), timeout "
             f"{self.timeout:g}s: {text}")

@@ -131,13 +131,13 @@ class Pipeline:
                 lo = t.start - self._rows[0]  # rows of this rank's slice that the route covers
                 self._p2p.send(t, self._checked(outbox[t.value][lo:lo + t.rows], self._spec(key, t), t))
             elif ins.op.kind == "F":
-                outbox = self._forward(ins.op.micro_batch, waits[ins.op], xs, ys, alive, layout, key)
+                outbox = self._forward(ins.op.micro_batch, waits[ins.op], xs, ys, alive, layout)
                 if alive[ins.op.micro_batch].loss is not None:
                     loss_sum += alive[ins.op.micro_batch].loss.detach()
             else:
                 if ins.op.micro_batch == self.plan.num_micro_batches - 1:  # the last backward of the step
                     self._reducer.arm()  # gradient AllReduce buckets start as their gradients become final
-                outbox = self._backward(ins.op.micro_batch, waits[ins.op], alive, layout, key)
+                outbox = self._backward(ins.op.micro_batch, waits[ins.op], alive, layout)
         self._p2p.finish()
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
         self._reducer.finish(self.timeout, where)
@@ -152,7 +152,7 @@ class Pipeline:
         return float(loss_sum)
 
     def _forward(self, j: int, recvs: list[Transfer], xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...],
-                 alive: dict[int, _MicroBatch], layout: Layout, key: tuple) -> list[torch.Tensor | None]:
+                 alive: dict[int, _MicroBatch], layout: Layout) -> list[torch.Tensor | None]:
         g, b = self.graph, self.plan.micro_batch_size
         lo, hi = j * b + self._rows[0], j * b + self._rows[1]  # this replica's rows of the global batch
         env: dict[str, Any] = {}
@@ -182,8 +182,8 @@ class Pipeline:
         alive[j] = _MicroBatch(leaves, sent, None)
         return sent
 
-    def _backward(self, j: int, recvs: list[Transfer], alive: dict[int, _MicroBatch], layout: Layout,
-                  key: tuple) -> list[torch.Tensor | None]:
+    def _backward(self, j: int, recvs: list[Transfer], alive: dict[int, _MicroBatch], layout: Layout
+                  ) -> list[torch.Tensor | None]:
         m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations
         if m.loss is not None:
             if m.loss.requires_grad:
