@@ -2,7 +2,10 @@
 
 Two processes on this machine share about one core of matmul throughput, so only the ratio to PiPPy on the
 same configuration means something. Engines are measured in interleaved rounds (every round times each
-engine for ``--steps`` steps) to spread the machine's load over all of them; medians are reported.
+engine for ``--steps`` steps) to spread the machine's load over all of them; a ratio is the median over
+rounds of (this engine's median step / PiPPy 1F1B's median step in the same round). Besides wall time,
+the CPU time of both processes together is reported: with one core of throughput the step cannot be
+shorter than it, and it is much less disturbed by other load on the machine than wall time.
 
     PYTHONPATH=$PWD python benchmarks/real_compute.py
 """
@@ -58,15 +61,18 @@ def _gpt(args: argparse.Namespace) -> GPT:
                tie_weights=False)  # PiPPy cannot share a parameter between stages
 
 
-def _timed(step, steps: int) -> list[float]:
+def _timed(step, steps: int) -> list[tuple[float, float]]:
+    """Per step: (wall ms until the slowest rank is done, CPU ms of all ranks together)."""
     out = []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append(1e3 * float(t))
+        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu)
+        out.append((1e3 * float(wall), 1e3 * float(cpu)))
     return out
 
 
@@ -111,10 +117,10 @@ def run(args: argparse.Namespace) -> dict:
 
     for step in steps.values():  # warm up every engine (first-step shape inference, allocator)
         _timed(step, args.warmup)
-    results: dict[str, list[float]] = {name: [] for name in steps}
+    results: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in steps}  # per round, per step
     for _ in range(args.rounds):
         for name, step in steps.items():
-            results[name] += _timed(step, args.steps)
+            results[name].append(_timed(step, args.steps))
     return results
 
 
@@ -126,20 +132,29 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="also write the raw step times here")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     res = dapple.runtime.launch(run, 2, args)[0]
-    base = statistics.median(res["pippy/1F1B"])
+    base = "pippy/1F1B"
     print(f"GPT layers={args.layers} embd={args.embd} seq={args.seq}, 2 stages, M={args.micro_batches} "
-          f"micro-batch={args.micro_batch}; {args.rounds} rounds x {args.steps} steps, medians")
-    print(f"{'engine':<14}{'median ms':>10}{'min ms':>9}{'vs pippy/1F1B':>15}")
-    for name, ts in res.items():
-        med = statistics.median(ts)
-        print(f"{name:<14}{med:>10.1f}{min(ts):>9.1f}{med / base:>15.3f}")
+          f"micro-batch={args.micro_batch}; {args.rounds} interleaved rounds x {args.steps} steps")
+    print(f"{'engine':<14}{'wall ms':>9}{'min':>8}{'wall ratio':>12}{'CPU ms':>9}{'CPU ratio':>11}   (ratios: paired "
+          f"per round, vs {base})")
+    for name, rounds in res.items():
+        # paired: per round, this engine's median over PiPPy 1F1B's median in the same round (load drifts cancel)
+        walls = [[w for w, _ in r] for r in rounds]
+        cpus = [[c for _, c in r] for r in rounds]
+        wall_ratio = statistics.median(statistics.median(a) / statistics.median([w for w, _ in b])
+                                       for a, b in zip(walls, res[base]))
+        cpu_ratio = statistics.median(statistics.median(a) / statistics.median([c for _, c in b])
+                                      for a, b in zip(cpus, res[base]))
+        flat_w, flat_c = [w for r in walls for w in r], [c for r in cpus for c in r]
+        print(f"{name:<14}{statistics.median(flat_w):>9.1f}{min(flat_w):>8.1f}{wall_ratio:>12.3f}"
+              f"{statistics.median(flat_c):>9.1f}{cpu_ratio:>11.3f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "step_ms": res}, fh, indent=1)

@@ -29,17 +29,16 @@ from dapple.profiler import trace_layers
 S = 4
 
 
-def _timed(step, steps: int, warmup: int) -> list[float]:
+def _timed(step, steps: int) -> list[float]:
     """Step durations in ms: all ranks start together; a step lasts until the slowest rank is done."""
     out = []
-    for i in range(warmup + steps):
+    for _ in range(steps):
         dist.barrier()
         t0 = time.perf_counter()
         step()
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            out.append(1e3 * float(t))
+        out.append(1e3 * float(t))
     return out
 
 
@@ -49,11 +48,13 @@ def _model(ms: float, width: int) -> EmulatedNet:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Build every engine, warm each up, then time them in interleaved rounds (load drifts hit all alike)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     torch.set_num_threads(1)
     b, m = args.micro_batch, args.micro_batches
     x = torch.randn(b * m, args.width)
     y = torch.randint(0, 4, (b * m,))
-    results: dict[str, list[float]] = {}
+    steps = {}
     for name, schedule, policy in (("dapple/A", "dapple", "A"), ("dapple/B", "dapple", "B"),
                                    ("dapple/gpipe", "gpipe", "A")):
         model = _model(args.ms_per_row, args.width)
@@ -61,24 +62,29 @@ def run(args: argparse.Namespace) -> dict:
                            stages=[Stage((0, 1), [0]), Stage((1, 2), [1]), Stage((2, 3), [2]), Stage((3, 5), [3])],
                            layer_names=trace_layers(model).names)
         pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=120)
-        results[name] = _timed(lambda: pipe.train_step(x, y), args.steps, args.warmup)
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        steps[name] = lambda pipe=pipe: pipe.train_step(x, y)
     rank = dist.get_rank()
     for name, cls in (("pippy/1F1B", Schedule1F1B), ("pippy/GPipe", ScheduleGPipe)):
         model = _model(args.ms_per_row, args.width)
         mods = [model.layers[s] for s in range(S)]
         stage_mod = nn.Sequential(mods[rank], model.head) if rank == S - 1 else nn.Sequential(mods[rank])
-        stage = PipelineStage(stage_mod, rank, S, torch.device("cpu"))
-        sched = cls(stage, n_microbatches=m, loss_fn=F.cross_entropy)
+        sched = cls(PipelineStage(stage_mod, rank, S, torch.device("cpu")), n_microbatches=m,
+                    loss_fn=F.cross_entropy)
 
-        def step() -> None:
+        def step(sched=sched) -> None:
             if rank == 0:
                 sched.step(x)
             elif rank == S - 1:
                 sched.step(target=y)
             else:
                 sched.step()
-        results[name] = _timed(step, args.steps, args.warmup)
+        steps[name] = step
+    for step in steps.values():
+        _timed(step, args.warmup)
+    results: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            results[name] += _timed(step, args.steps)
     return results
 
 
@@ -88,7 +94,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--width", type=int, default=16)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="also write the raw step times here")
     args = p.parse_args()
@@ -97,7 +104,7 @@ def main() -> None:
     f = args.micro_batch * args.ms_per_row
     ideal = (args.micro_batches + S - 1) * (f + 2 * f)  # (M + S - 1)(F + B)
     print(f"S={S} M={args.micro_batches} micro-batch={args.micro_batch} F={f:g} ms B={2 * f:g} ms "
-          f"ideal step={ideal:.1f} ms; {args.steps} timed steps, medians")
+          f"ideal step={ideal:.1f} ms; {args.rounds} interleaved rounds x {args.steps} steps, medians")
     print(f"{'engine':<14}{'median ms':>10}{'min ms':>9}{'efficiency':>12}")
     for name, ts in res.items():
         med = statistics.median(ts)
