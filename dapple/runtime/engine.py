@@ -49,18 +49,19 @@ class Pipeline:
         lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
         check_layers(plan, lg.names)
         self.plan, self.loss_fn = plan, loss_fn
-        self.graphs: list[StageGraph] = split_stages(lg, [s.layers for s in plan.stages])
+        graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
         rank = self.ctx.rank
         self.stage = plan.stage_of_device(rank)
         self.replica = plan.stages[self.stage].devices.index(rank)
-        self.graph = self.graphs[self.stage]
+        self.graph: StageGraph = graphs[self.stage]
         self.module: nn.Module = self.graph.module.to(self.ctx.device)
         self._names = canonical_names(model)
         placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
         self._input_names = [n.name for n in placeholders]
         self._defaults = {n.name: n.args[0] for n in placeholders if n.args}  # forward(x, mask=None): mask
         self._required = len([n for n in placeholders if not n.args])
-        self._shapes = BoundaryShapes(lg.gm, self._input_names, [g.send for g in self.graphs[:-1]])
+        self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
+        self._shapes = BoundaryShapes(lg.gm, self._input_names, self._boundary)  # keeps a meta copy only
         self._rows = slice_bounds(plan.micro_batch_size, plan.stages[self.stage].replicas)[self.replica]
         self._programs: dict[Layout, tuple[list[Instr], dict]] = {}
         self.step = 0
@@ -69,7 +70,7 @@ class Pipeline:
         pg_timeout = timedelta(seconds=self.timeout)
         grad_p2p = dist.new_group(list(range(self.ctx.world_size)), timeout=pg_timeout) if plan.num_stages > 1 \
             else None
-        self._groups: list[GradGroup] = make_grad_groups(plan, self.graphs, self._names, rank, self.timeout)
+        self._groups: list[GradGroup] = make_grad_groups(plan, graphs, self._names, rank, self.timeout)
         self._reducer = GradReducer(self._groups)
         self._p2p = P2P(rank, plan.stage_of_device, None, grad_p2p, self.timeout, self._value_name)
         self._handshake()
@@ -239,7 +240,7 @@ class Pipeline:
         return self._shapes.specs(key, t.rows)[t.cut][t.value]
 
     def _value_name(self, t: Transfer) -> str:
-        return f"value {self.graphs[t.cut].send[t.value]!r}"
+        return f"value {self._boundary[t.cut][t.value]!r}"
 
     def _handshake(self) -> None:
         """One tiny message on every channel this rank uses, in a global order, before the first step.

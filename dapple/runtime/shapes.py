@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -39,18 +40,15 @@ class _Recorder(fx.Interpreter):
         return out
 
 
-class _MetaRun(nn.Module):
-    """Module wrapper so ``torch.func.functional_call`` can swap in meta parameters for one recorded run."""
-
-    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
-        super().__init__()
-        self.gm = gm
-        self.wanted = wanted
-
-    def forward(self, *inputs: torch.Tensor) -> dict[str, Any]:
-        rec = _Recorder(self.gm, self.wanted)
-        rec.run(*inputs)
-        return rec.values
+def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose parameters and buffers are meta tensors (same shapes, dtypes, requires_grad,
+    tying): no data is copied, and the copy keeps none of the original tensors alive."""
+    memo: dict[int, Any] = {}
+    for p in gm.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in gm.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(gm, memo)
 
 
 def _same(t: Any) -> Any:
@@ -65,7 +63,7 @@ class BoundaryShapes:
     """
 
     def __init__(self, gm: fx.GraphModule, input_names: Sequence[str], boundary: Sequence[Sequence[str]]):
-        self.gm = gm
+        self.gm = meta_copy(gm)
         self.input_names = list(input_names)
         self.boundary = [list(b) for b in boundary]  # per cut: value names
         self._cache: dict[tuple[InputKey, int], list[list[Spec]]] = {}
@@ -77,17 +75,13 @@ class BoundaryShapes:
         return self._cache[(key, rows)]
 
     def _propagate(self, key: InputKey, rows: int) -> list[list[Spec]]:
-        wanted = {v for cut in self.boundary for v in cut}
-        runner = _MetaRun(self.gm, wanted)
-        # Every parameter and buffer replaced by a meta tensor of the same shape (tied ones stay tied).
-        state = {f"gm.{k}": torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
-                 for k, v in self.gm.named_parameters()}
-        state.update({f"gm.{k}": torch.empty_like(v, device="meta") for k, v in self.gm.named_buffers()})
+        rec = _Recorder(self.gm, {v for cut in self.boundary for v in cut})
         metas = [torch.empty((rows, *shape), dtype=dtype, device="meta") for shape, dtype in key]
         # enable_grad: requires_grad tells which values carry a gradient back. Identity saved-tensor hooks
         # shield the caller's own hooks (offloading, memory meters) from these meta tensors.
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            values = torch.func.functional_call(runner, state, tuple(metas))
+            rec.run(*metas)
+        values = rec.values
         out = []
         for c, names in enumerate(self.boundary):
             specs = []

@@ -9,7 +9,7 @@ from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
 
 TOL = 1e-9
-SHAPES = [k for k in workers.CASES_4 if k != "memory"]
+SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned")]
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,10 @@ def test_activation_memory_bounded_by_warmup_not_micro_batches(results):
         k = 4 - rank
         for m in (4, 8):  # dapple holds K_i of them, whatever M
             assert peaks[f"dapple/{m}"] == pytest.approx(k * per_micro_batch, rel=0.02), (rank, m, peaks)
+
+
+@pytest.mark.slow
+def test_each_rank_keeps_only_its_stage(results):
+    for rank, owned in enumerate(r["owned"] for r in results):
+        assert owned["alive"] == owned["mine"] and owned["mine"], (rank, owned)
+    assert "wte.weight" in results[3]["owned"]["mine"]  # the tied head, under its first name

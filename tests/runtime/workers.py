@@ -210,6 +210,21 @@ def case_memory(m_values=(4, 8)) -> dict[str, int]:
     return out
 
 
+def case_owned() -> dict[str, Any]:
+    """Which parameters stay alive once the caller drops its model: only this rank's stage's (tied GPT)."""
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()
+    plan = _plan(model, [((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4)
+    refs = {n: weakref.ref(p) for n, p in model.named_parameters()}
+    pipe = dapple.pipeline(model, plan, lm_loss, timeout=30)
+    del model
+    gc.collect()
+    return {"alive": sorted(n for n, r in refs.items() if r() is not None),
+            "mine": sorted(n for n, _ in pipe.named_parameters())}
+
+
 # name -> (case function, args); every case uses all 4 ranks. Chain layers: blocks.0-3, head (5 layers).
 CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "straight_4": (case_chain, ([((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 8, 2), {"steps": 2}),
@@ -227,6 +242,7 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     # cut before stem.2, a ReLU(inplace=True): the received activation is changed in place
     "resnet_2_to_2": (case_resnet, ([((0, 2), [0, 1]), ((2, 7), [2, 3])], 6, 3), {}),
     "memory": (case_memory, (), {}),
+    "owned": (case_owned, (), {}),
 }
 
 
