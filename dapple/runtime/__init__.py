@@ -1,4 +1,4 @@
-"""The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, checkpoints."""
+"""The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, local launcher."""
 
 from .comm import PipelineError
 from .engine import Pipeline, pipeline
