@@ -45,7 +45,9 @@ class EmulatedLayer(nn.Module):
         self.linear = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, width) -> (B, width)
-        return torch.tanh(self.linear(emulate(x, self.ms_per_row)))
+        # emulate after the Linear: its output always requires grad, so the backward sleeps even in a first
+        # layer whose input needs no gradient (a GPU still computes the weight gradient there)
+        return torch.tanh(emulate(self.linear(x), self.ms_per_row))
 
 
 class EmulatedNet(nn.Module):

@@ -1,1 +1,7 @@
-"""The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, checkpoints."""
+"""The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, local launcher."""
+
+from .comm import PipelineError
+from .engine import Pipeline, pipeline
+from .launch import launch
+
+__all__ = ["Pipeline", "PipelineError", "launch", "pipeline"]

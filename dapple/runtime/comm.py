@@ -1,0 +1,88 @@
+"""Split-concat point-to-point transfers: non-blocking isend/irecv, waits bounded by the timeout."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .program import Transfer
+
+WHAT = {"act": "activations", "grad": "gradients"}
+
+
+class PipelineError(RuntimeError):
+    """A transfer or collective failed or timed out; the message names the rank, stage, peer and micro-batch."""
+
+
+class P2P:
+    """Posts and waits on one rank's transfers.
+
+    Activations and gradients travel on two different process groups, so each direction between a pair
+    of ranks is its own in-order channel (on NCCL a pair's sends and receives of one group share a stream;
+    keeping directions apart means a posted receive never sits in front of a send the peer waits for).
+    """
+
+    def __init__(self, rank: int, stage_of: Callable[[int], int], act_group: dist.ProcessGroup | None,
+                 grad_group: dist.ProcessGroup | None, timeout: float, value_name: Callable[[Transfer], str]):
+        self.rank, self.stage_of, self.timeout = rank, stage_of, timeout
+        self.groups = {"act": act_group, "grad": grad_group}
+        self.value_name = value_name
+        self.step = 0
+        self._recvs: dict[Transfer, tuple[dist.Work, torch.Tensor]] = {}
+        self._sends: list[tuple[Transfer, dist.Work, torch.Tensor]] = []
+
+    # ---- receives -----------------------------------------------------------------------------
+    def post_recv(self, t: Transfer, buffer: torch.Tensor) -> None:
+        try:
+            work = dist.irecv(buffer, src=t.src, group=self.groups[t.kind])
+        except Exception as e:
+            raise self._error(t, t.src, "could not post the receive of", e) from e
+        self._recvs[t] = (work, buffer)
+
+    def wait_recv(self, t: Transfer) -> torch.Tensor:
+        work, buffer = self._recvs.pop(t)
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise self._error(t, t.src, "waiting for", e) from e
+        return buffer
+
+    # ---- sends --------------------------------------------------------------------------------
+    def send(self, t: Transfer, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        try:
+            work = dist.isend(tensor, dst=t.dst, group=self.groups[t.kind])
+        except Exception as e:
+            raise self._error(t, t.dst, "could not send", e) from e
+        self._sends.append((t, work, tensor))
+        self._reap()
+
+    def _reap(self) -> None:
+        """Forget sends that completed, so their buffers can be freed."""
+        if len(self._sends) > 8:
+            self._sends = [s for s in self._sends if not s[1].is_completed()]
+
+    def finish(self) -> None:
+        """Wait for every send of the step (the receivers have posted them all by the end of their step)."""
+        sends, self._sends = self._sends, []
+        for t, work, _ in sends:
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+            except Exception as e:
+                raise self._error(t, t.dst, "sending", e) from e
+        if self._recvs:  # cannot happen with a well-formed program; never leave receives dangling silently
+            raise RuntimeError(f"rank {self.rank}: {len(self._recvs)} receives were posted but never waited on")
+
+    # ---- errors -------------------------------------------------------------------------------
+    def _error(self, t: Transfer, peer: int, doing: str, e: BaseException) -> PipelineError:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cause = "timed out" if "imeout" in text or "imed out" in text else "failed"
+        what = (f"{WHAT[t.kind]} of micro-batch {t.micro_batch} ({self.value_name(t)}, rows {t.start}:{t.end})"
+                if t.micro_batch >= 0 else f"the {t.kind} channel check (before the first step)")
+        return PipelineError(
+            f"rank {self.rank} (stage {self.stage_of(self.rank)}), step {self.step}: {cause} {doing} {what} "
+            f"{'from' if peer == t.src else 'to'} rank {peer} (stage {self.stage_of(peer)}), timeout "
+            f"{self.timeout:g}s: {text}")

@@ -1,0 +1,68 @@
+"""The default process group and this rank's device: from torchrun's environment, NCCL+CUDA or gloo+CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands: global rank, world size, backend and the device its stage runs on."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise (chosen at run time; one code path for both)."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistContext:
+    """Initialise the default process group unless the user already did, and pick this rank's device.
+
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the group is initialised from the
+    environment; a plain single process (no such variables) gets a world of one. The device is
+    ``cuda:LOCAL_RANK`` for NCCL, the CPU for gloo.
+    """
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build of PyTorch")
+    if not dist.is_initialized():
+        backend = backend or default_backend()
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if backend == "nccl":
+                torch.cuda.set_device(_local_rank())
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        else:  # not launched by torchrun: a world of one process
+            store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+    used = dist.get_backend()
+    if "nccl" in str(used):
+        local = _local_rank()
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=str(used), device=device)
+
+
+def _local_rank() -> int:
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    n = torch.cuda.device_count()
+    return (dist.get_rank() % n) if dist.is_initialized() and n else 0

@@ -1,0 +1,293 @@
+"""The Pipeline: one stage replica per rank, run through the dapple (early backward) or gpipe schedule."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..planner.plan import Plan
+from ..planner.slices import routes, slice_bounds
+from ..profiler.layers import trace_layers
+from ..profiler.trace import LeafSpec
+from .comm import P2P, PipelineError
+from .distributed import DistContext, init_distributed
+from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
+from .program import Instr, Layout, Transfer, op_receives, rank_program
+from .shapes import BoundaryShapes, Spec, input_key
+from .split import StageGraph, resolve_output, split_stages
+from .validate import as_tuple, check_batch, check_layers, check_plan
+
+
+class _MicroBatch:
+    """What one micro-batch keeps alive on a stage between its forward and its backward."""
+
+    __slots__ = ("leaves", "sent", "loss")
+
+    def __init__(self, leaves: list[torch.Tensor], sent: list[torch.Tensor], loss: torch.Tensor | None):
+        self.leaves = leaves  # received boundary values (autograd leaves), in ``StageGraph.recv`` order
+        self.sent = sent  # boundary values sent on, in ``StageGraph.send`` order (their graph is kept)
+        self.loss = loss  # last stage: the slice loss, scaled by rows / global batch
+
+
+class Pipeline:
+    """This rank's replica of one stage of ``plan``; see :func:`dapple.pipeline`."""
+
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
+                 *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
+                 backend: str | None = None):
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable (output, *targets) -> scalar, got {loss_fn!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.ctx: DistContext = init_distributed(self.timeout, backend)
+        check_plan(plan, self.ctx.world_size)
+        lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
+        check_layers(plan, lg.names)
+        self.plan, self.loss_fn = plan, loss_fn
+        graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
+        rank = self.ctx.rank
+        self.stage = plan.stage_of_device(rank)
+        self.replica = plan.stages[self.stage].devices.index(rank)
+        self.graph: StageGraph = graphs[self.stage]
+        self.module: nn.Module = self.graph.module.to(self.ctx.device)
+        self._names = canonical_names(model)
+        placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
+        self._input_names = [n.name for n in placeholders]
+        self._defaults = {n.name: n.args[0] for n in placeholders if n.args}  # forward(x, mask=None): mask
+        self._required = len([n for n in placeholders if not n.args])
+        self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
+        self._shapes = BoundaryShapes(lg.gm, self._input_names, self._boundary)  # keeps a meta copy only
+        self._rows = slice_bounds(plan.micro_batch_size, plan.stages[self.stage].replicas)[self.replica]
+        self._programs: dict[Layout, tuple[list[Instr], dict]] = {}
+        self.step = 0
+        self._failed: str | None = None
+        # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
+        pg_timeout = timedelta(seconds=self.timeout)
+        grad_p2p = dist.new_group(list(range(self.ctx.world_size)), timeout=pg_timeout) if plan.num_stages > 1 \
+            else None
+        self._groups: list[GradGroup] = make_grad_groups(plan, graphs, self._names, rank, self.timeout)
+        self._reducer = GradReducer(self._groups)
+        self._p2p = P2P(rank, plan.stage_of_device, None, grad_p2p, self.timeout, self._value_name)
+        self._handshake()
+
+    # ---- public -------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's stage parameters (each once): give them to any torch optimizer."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name in the original model, parameter); a tied parameter has its first name there (``wte.weight``)."""
+        for p in self.module.parameters():
+            yield self._names[id(p)], p
+
+    def train_step(self, inputs: torch.Tensor | Sequence[torch.Tensor],
+                   targets: torch.Tensor | Sequence[torch.Tensor]) -> float:
+        """One synchronous iteration on the GLOBAL batch (identical on every rank); returns its mean loss.
+
+        Afterwards each parameter's ``.grad`` holds (plus whatever it held before) exactly the gradient of
+        single-device training on the whole batch: slice losses scaled by rows / global batch, accumulated
+        over micro-batches, summed over replicas and over stages sharing a tied parameter.
+        """
+        if self._failed:
+            raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
+                                f"groups are unusable; restart the job ({self._failed})")
+        xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
+        check_batch(self.plan, xs, ys, self._input_names, self._required)
+        self.step += 1
+        self._p2p.step = self.step
+        try:
+            return self._run(xs, ys)
+        except BaseException as e:
+            self._failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise
+
+    def __repr__(self) -> str:
+        s = self.plan.stages[self.stage]
+        return (f"Pipeline(rank={self.ctx.rank}, stage={self.stage}/{self.plan.num_stages}, replica={self.replica}"
+                f"/{s.replicas}, layers=[{s.layers[0]}, {s.layers[1]}), device={self.ctx.device}, "
+                f"schedule={self.plan.schedule}, K={s.warmup})")
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _run(self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...]) -> float:
+        key = input_key(xs)
+        layout = self._layout(key)
+        program, waits = self._program(layout)
+        stash = {p: p.grad for p in self.module.parameters()}  # earlier gradients: added back at the end
+        for p in stash:
+            p.grad = None
+        alive: dict[int, _MicroBatch] = {}
+        outbox: list[torch.Tensor | None] = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for ins in program:
+            t = ins.transfer
+            if ins.action == "recv":
+                spec = self._spec(key, t)
+                self._p2p.post_recv(t, torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device))
+            elif ins.action == "send":
+                lo = t.start - self._rows[0]  # rows of this rank's slice that the route covers
+                self._p2p.send(t, self._checked(outbox[t.value][lo:lo + t.rows], self._spec(key, t), t))
+            elif ins.op.kind == "F":
+                outbox = self._forward(ins.op.micro_batch, waits[ins.op], xs, ys, alive, layout)
+                if alive[ins.op.micro_batch].loss is not None:
+                    loss_sum += alive[ins.op.micro_batch].loss.detach()
+            else:
+                if ins.op.micro_batch == self.plan.num_micro_batches - 1:  # the last backward of the step
+                    self._reducer.arm()  # gradient AllReduce buckets start as their gradients become final
+                outbox = self._backward(ins.op.micro_batch, waits[ins.op], alive, layout)
+        self._p2p.finish()
+        where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
+        self._reducer.finish(self.timeout, where)
+        try:  # the global mean loss lives on the last stage's replicas; every rank returns it
+            dist.all_reduce(loss_sum, async_op=True).wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise PipelineError(f"{where}: loss AllReduce over all ranks failed or timed out (timeout "
+                                f"{self.timeout:g}s): {str(e).strip()[:300]}") from e
+        for p, old in stash.items():
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        return float(loss_sum)
+
+    def _forward(self, j: int, recvs: list[Transfer], xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...],
+                 alive: dict[int, _MicroBatch], layout: Layout) -> list[torch.Tensor | None]:
+        g, b = self.graph, self.plan.micro_batch_size
+        lo, hi = j * b + self._rows[0], j * b + self._rows[1]  # this replica's rows of the global batch
+        env: dict[str, Any] = {}
+        for name in g.inputs:
+            i = self._input_names.index(name)
+            env[name] = xs[i][lo:hi].to(self.ctx.device, non_blocking=True) if i < len(xs) else self._defaults[name]
+        leaves: list[torch.Tensor] = []
+        if self.stage > 0:  # concat: the pieces of each value from the senders whose slices overlap ours
+            pieces = self._gather(recvs, len(g.recv))
+            grads = set(layout.grads[self.stage - 1])
+            for v, name in enumerate(g.recv):
+                x = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])  # (rows, ...)
+                leaves.append(x.requires_grad_(v in grads))
+                env[name] = x.clone() if name in g.modified and x.requires_grad else x  # leaves stay intact
+        outs = self.module(*[env[a] for a in g.args])
+        env.update(zip(g.outs, outs))
+        if self.stage == self.plan.num_stages - 1:
+            out = resolve_output(g.output, env)
+            tgt = [y[lo:hi].to(self.ctx.device, non_blocking=True) for y in ys]
+            loss = self.loss_fn(out, *tgt)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor (the mean over the rows it is given), got "
+                                f"{loss!r:.80}")
+            alive[j] = _MicroBatch(leaves, [], loss.reshape(()) * ((hi - lo) / self.plan.global_batch_size))
+            return []
+        sent = [env[name] for name in g.send]
+        alive[j] = _MicroBatch(leaves, sent, None)
+        return sent
+
+    def _backward(self, j: int, recvs: list[Transfer], alive: dict[int, _MicroBatch], layout: Layout
+                  ) -> list[torch.Tensor | None]:
+        m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations
+        if m.loss is not None:
+            if m.loss.requires_grad:
+                m.loss.backward()
+        else:
+            pieces = self._gather(recvs, len(self.graph.send))
+            roots, grads = [], []
+            for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
+                g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
+                if m.sent[v].requires_grad:
+                    roots.append(m.sent[v])
+                    grads.append(g.to(m.sent[v].dtype))
+            if roots:
+                torch.autograd.backward(roots, grads)
+        if self.stage == 0:
+            return []
+        out: list[torch.Tensor | None] = []
+        for v, leaf in enumerate(m.leaves):
+            if v in layout.grads[self.stage - 1]:
+                out.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+            else:
+                out.append(None)
+        return out
+
+    def _checked(self, x: torch.Tensor, spec: Spec, t: Transfer) -> torch.Tensor:
+        """What goes on the wire must be what the receiver allocated (shape inference is a promise)."""
+        if tuple(x.shape) != spec.shape:
+            raise PipelineError(f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}: {self._value_name(t)} "
+                                f"of micro-batch {t.micro_batch} has shape {tuple(x.shape)} but shape inference "
+                                f"(meta device) gave {spec.shape}; the model's shapes must not depend on values")
+        return x if x.dtype == spec.dtype else x.to(spec.dtype)  # e.g. under autocast (meta runs without it)
+
+    def _gather(self, recvs: list[Transfer], count: int) -> list[list[torch.Tensor]]:
+        """Wait for an op's receives; per value, the pieces in row order (routes are sorted by rows)."""
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        for t in recvs:
+            pieces[t.value].append(self._p2p.wait_recv(t))
+        return pieces
+
+    # ---- plans for the communication ------------------------------------------------------------
+    def _layout(self, key: tuple) -> Layout:
+        specs = self._shapes.specs(key, self.plan.micro_batch_size)
+        return Layout(values=tuple(len(c) for c in specs),
+                      grads=tuple(tuple(v for v, sp in enumerate(c) if sp.requires_grad) for c in specs))
+
+    def _program(self, layout: Layout) -> tuple[list[Instr], dict]:
+        if layout not in self._programs:
+            prog = rank_program(self.plan, layout, self.ctx.rank)
+            self._programs[layout] = (prog, op_receives(prog, self.ctx.rank, self.plan, layout))
+        return self._programs[layout]
+
+    def _spec(self, key: tuple, t: Transfer) -> Spec:
+        return self._shapes.specs(key, t.rows)[t.cut][t.value]
+
+    def _value_name(self, t: Transfer) -> str:
+        return f"value {self._boundary[t.cut][t.value]!r}"
+
+    def _handshake(self) -> None:
+        """One tiny message on every channel this rank uses, in a global order, before the first step.
+
+        Checks that every peer is reachable (bounded by the timeout) and, on NCCL, creates each pair's
+        communicator in an order that cannot deadlock, so the schedule's early receives never block on it.
+        """
+        plan, rank = self.plan, self.ctx.rank
+        channels = set()
+        for c in range(plan.num_stages - 1):
+            src, dst = plan.stages[c].devices, plan.stages[c + 1].devices
+            for r in routes(plan.micro_batch_size, len(src), len(dst)):
+                channels.add((src[r.src], dst[r.dst], "act"))
+                channels.add((dst[r.dst], src[r.src], "grad"))
+        mine = []
+        for ch in sorted(channels):
+            if rank in ch[:2]:
+                t = Transfer(ch[2], -1, -1, 0, ch[0], ch[1], 0, 1)
+                buf = torch.zeros(1, device=self.ctx.device)
+                if rank == ch[0]:
+                    self._p2p.send(t, buf)
+                else:
+                    self._p2p.post_recv(t, buf)
+                    mine.append(t)
+        for t in mine:
+            self._p2p.wait_recv(t)
+        self._p2p.finish()
+        for g in self._groups:
+            try:
+                dist.all_reduce(torch.zeros(1, device=self.ctx.device), group=g.group, async_op=True).wait(
+                    timeout=timedelta(seconds=self.timeout))
+            except Exception as e:
+                raise PipelineError(f"rank {rank} (stage {self.stage}): could not reach the ranks {g.ranks} of the "
+                                    f"{g.label} group within {self.timeout:g}s: {e}") from e
+
+
+def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,
+             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
+             backend: str | None = None) -> Pipeline:
+    """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
+
+    Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss;
+    the default process group is initialised from torchrun's environment if needed (NCCL and
+    ``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU otherwise). ``loss_fn(output, *targets)``
+    must return the mean loss over the rows it is given. ``timeout`` (seconds) bounds every receive and
+    collective: a dead or stuck peer makes the others raise :class:`PipelineError` naming rank, stage,
+    peer and micro-batch. ``concrete_args``/``leaf_modules`` are passed to the tracer, as for the profiler.
+    """
+    return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
+                    backend=backend)

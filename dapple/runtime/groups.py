@@ -1,0 +1,167 @@
+"""Process groups (one per replicated stage, one per set of stages sharing tied parameters) and the bucketed
+gradient AllReduce over them (paper V-B3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..planner.plan import Plan
+from .comm import PipelineError
+from .split import StageGraph
+
+BUCKET_BYTES = 25 * 2**20  # gradients are flattened into buckets of about this size, one AllReduce each
+
+
+@dataclass
+class GradGroup:
+    """Ranks that sum gradients of ``names`` (canonical parameter names) after the last backward."""
+
+    label: str  # "stage 1 replicas" or "tied stages 0,3"
+    ranks: list[int]
+    names: list[str]
+    group: dist.ProcessGroup | None = None  # set on members only
+    params: list[nn.Parameter] = field(default_factory=list)  # this rank's tensors for ``names``
+
+
+def canonical_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in ``model.named_parameters()`` (a tied parameter: its first name)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def tied_owners(stages: Sequence[StageGraph], names: dict[int, str]) -> dict[tuple[int, ...], list[str]]:
+    """Parameters used by more than one stage, grouped by the set of stages using them."""
+    users: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for st in stages:
+        for p in st.parameters():
+            users.setdefault(id(p), []).append(st.index)
+            params[id(p)] = p
+    tied: dict[tuple[int, ...], list[str]] = {}
+    for pid, owners in users.items():
+        if len(owners) > 1:
+            tied.setdefault(tuple(sorted(owners)), []).append(names[pid])
+    return {k: sorted(v) for k, v in sorted(tied.items())}
+
+
+def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, str], rank: int,
+                     timeout: float) -> list[GradGroup]:
+    """Create the gradient groups on every rank, in the same order; return those with their members.
+
+    Order: replicated stages by index, then tied-parameter owner sets in sorted order. A tied parameter is
+    summed once over the union of its owning stages' ranks (so not again within its stage's replicas).
+    """
+    tied = tied_owners(stages, names)
+    tied_names = {n for ns in tied.values() for n in ns}
+    specs: list[GradGroup] = []
+    for s, st in enumerate(stages):
+        ranks = list(plan.stages[s].devices)
+        own = [names[id(p)] for p in st.parameters() if p.requires_grad and names[id(p)] not in tied_names]
+        if len(ranks) > 1 and own:
+            specs.append(GradGroup(f"stage {s} replicas", ranks, own))
+    for owners, ns in tied.items():
+        ranks = sorted(d for s in owners for d in plan.stages[s].devices)
+        specs.append(GradGroup(f"tied parameters of stages {','.join(map(str, owners))}", ranks, ns))
+    my_stage = stages[plan.stage_of_device(rank)]
+    mine = {names[id(p)]: p for p in my_stage.parameters()}
+    for spec in specs:
+        group = dist.new_group(spec.ranks, timeout=timedelta(seconds=timeout))  # every rank calls, in order
+        if rank in spec.ranks:
+            spec.group = group
+            spec.params = [mine[n] for n in spec.names]
+    return [s for s in specs if s.group is not None]
+
+
+class GradReducer:
+    """Bucketed gradient AllReduce, overlapped with the step's last backward.
+
+    Buckets hold a group's parameters in reverse order (the order backward finishes them). While the last
+    backward op runs (:meth:`arm`), a hook after each parameter's final gradient accumulation launches a
+    bucket's async AllReduce as soon as all its parameters are done and the group's earlier buckets are
+    launched (so every member launches the same buckets in the same order). :meth:`finish` launches the
+    rest (parameters the last backward did not reach), waits, and copies the sums into ``.grad``.
+    """
+
+    def __init__(self, groups: Sequence[GradGroup], bucket_bytes: int = BUCKET_BYTES):
+        self.buckets: list[tuple[GradGroup, list[nn.Parameter]]] = []
+        for g in groups:  # same group order and bucket layout on every member
+            self.buckets += [(g, b) for b in _buckets([p for p in reversed(g.params) if p.requires_grad],
+                                                      bucket_bytes)]
+        self._bucket_of = {id(p): i for i, (_, b) in enumerate(self.buckets) for p in b}
+        self._armed = False
+        self._left: list[int] = []
+        self._launched: list[tuple | None] = []
+        for _, bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._ready)
+
+    def arm(self) -> None:
+        """From now on (the step's last backward), launch each bucket once its gradients are final."""
+        self._left = [len(b) for _, b in self.buckets]
+        self._launched = [None] * len(self.buckets)
+        self._armed = True
+
+    def _ready(self, p: nn.Parameter) -> None:
+        i = self._bucket_of.get(id(p))
+        if not self._armed or i is None:
+            return
+        self._left[i] -= 1
+        group = self.buckets[i][0]
+        for k, (g, _) in enumerate(self.buckets):  # launch this group's buckets in order, while ready
+            if g is group and self._launched[k] is None:
+                if self._left[k] > 0:
+                    break
+                self._launch(k)
+
+    def _launch(self, k: int) -> None:
+        g, bucket = self.buckets[k]
+        for p in bucket:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in bucket]
+        flat = torch._utils._flatten_dense_tensors(grads)  # (sum of numels,)
+        self._launched[k] = (grads, flat, dist.all_reduce(flat, group=g.group, async_op=True))
+
+    def finish(self, timeout: float, where: str) -> None:
+        """Launch what is left, wait for every bucket, write the sums back into ``.grad``."""
+        if not self._armed:
+            self.arm()
+        self._armed = False
+        for k in range(len(self.buckets)):
+            if self._launched[k] is None:
+                self._launch(k)
+        for k, (g, _) in enumerate(self.buckets):
+            grads, flat, work = self._launched[k]
+            try:
+                work.wait(timeout=timedelta(seconds=timeout))
+            except Exception as e:
+                raise PipelineError(f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks}) failed or timed "
+                                    f"out (timeout {timeout:g}s): {_first_line(e)}") from e
+            for dst, src in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                dst.copy_(src)
+        self._launched = []
+
+
+def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one dtype and device, each bucket up to ``limit`` bytes (at least one)."""
+    out: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if out and size + nbytes <= limit and out[-1][0].dtype == p.dtype and out[-1][0].device == p.device:
+            out[-1].append(p)
+            size += nbytes
+        else:
+            out.append([p])
+            size = nbytes
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

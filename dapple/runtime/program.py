@@ -1,0 +1,183 @@
+"""Per-rank communication programs (recv posts, computations, sends) and a deadlock-checking dry run."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from ..planner.plan import Plan
+from ..planner.schedule import Op, stage_ops
+from ..planner.slices import routes, slice_bounds
+
+LOOKAHEAD = 1  # receives are posted for the current op and the next one, so transfers overlap compute
+
+
+class Transfer(NamedTuple):
+    """One message: rows ``[start, end)`` of boundary value ``value`` at cut ``cut`` for one micro-batch.
+
+    ``kind`` "act" goes forward from stage ``cut`` to stage ``cut + 1``; "grad" is its gradient, going back.
+    ``src``/``dst`` are global ranks; ``rows`` is what both sides size their buffers from.
+    """
+
+    kind: str
+    cut: int
+    micro_batch: int
+    value: int
+    src: int
+    dst: int
+    start: int
+    end: int
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    @property
+    def channel(self) -> tuple[int, int, str]:
+        return (self.src, self.dst, self.kind)
+
+
+class Instr(NamedTuple):
+    """One step of a rank's program: ``"recv"`` (post an irecv), ``"compute"`` (wait its recvs, run op),
+    ``"send"`` (post an isend)."""
+
+    action: str
+    op: Op | None = None
+    transfer: Transfer | None = None
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.op}" if self.action == "compute" else f"{self.action} {self.transfer}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What moves across each cut: ``values[c]`` boundary values after stage c, ``grads[c]`` the indices of
+    those that carry a gradient back (floating point tensors that require grad)."""
+
+    values: tuple[int, ...]  # per cut: number of boundary values
+    grads: tuple[tuple[int, ...], ...]  # per cut: indices of values whose gradient is sent back
+
+
+def _slice_of(plan: Plan, stage: int, replica: int) -> tuple[int, int]:
+    return slice_bounds(plan.micro_batch_size, plan.stages[stage].replicas)[replica]
+
+
+def op_transfers(plan: Plan, layout: Layout, rank: int, op: Op) -> tuple[list[Transfer], list[Transfer]]:
+    """(receives, sends) of ``rank`` for one op, in posting order: by route (sender, then receiver), then value."""
+    s = plan.stage_of_device(rank)
+    me = plan.stages[s].devices.index(rank)
+    b, j = plan.micro_batch_size, op.micro_batch
+    recvs: list[Transfer] = []
+    sends: list[Transfer] = []
+
+    def cut_routes(c: int):  # routes across the cut after stage c, with global ranks
+        src_ranks, dst_ranks = plan.stages[c].devices, plan.stages[c + 1].devices
+        for r in routes(b, len(src_ranks), len(dst_ranks)):
+            yield r, src_ranks[r.src], dst_ranks[r.dst]
+
+    if op.kind == "F":
+        if s > 0:  # activations from the previous stage (split-concat, paper V-B2)
+            for r, src, dst in cut_routes(s - 1):
+                if r.dst == me:
+                    recvs += [Transfer("act", s - 1, j, v, src, dst, r.start, r.end)
+                              for v in range(layout.values[s - 1])]
+        if s < plan.num_stages - 1:
+            for r, src, dst in cut_routes(s):
+                if r.src == me:
+                    sends += [Transfer("act", s, j, v, src, dst, r.start, r.end) for v in range(layout.values[s])]
+    else:
+        if s < plan.num_stages - 1:  # gradients of what this stage sent, back along the same routes
+            for r, src, dst in cut_routes(s):
+                if r.src == me:
+                    recvs += [Transfer("grad", s, j, v, dst, src, r.start, r.end) for v in layout.grads[s]]
+        if s > 0:
+            for r, src, dst in cut_routes(s - 1):
+                if r.dst == me:
+                    sends += [Transfer("grad", s - 1, j, v, dst, src, r.start, r.end) for v in layout.grads[s - 1]]
+    return recvs, sends
+
+
+def rank_program(plan: Plan, layout: Layout, rank: int, lookahead: int = LOOKAHEAD) -> list[Instr]:
+    """The exact sequence of posts and computations ``rank`` runs in one training step.
+
+    Computations follow ``stage_ops(plan.schedule, M, K_i)``. Receives of op t+``lookahead`` are posted
+    before op t computes (irecv early); sends are posted right after the op that produced them and never
+    waited on before the end of the step, so only receives can block.
+    """
+    s = plan.stage_of_device(rank)
+    ops = stage_ops(plan.schedule, plan.num_micro_batches, plan.warmup[s])
+    per_op = [op_transfers(plan, layout, rank, op) for op in ops]
+    prog: list[Instr] = []
+    posted = 0
+    for t, op in enumerate(ops):
+        while posted < len(ops) and posted <= t + lookahead:
+            prog += [Instr("recv", transfer=x) for x in per_op[posted][0]]
+            posted += 1
+        prog.append(Instr("compute", op=op))
+        prog += [Instr("send", transfer=x) for x in per_op[t][1]]
+    return prog
+
+
+def op_receives(program: Sequence[Instr], rank: int, plan: Plan, layout: Layout) -> dict[Op, list[Transfer]]:
+    """For each compute of ``program``, the receives it waits for."""
+    return {i.op: op_transfers(plan, layout, rank, i.op)[0] for i in program if i.action == "compute"}
+
+
+class CommError(RuntimeError):
+    """Per-rank programs that do not match pairwise or that would deadlock."""
+
+
+def dry_run(plan: Plan, layout: Layout, programs: dict[int, list[Instr]] | None = None) -> int:
+    """Play every rank's program without processes; return the number of rounds, or raise CommError.
+
+    Checks that on every channel (sender, receiver, kind) the sender's sends and the receiver's receives
+    are the same messages in the same order with the same row counts, and that the ranks can all finish
+    when a receive completes only once its matching send was posted (gloo semantics; as each channel is
+    matched in order, also NCCL's in-order pairing).
+    """
+    ranks = range(plan.num_devices)
+    progs = programs if programs is not None else {r: rank_program(plan, layout, r) for r in ranks}
+    sent: dict[tuple, list[Transfer]] = defaultdict(list)
+    recv: dict[tuple, list[Transfer]] = defaultdict(list)
+    for r, prog in progs.items():
+        for ins in prog:
+            if ins.action == "send":
+                if ins.transfer.src != r:
+                    raise CommError(f"rank {r} posts a send from rank {ins.transfer.src}: {ins.transfer}")
+                sent[ins.transfer.channel].append(ins.transfer)
+            elif ins.action == "recv":
+                if ins.transfer.dst != r:
+                    raise CommError(f"rank {r} posts a receive for rank {ins.transfer.dst}: {ins.transfer}")
+                recv[ins.transfer.channel].append(ins.transfer)
+    for ch in sorted(set(sent) | set(recv)):
+        a, b = sent.get(ch, []), recv.get(ch, [])
+        for k in range(max(len(a), len(b))):
+            x = a[k] if k < len(a) else None
+            y = b[k] if k < len(b) else None
+            if x != y:
+                raise CommError(f"channel {ch[0]}->{ch[1]} ({ch[2]}): message {k} is {x} at the sender but {y} "
+                                f"at the receiver")
+    # Simulation: position of each transfer in its channel, and how many sends each channel has seen.
+    position = {x: k for ch, xs in sent.items() for k, x in enumerate(xs)}
+    done_sends: dict[tuple, int] = defaultdict(int)
+    waits = {r: op_receives(progs[r], r, plan, layout) for r in ranks}
+    pc = {r: 0 for r in ranks}
+    rounds = 0
+    while any(pc[r] < len(progs[r]) for r in ranks):
+        rounds += 1
+        progress = False
+        for r in ranks:
+            prog = progs[r]
+            while pc[r] < len(prog):
+                ins = prog[pc[r]]
+                if ins.action == "compute" and any(done_sends[x.channel] <= position[x] for x in waits[r][ins.op]):
+                    break
+                if ins.action == "send":
+                    done_sends[ins.transfer.channel] += 1
+                pc[r] += 1
+                progress = True
+        if not progress:
+            stuck = {r: str(progs[r][pc[r]]) for r in ranks if pc[r] < len(progs[r])}
+            raise CommError(f"deadlock: every unfinished rank waits on a receive nobody will send: {stuck}")
+    return rounds

@@ -1,0 +1,163 @@
+"""Splitting a traced model into stage submodules at a plan's cuts (torch.fx split_module), original names kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.split_module import split_module
+
+from ..profiler.layers import LayerGraph
+
+
+@dataclass
+class StageGraph:
+    """One stage of the split model, as every rank sees it.
+
+    ``module`` holds the stage's computation; its parameters and buffers keep their qualified names in the
+    original model (``blocks.3.attn.qkv.weight``). Values are named after the nodes of the traced model.
+    """
+
+    index: int
+    module: fx.GraphModule
+    args: list[str]  # the module's positional inputs: model input names or boundary value names
+    outs: list[str]  # what the module returns (a tuple), in order
+    recv: list[str]  # boundary values arriving from stage index-1 (including ones relayed onwards)
+    send: list[str]  # boundary values leaving for stage index+1 (including relayed ones)
+    output: Any = None  # last stage: the model's output structure, value names in place of nodes
+    inputs: list[str] = field(default_factory=list)  # the model inputs this stage reads locally
+    modified: set[str] = field(default_factory=set)  # received values the stage changes in place
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's parameters, each once, in module order."""
+        return list(self.module.parameters())
+
+
+def cuts_of(stage_layers: Sequence[tuple[int, int]]) -> list[int]:
+    """Layer index where each stage starts."""
+    return [lo for lo, _ in stage_layers]
+
+
+def boundary_values(lg: LayerGraph, stage_of: dict[fx.Node, int], num_stages: int) -> list[list[str]]:
+    """carry[c]: values computed in stages <= c and used in a stage > c (or by the model output), in graph order.
+
+    A value made in stage i and used in stage j > i+1 (a long skip) appears in every cut between: it is
+    relayed through the middle stages, which keeps its gradient path (each relay backpropagates it as an
+    identity).
+    """
+    last_use: dict[fx.Node, int] = {}
+    for n in lg.gm.graph.nodes:
+        user_stage = num_stages - 1 if n.op == "output" else stage_of.get(n)
+        if user_stage is None:
+            continue
+        for a in n.all_input_nodes:
+            if a.op not in ("placeholder", "get_attr"):
+                last_use[a] = max(last_use.get(a, -1), user_stage)
+    carry: list[list[str]] = [[] for _ in range(num_stages - 1)]
+    for n in lg.gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output") or n not in stage_of:
+            continue
+        for c in range(stage_of[n], last_use.get(n, -1)):
+            carry[c].append(n.name)
+    return carry
+
+
+def split_stages(lg: LayerGraph, stage_layers: Sequence[tuple[int, int]]) -> list[StageGraph]:
+    """Cut ``lg`` into one :class:`StageGraph` per stage (layer ranges ``[start, end)``, contiguous)."""
+    num_stages = len(stage_layers)
+    stage_of = lg.stage_of_node(cuts_of(stage_layers))
+    qualnames: dict[str, str] = {}
+    parts = split_module(lg.gm, None, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=True,
+                         keep_original_node_name=True, tuple_return=True)
+    original = {n.name: n for n in lg.gm.graph.nodes}
+    carry = boundary_values(lg, stage_of, num_stages)
+    model_inputs = [n.name for n in lg.gm.graph.nodes if n.op == "placeholder"]
+    stages = []
+    for s in range(num_stages):
+        name = f"submod_{s}"
+        sub = getattr(parts, name, None)
+        if sub is None:  # a stage whose layers hold no computation at all
+            raise ValueError(f"stage {s} (layers {list(stage_layers[s])}) contains no operations to run")
+        graph, args, outs = _with_original_names(sub.graph, name, qualnames, original)
+        module = fx.GraphModule(lg.gm, graph, f"Stage{s}")  # copies referenced submodules under their paths
+        stage = StageGraph(index=s, module=module, args=args, outs=outs,
+                           recv=carry[s - 1] if s > 0 else [], send=carry[s] if s < num_stages - 1 else [],
+                           inputs=[a for a in args if a in model_inputs], modified=_modified_in_place(module))
+        stages.append(stage)
+    out_node = next(n for n in lg.gm.graph.nodes if n.op == "output")
+    stages[-1].output = fx.node.map_arg(out_node.args[0], lambda n: _Ref(n.name))
+    return stages
+
+
+def _modified_in_place(gm: fx.GraphModule) -> set[str]:
+    """Placeholders that an op changes in place (``relu_``, ``x.add_``, ``nn.ReLU(inplace=True)``).
+
+    Received values become autograd leaves, which may not be modified in place; the engine hands
+    these ones to the stage through a copy.
+    """
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or not n.args or not isinstance(n.args[0], fx.Node) or n.args[0].op != "placeholder":
+            continue
+        name = getattr(n.target, "__name__", str(n.target))
+        inplace = n.kwargs.get("inplace", False) is True or (name.endswith("_") and not name.endswith("__"))
+        if n.op == "call_module":
+            inplace = getattr(gm.get_submodule(n.target), "inplace", False) is True
+        if inplace:
+            out.add(n.args[0].name)
+    return out
+
+
+class _Ref(str):
+    """A value name standing in for an fx node inside the model's output structure."""
+
+
+def resolve_output(template: Any, env: dict[str, Any]) -> Any:
+    """The model output structure with each value name replaced by its value from ``env``."""
+    if isinstance(template, _Ref):
+        return env[template]
+    if isinstance(template, tuple):
+        return tuple(resolve_output(t, env) for t in template)
+    if isinstance(template, list):
+        return [resolve_output(t, env) for t in template]
+    if isinstance(template, dict):
+        return {k: resolve_output(v, env) for k, v in template.items()}
+    return template
+
+
+def _with_original_names(sub: fx.Graph, prefix: str, qualnames: dict[str, str], original: dict[str, fx.Node]
+                         ) -> tuple[fx.Graph, list[str], list[str]]:
+    """Rebuild a split_module partition graph so it addresses the original model's attributes.
+
+    split_module renames call_module targets ``a.b`` -> ``a_b`` (undone via ``qualname_map``) and turns
+    get_attr tensors (parameters used directly) into placeholders (turned back into get_attr nodes here).
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    args: list[str] = []
+    outs: list[str] = []
+    for n in sub.nodes:
+        if n.op == "placeholder":
+            orig = original.get(n.name)
+            if orig is not None and orig.op == "get_attr":
+                env[n] = graph.get_attr(orig.target)
+            else:
+                env[n] = graph.placeholder(n.name)
+                args.append(n.name)
+        elif n.op in ("call_module", "get_attr"):
+            target = qualnames.get(f"{prefix}.{n.target}", n.target)
+            new = graph.create_node(n.op, target, fx.node.map_arg(n.args, env.__getitem__),
+                                    fx.node.map_arg(n.kwargs, env.__getitem__), name=n.name)
+            new.meta = dict(n.meta)
+            env[n] = new
+        elif n.op == "output":
+            values = n.args[0]
+            values = values if isinstance(values, (tuple, list)) else (values,)
+            outs = [v.name for v in values]
+            graph.output(tuple(env[v] for v in values))
+        else:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.lint()
+    return graph, args, outs

@@ -1,0 +1,61 @@
+"""Checks of a plan against the world, the model and each batch, run before any work; errors name values."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..planner.plan import Plan
+from ..planner.schedule import validate_warmup
+
+
+def check_plan(plan: Any, world_size: int) -> None:
+    """The plan is a valid Plan for a world of ``world_size`` ranks, every rank in exactly one stage."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a dapple.Plan (e.g. dapple.Plan.load('plan.yaml')), got "
+                        f"{type(plan).__name__}")
+    plan.validate()  # contiguous layer ranges from 0, device ids 0..n-1 each in one stage, batch divisibility
+    if plan.num_devices != world_size:
+        raise ValueError(f"plan needs {plan.num_devices} ranks, world has {world_size} (launch with "
+                         f"torchrun --nproc_per_node={plan.num_devices}, or make a plan for {world_size} devices)")
+    validate_warmup(plan.warmup, plan.num_micro_batches)
+
+
+def check_layers(plan: Plan, names: Sequence[str]) -> None:
+    """The plan was made for this model: same layers (the profiler's grouping), same count."""
+    if plan.num_layers != len(names):
+        raise ValueError(f"plan covers {plan.num_layers} layers but the model has {len(names)}: {list(names)}")
+    if plan.layer_names is None:
+        return
+    for i, (a, b) in enumerate(zip(plan.layer_names, names)):
+        if a != b:
+            raise ValueError(f"plan.layer_names differs from the model's layers at index {i}: the plan has {a!r}, "
+                             f"the model has {b!r} (was the plan made for another model, or with other "
+                             f"leaf_modules?)")
+
+
+def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
+    """A tensor or a tuple/list of tensors, as a tuple."""
+    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    for i, t in enumerate(xs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{i}]: expected a tensor, got {type(t).__name__}")
+    return xs
+
+
+def check_batch(plan: Plan, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+                input_names: Sequence[str], required: int | None = None) -> None:
+    """Inputs match the model's arguments (the first ``required`` have no default) and every input/target
+    holds the global batch in dimension 0."""
+    required = len(input_names) if required is None else required
+    if not required <= len(inputs) <= len(input_names):
+        want = f"{required}" if required == len(input_names) else f"{required} to {len(input_names)}"
+        raise ValueError(f"the model takes {want} inputs {list(input_names)}, got {len(inputs)}")
+    g = plan.global_batch_size
+    for what, xs in (("inputs", inputs), ("targets", targets)):
+        for i, t in enumerate(xs):
+            if t.dim() == 0 or t.shape[0] != g:
+                raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)}; expected the global batch of "
+                                 f"{g} rows (plan.global_batch_size) in dimension 0, split into "
+                                 f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}")

@@ -1,0 +1,61 @@
+"""Test helper: run a function on N spawned processes with torchrun's environment; collect per-rank results."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+from dapple.runtime.distributed import free_port
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    torch.set_num_threads(1)
+    try:
+        out = (rank, True, fn(*args))
+    except BaseException:  # the traceback goes back to the test
+        out = (rank, False, traceback.format_exc())
+    q.put(out)
+    os._exit(0)  # skip process-group destructors: a test about dead peers must not hang on them
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 150.0) -> list[Any]:
+    """``fn(*args)`` on ``world`` processes; returns per-rank results, or raises with the failing tracebacks."""
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
+            if q.empty():
+                for r, p in enumerate(procs):  # exited cleanly without a result (a test's vanishing rank)
+                    if p.exitcode == 0 and r not in results and q.empty():
+                        results[r] = (True, None)
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    raise RuntimeError(f"ranks died without a result: {dead}")
+                time.sleep(0.02)
+                continue
+            rank, ok, value = q.get()
+            results[rank] = (ok, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    failed = {r: v for r, (ok, v) in results.items() if not ok}
+    if failed:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items())))
+    return [results[r][1] for r in range(world)]

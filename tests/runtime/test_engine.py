@@ -1,0 +1,63 @@
+"""Transparency on 4 processes (gloo, float64): loss and every gradient equal single-process training, for
+every plan shape; activations alive bounded by K_i whatever M (dapple) but not under gpipe."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime import workers
+from tests.runtime._spawn import run_ranks
+
+TOL = 1e-9
+SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned")]
+
+
+@pytest.fixture(scope="module")
+def results():
+    """All cases, run once on one world of 4 ranks (spawning is the expensive part)."""
+    return run_ranks(workers.run_cases, 4, workers.CASES_4, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pipeline_equals_single_process(results, shape):
+    steps = [r[shape] for r in results]  # per rank, per step
+    for rank, per_step in enumerate(steps):
+        for step, res in enumerate(per_step):
+            assert res["loss"] <= TOL, (shape, rank, step, res["loss"])
+            bad = {n: e for n, e in res["grads"].items() if not e <= TOL}
+            assert not bad, (shape, rank, step, bad)
+    # every parameter of the model is checked on some rank, and replicas of a stage hold the same names
+    for step in range(len(steps[0])):
+        seen = set().union(*(set(r[step]["grads"]) for r in steps))
+        assert seen == set(steps[0][step]["expected"]), shape
+        by_stage: dict[int, set] = {}
+        for r in steps:
+            names = set(r[step]["grads"])
+            assert by_stage.setdefault(r[step]["stage"], names) == names
+
+
+@pytest.mark.slow
+def test_gradient_allreduce_overlaps_the_last_backward(results):
+    for rank, per_step in enumerate(r["pure_dp_4"] for r in results):
+        for res in per_step:
+            buckets, early = res["buckets"]
+            assert buckets > 0 and early == buckets, (rank, res["buckets"])  # all launched by backward hooks
+
+
+@pytest.mark.slow
+def test_activation_memory_bounded_by_warmup_not_micro_batches(results):
+    """Saved-for-backward bytes per rank (straight 4 stages, policy A: K = 4, 3, 2, 1) at M = 4 and 8."""
+    for rank, peaks in enumerate(r["memory"] for r in results):
+        per_micro_batch = peaks["gpipe/4"] / 4  # gpipe holds all M micro-batches at once
+        assert peaks["gpipe/8"] == pytest.approx(8 * per_micro_batch, rel=0.02), (rank, peaks)
+        k = 4 - rank
+        for m in (4, 8):  # dapple holds K_i of them, whatever M
+            assert peaks[f"dapple/{m}"] == pytest.approx(k * per_micro_batch, rel=0.02), (rank, m, peaks)
+
+
+@pytest.mark.slow
+def test_each_rank_keeps_only_its_stage(results):
+    for rank, owned in enumerate(r["owned"] for r in results):
+        assert owned["alive"] == owned["mine"] and owned["mine"], (rank, owned)
+    assert "wte.weight" in results[3]["owned"]["mine"]  # the tied head, under its first name

@@ -1,0 +1,46 @@
+"""A rank that vanishes or stalls mid-training makes the others raise within the timeout, naming stage,
+peer and micro-batch; never a hang."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.runtime import workers
+from tests.runtime._spawn import run_ranks
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Both scenarios at once (two independent worlds), as they mostly wait."""
+    with ThreadPoolExecutor(2) as pool:
+        # rank 2 (last stage) exits in its 6th forward: step 2, micro-batch 1 (4 micro-batches per step)
+        vanished = pool.submit(run_ranks, workers.run_failing_peer, 3, 2, 6, 30.0, timeout=150)
+        # rank 1 stalls 6 s in its 7th forward (step 2, micro-batch 2) with a 1.5 s timeout, then exits
+        stalled = pool.submit(run_ranks, workers.run_failing_peer, 2, 1, 7, 1.5, 6.0, timeout=150)
+        return {"vanished": vanished.result(), "stalled": stalled.result()}
+
+
+def _seconds(msg: str) -> float:
+    return float(re.match(r"after ([\d.]+)s", msg).group(1))
+
+
+@pytest.mark.slow
+def test_vanished_rank_makes_the_others_raise(outcomes):
+    out = outcomes["vanished"]
+    assert out[2] is None  # it vanished without a word
+    for rank in (0, 1):
+        msg = out[rank]
+        assert msg.startswith("after") and _seconds(msg) < 30, msg
+        assert f"rank {rank} (stage {rank}), step 2" in msg and re.search(r"micro-batch \d", msg), msg
+    assert "from rank 2 (stage 2)" in out[1] or "to rank 2 (stage 2)" in out[1], out[1]
+
+
+@pytest.mark.slow
+def test_stalled_rank_times_out_the_others(outcomes):
+    msg = outcomes["stalled"][0]
+    assert "timed out" in msg and "rank 0 (stage 0), step 2" in msg and "rank 1 (stage 1)" in msg, msg
+    assert re.search(r"micro-batch \d", msg), msg
+    assert 1.2 < _seconds(msg) < 5.9, msg  # the timeout, not the stall (then "Connection closed by peer")

@@ -1,0 +1,59 @@
+"""Boundary shapes from meta propagation: per slice rows and input shape, cached; clear errors otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dapple.models import GPT
+from dapple.profiler import trace_layers
+from dapple.runtime.shapes import BoundaryShapes, Spec, input_key
+from dapple.runtime.split import split_stages
+
+
+def _shapes(model, cuts):
+    lg = trace_layers(model)
+    stages = split_stages(lg, cuts)
+    return BoundaryShapes(lg.gm, ["x"], [s.send for s in stages[:-1]])
+
+
+def test_gpt_boundary_per_rows_and_sequence_length():
+    model = GPT(n_layer=2, n_embd=8, n_head=2, vocab_size=20, block_size=16).double()
+    shapes = _shapes(model, [(0, 4), (4, 7)])
+    key8 = input_key([torch.zeros(4, 8, dtype=torch.long)])
+    assert shapes.specs(key8, 3) == [[Spec((3, 8, 8), torch.float64, True)]]
+    assert shapes.specs(input_key([torch.zeros(4, 5, dtype=torch.long)]), 2) == [[Spec((2, 5, 8), torch.float64,
+                                                                                       True)]]
+    assert shapes.specs(key8, 3) is shapes.specs(key8, 3)  # cached
+
+
+class Transposed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):  # (B, T, 4) -> the boundary is (T, B, 4)
+        return self.b(self.a(x).transpose(0, 1))
+
+
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.a.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_boundary_must_be_batch_first():
+    shapes = _shapes(Transposed(), [(0, 1), (1, 2)])
+    with pytest.raises(ValueError, match=r"'transpose' crosses the cut after stage 0 with shape \(5, 3, 4\) "
+                                         r"for a slice of 3 rows"):
+        shapes.specs(input_key([torch.zeros(8, 5, 4)]), 3)
+
+
+def test_frozen_first_stage_sends_no_gradient():
+    shapes = _shapes(Frozen(), [(0, 1), (1, 2)])
+    assert shapes.specs(input_key([torch.zeros(8, 4)]), 2) == [[Spec((2, 4), torch.float32, False)]]

@@ -1,0 +1,102 @@
+"""Bad input fails before any work, naming the values: plan vs world, layer names, batch sizes, arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import dapple
+from dapple.planner import Plan, Stage
+from tests.runtime.workers import Chain, _chain_data, _plan
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    """dapple.pipeline initialises a one-process world itself when not launched by torchrun."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_plan_needs_more_ranks_than_the_world_has():
+    model = Chain()
+    plan = _plan(model, [((0, 2), [0]), ((2, 5), [1])], 8, 2)
+    with pytest.raises(ValueError, match=r"plan needs 2 ranks, world has 1"):
+        dapple.pipeline(model, plan, F.cross_entropy)
+
+
+def test_layer_names_differ_at_an_index():
+    model = Chain()
+    names = ["blocks.0", "blocks.1", "blocks.9", "blocks.3", "head"]
+    plan = Plan(global_batch_size=8, micro_batch_size=2, stages=[Stage((0, 5), [0])], layer_names=names)
+    with pytest.raises(ValueError, match=r"at index 2: the plan has 'blocks.9', the model has 'blocks.2'"):
+        dapple.pipeline(model, plan, F.cross_entropy)
+    short = Plan(global_batch_size=8, micro_batch_size=2, stages=[Stage((0, 4), [0])])
+    with pytest.raises(ValueError, match=r"plan covers 4 layers but the model has 5"):
+        dapple.pipeline(model, short, F.cross_entropy)
+
+
+def test_bad_arguments():
+    model = Chain()
+    plan = _plan(model, [((0, 5), [0])], 8, 2)
+    with pytest.raises(TypeError, match="loss_fn"):
+        dapple.pipeline(model, plan, "cross_entropy")
+    with pytest.raises(ValueError, match="timeout"):
+        dapple.pipeline(model, plan, F.cross_entropy, timeout=0)
+    with pytest.raises(TypeError, match="dapple.Plan"):
+        dapple.pipeline(model, {"stages": []}, F.cross_entropy)
+
+
+def test_batch_sizes_are_checked_with_values():
+    model = Chain().double()
+    pipe = dapple.pipeline(model, _plan(model, [((0, 5), [0])], 8, 2), F.cross_entropy)
+    x, y = _chain_data(8)
+    with pytest.raises(ValueError, match=r"inputs\[0\] has shape \(7, 6\); expected the global batch of 8 rows"):
+        pipe.train_step(x[:7], y)
+    with pytest.raises(ValueError, match=r"targets\[0\] has shape \(6,\); expected the global batch of 8 rows"):
+        pipe.train_step(x, y[:6])
+    with pytest.raises(ValueError, match=r"the model takes 1 inputs \['x'\], got 2"):
+        pipe.train_step((x, x), y)
+    assert pipe.step == 0  # nothing ran
+
+
+class Optional(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x, scale=1.0, flag=False):
+        y = self.a(x)
+        if flag:  # specialised away by concrete_args
+            y = y * 2
+        return self.b(y * scale)
+
+
+def test_arguments_with_defaults_may_be_left_out():
+    model = Optional().double()
+    plan = Plan(global_batch_size=8, micro_batch_size=4, stages=[Stage((0, 2), [0])], layer_names=["a", "b"])
+    pipe = dapple.pipeline(model, plan, F.cross_entropy, concrete_args={"flag": False})
+    x, y = _chain_data(8)
+    assert pipe.train_step(x, y) == pytest.approx(float(F.cross_entropy(model(x), y).detach()), rel=1e-12)
+    scale = torch.full((8, 6), 0.5, dtype=torch.float64)
+    assert pipe.train_step((x, scale), y) == pytest.approx(float(F.cross_entropy(model(x, scale), y).detach()),
+                                                           rel=1e-12)
+    with pytest.raises(ValueError, match=r"the model takes 1 to 3 inputs \['x', 'scale', 'flag_1'\], got 4"):
+        pipe.train_step((x, x, x, x), y)
+
+
+def test_single_rank_accumulates_micro_batches_exactly():
+    """One rank, 4 micro-batches: the accumulated gradient is the whole-batch gradient (and the loss its mean)."""
+    model = Chain().double()
+    pipe = dapple.pipeline(model, _plan(model, [((0, 5), [0])], 8, 2), F.cross_entropy)
+    assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in model.named_parameters()]
+    x, y = _chain_data(8)
+    ref = Chain().double()
+    ref.load_state_dict(model.state_dict())
+    loss = F.cross_entropy(ref(x), y)
+    loss.backward()
+    assert pipe.train_step(x, y) == pytest.approx(float(loss.detach()), rel=1e-12)
+    for (n, p), (_, q) in zip(pipe.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)

@@ -1,0 +1,290 @@
+"""Per-rank functions for the multi-process runtime tests: tiny float64 models, plans, reference gradients."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dapple
+from dapple.models import GPT, ResNet, lm_loss
+from dapple.planner import Plan, Stage
+from dapple.profiler import trace_layers
+
+
+class Chain(nn.Module):
+    """``depth`` Linear+tanh blocks and a head: x (B, 6) -> (B, 3). Layers: blocks.0 .. blocks.{d-1}, head."""
+
+    def __init__(self, depth: int = 4, width: int = 6):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class Skip(nn.Module):
+    """A long skip: a0 (made in layer 0) is used again in layer 2. Layers: l0, l1, l2, head."""
+
+    def __init__(self, width: int = 6):
+        super().__init__()
+        self.l0, self.l1, self.l2 = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a0 = torch.tanh(self.l0(x))
+        a1 = torch.tanh(self.l1(a0))
+        a2 = torch.tanh(self.l2(a1) * a0)  # a0 crosses stage 1 (relayed)
+        return self.head(a2 + a0)
+
+
+def _plan(model: nn.Module, stages: list[tuple], gbs: int, mbs: int, **kw: Any) -> Plan:
+    """Stages as (layers, devices) or (layers, devices, warmup K_i)."""
+    names = trace_layers(model).names
+    return Plan(global_batch_size=gbs, micro_batch_size=mbs, stages=[Stage(*st) for st in stages],
+                layer_names=names, **kw)
+
+
+def _reference(model: nn.Module, loss_fn: Callable, x: Any, y: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    ref = copy.deepcopy(model)
+    loss = loss_fn(ref(x), y)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _compare(pipe: dapple.Pipeline, loss: float, ref_loss: float, ref: dict[str, torch.Tensor], scale: float = 1.0
+             ) -> dict[str, Any]:
+    errs = {}
+    for name, p in pipe.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        errs[name] = _rel(g, scale * ref[name])
+    return {"loss": abs(loss - ref_loss) / abs(ref_loss), "grads": errs, "expected": sorted(ref),
+            "stage": pipe.stage}
+
+
+def _chain_data(gbs: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(gbs, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (gbs,), generator=gen)
+
+
+def case_chain(stages, gbs, mbs, steps: int = 1, accumulate: bool = False, **kw) -> list[dict]:
+    """Chain model: each step compares loss and gradients; then SGD on both, so later steps check updates too."""
+    torch.manual_seed(0)
+    model = Chain().double()
+    plan = _plan(model, stages, gbs, mbs, **kw)
+    pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
+    launches = _watch_bucket_launches(pipe)
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        x, y = _chain_data(gbs, seed=step)
+        ref_loss, ref = _reference(ref_model, F.cross_entropy, x, y)
+        loss = pipe.train_step(x, y)
+        if accumulate:  # a second call without zero_grad adds the same gradient again
+            pipe.train_step(x, y)
+        out.append(_compare(pipe, loss, ref_loss, ref, 2.0 if accumulate else 1.0))
+        out[-1]["buckets"] = (len(pipe._reducer.buckets), sum(launches))
+        launches.clear()
+        for n, p in ref_model.named_parameters():
+            p.grad = ref[n].clone()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return out
+
+
+def _watch_bucket_launches(pipe: dapple.Pipeline) -> list[bool]:
+    """Record, for each gradient AllReduce bucket launched, whether it started during the last backward."""
+    reducer, seen = pipe._reducer, []
+    launch = reducer._launch
+
+    def watched(k: int) -> None:
+        seen.append(reducer._armed)
+        launch(k)
+    reducer._launch = watched
+    return seen
+
+
+def case_skip(stages, gbs, mbs) -> list[dict]:
+    torch.manual_seed(0)
+    model = Skip().double()
+    pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), F.cross_entropy, timeout=30)
+    x, y = _chain_data(gbs)
+    ref_loss, ref = _reference(model, F.cross_entropy, x, y)
+    return [_compare(pipe, pipe.train_step(x, y), ref_loss, ref)]
+
+
+def case_gpt(stages, gbs, mbs, seqs=(8,)) -> list[dict]:
+    """Tiny GPT (tied embedding/head), one step per sequence length in ``seqs``."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()
+    pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), lm_loss, timeout=30)
+    out = []
+    for i, t in enumerate(seqs):
+        x, y = dapple.models.random_tokens(gbs, t, 32, generator=torch.Generator().manual_seed(i))
+        ref_loss, ref = _reference(model, lm_loss, x, y)
+        out.append(_compare(pipe, pipe.train_step(x, y), ref_loss, ref))
+        for p in pipe.parameters():
+            p.grad = None
+    return out
+
+
+def case_resnet(stages, gbs, mbs) -> list[dict]:
+    torch.manual_seed(0)
+    model = ResNet(widths=(4, 8), depth=1, num_classes=3, norm="group").double()
+    pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), F.cross_entropy, timeout=30)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(gbs, 3, 8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (gbs,), generator=gen)
+    ref_loss, ref = _reference(model, F.cross_entropy, x, y)
+    return [_compare(pipe, pipe.train_step(x, y), ref_loss, ref)]
+
+
+class SavedBytes:
+    """Bytes of the distinct tensors autograd holds for backward (parameters excluded); tracks the peak.
+
+    A view counts its own bytes (an input slice is not charged the whole batch it is cut from).
+    """
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.alive: dict[tuple, list[int]] = {}  # view -> [holders, bytes]
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in self.params:
+            return t
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        entry = self.alive.setdefault(key, [0, t.numel() * t.element_size()])
+        if entry[0] == 0:
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        return _Held(self, key, t)
+
+    def unpack(self, h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, key: tuple) -> None:
+        entry = self.alive[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.alive[key]
+
+
+class _Held:
+    def __init__(self, meter: SavedBytes, key: tuple, t: torch.Tensor):
+        self.meter, self.key, self.t = meter, key, t
+
+    def __del__(self):
+        self.meter.release(self.key)
+
+
+def case_memory(m_values=(4, 8)) -> dict[str, int]:
+    """Peak saved-activation bytes of this rank per (schedule, M) at a fixed micro-batch size (straight 4)."""
+    out = {}
+    for schedule in ("dapple", "gpipe"):
+        for m in m_values:
+            torch.manual_seed(0)
+            model = Chain(width=64).double()
+            plan = _plan(model, [((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 4 * m, 4,
+                         schedule=schedule)
+            pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
+            x = torch.randn(4 * m, 64, dtype=torch.float64)
+            y = torch.randint(0, 3, (4 * m,))
+            meter = SavedBytes(pipe.parameters())
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                pipe.train_step(x, y)
+            out[f"{schedule}/{m}"] = meter.peak
+    return out
+
+
+def case_owned() -> dict[str, Any]:
+    """Which parameters stay alive once the caller drops its model: only this rank's stage's (tied GPT)."""
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()
+    plan = _plan(model, [((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4)
+    refs = {n: weakref.ref(p) for n, p in model.named_parameters()}
+    pipe = dapple.pipeline(model, plan, lm_loss, timeout=30)
+    del model
+    gc.collect()
+    return {"alive": sorted(n for n, r in refs.items() if r() is not None),
+            "mine": sorted(n for n, _ in pipe.named_parameters())}
+
+
+# name -> (case function, args); every case uses all 4 ranks. Chain layers: blocks.0-3, head (5 layers).
+CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
+    "straight_4": (case_chain, ([((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 8, 2), {"steps": 2}),
+    "pure_dp_4": (case_chain, ([((0, 5), [0, 1, 2, 3])], 12, 6), {"steps": 2}),
+    "one_to_three": (case_chain, ([((0, 2), [0]), ((2, 5), [1, 2, 3])], 8, 4), {}),
+    "three_to_one": (case_chain, ([((0, 3), [0, 1, 2]), ((3, 5), [3])], 8, 4), {}),
+    "two_to_two_uneven": (case_chain, ([((0, 2), [0, 1]), ((2, 5), [2, 3])], 15, 5), {}),
+    "one_two_one": (case_chain, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {"accumulate": True}),
+    "gpipe": (case_chain, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 12, 3), {"schedule": "gpipe"}),
+    "explicit_warmup": (case_chain, ([((0, 1), [0], 3), ((1, 3), [1, 2], 2), ((3, 5), [3], 2)], 15, 3), {}),
+    "policy_b": (case_chain, ([((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 16, 2),
+                 {"warmup_policy": "B"}),
+    "long_skip": (case_skip, ([((0, 1), [0]), ((1, 2), [1, 2]), ((2, 4), [3])], 9, 3), {}),
+    "gpt_tied_seq_change": (case_gpt, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {"seqs": (8, 5)}),
+    # cut before stem.2, a ReLU(inplace=True): the received activation is changed in place
+    "resnet_2_to_2": (case_resnet, ([((0, 2), [0, 1]), ((2, 7), [2, 3])], 6, 3), {}),
+    "memory": (case_memory, (), {}),
+    "owned": (case_owned, (), {}),
+}
+
+
+CASES_2: dict[str, tuple[Callable, tuple, dict]] = {
+    "straight_2": (case_chain, ([((0, 2), [0]), ((2, 5), [1])], 8, 2), {"steps": 2}),
+    "pure_dp_2": (case_gpt, ([((0, 7), [0, 1])], 6, 3), {}),
+}
+
+
+def run_cases(cases: dict[str, tuple[Callable, tuple, dict]]) -> dict[str, Any]:
+    """Every case on this rank, one after the other (all ranks run the same sequence)."""
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    return {name: fn(*args, **kw) for name, (fn, args, kw) in cases.items()}
+
+
+def _vanish_hook(rank: int, after: int, stall: float) -> Callable:
+    calls = [0]
+
+    def hook(module: nn.Module, args: Any) -> None:
+        calls[0] += 1
+        if int(os.environ["RANK"]) == rank and calls[0] >= after:
+            time.sleep(stall)  # a stuck peer first (0: none), then a vanished one
+            os._exit(0)
+    return hook
+
+
+def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall: float = 0.0) -> str:
+    """Straight stages, one per rank; ``dying_rank`` stalls ``stall`` s then exits in its n-th forward.
+    Returns what this rank saw: the error message and how long after the step started it came."""
+    torch.manual_seed(0)
+    world = int(os.environ["WORLD_SIZE"])
+    model = Chain(depth=world - 1).double()
+    plan = _plan(model, [((i, i + 1), [i]) for i in range(world)], 8, 2)
+    pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=timeout)
+    first = next(m for m in pipe.module.modules() if isinstance(m, nn.Linear))
+    first.register_forward_pre_hook(_vanish_hook(dying_rank, after_forwards, stall))
+    x, y = _chain_data(8)
+    for _ in range(5):
+        t0 = time.monotonic()
+        try:
+            pipe.train_step(x, y)
+        except dapple.runtime.PipelineError as e:
+            return f"after {time.monotonic() - t0:.1f}s: {e}"
+    return "no error"
