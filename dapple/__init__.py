@@ -4,7 +4,9 @@ from . import planner, profiler
 from .planner import Cluster, Plan
 from .profiler import Profile
 from .runtime import Pipeline, pipeline
+from .runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "pipeline", "planner", "profiler"]
+__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "pipeline", "planner", "profiler",
+           "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
