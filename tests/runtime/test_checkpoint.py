@@ -4,7 +4,6 @@ parameters, AdamW state and losses as uninterrupted single-process training; ful
 from __future__ import annotations
 
 import io
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ import dapple
 from dapple.models import GPT, ResNet, lm_loss, random_tokens
 from dapple.planner import Plan, Stage
 from dapple.profiler import trace_layers
-from dapple.runtime import PipelineError
 from tests.runtime._spawn import run_ranks
 
 GBS, MBS, SEQ = 6, 3, 8
@@ -314,3 +312,22 @@ def test_full_state_dict_errors(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         dapple.load_full_state_dict(tmp_path / "file")
+
+
+@pytest.mark.slow
+def test_description_of_the_checkpoint(run):
+    """Plan, step, versions, optimizer class and groups, extra: what a resume or a person needs to know."""
+    from dapple.runtime.checkpoint import _read_meta
+    _, meta = _read_meta(run["root"] / "ckpt1")
+    model = gpt()
+    assert meta["plan"] == plan_for(model, P1).to_dict() and meta["world_size"] == 2 and meta["step"] == SAVED_AT
+    assert meta["torch_version"] == str(torch.__version__) and meta["dapple_version"] == dapple.__version__
+    assert meta["extra"]["data_step"] == SAVED_AT
+    opt = meta["optimizer"]
+    assert opt["class"] == "torch.optim.adamw.AdamW"
+    by_name = {n: g["hyper"] for g in opt["param_groups"] for n in g["params"]}
+    assert set(by_name) == {n for n, _ in model.named_parameters()}  # keyed by name, not optimizer index
+    for n, p in model.named_parameters():
+        assert by_name[n]["lr"] == 1e-2 and by_name[n]["weight_decay"] == (0.1 if p.dim() >= 2 else 0.0), n
+        assert set(opt["state"][n]) == {"step", "exp_avg", "exp_avg_sq"}, n
+    assert meta["tensors"]["wte.weight"]["names"] == ["wte.weight", "lm_head.weight"]
