@@ -5,7 +5,9 @@ from .planner import Cluster, Plan
 from .profiler import Profile
 from .profiler.api import profile
 from .runtime import Pipeline, pipeline
+from .runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "pipeline", "planner", "profile", "profiler"]
+__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "load_checkpoint", "load_full_state_dict", "pipeline",
+           "planner", "profile", "profiler", "save_checkpoint"]

@@ -17,6 +17,7 @@ The plan file says which layers each stage holds and on which ranks (see DESIGN.
     plan.save("examples/gpt_plan.yaml")
 
 ``python examples/train_gpt.py --write-plan examples/gpt_plan.yaml`` does exactly this for the model below.
+``--save DIR`` writes a checkpoint at the end, ``--resume DIR`` continues from one (made under any plan).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--write-plan", metavar="PATH", help="write a hand-made plan for this model and exit")
+    p.add_argument("--save", metavar="DIR", help="write a checkpoint (dapple.save_checkpoint) after the last step")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint, whichever plan wrote it")
     args = p.parse_args()
     if args.write_plan:
         return write_plan(args)
@@ -71,15 +74,22 @@ def main() -> None:
     # A fixed set of 64 random sequences: learnable (memorised), so the loss falls. Same batches on every rank.
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, args.vocab, (64, args.seq + 1), generator=gen)
+    start = 0
+    if args.resume:  # parameters, AdamW state, lr, and where the data order was
+        extra = dapple.load_checkpoint(args.resume, pipe, opt)
+        start = extra["step"]
+        gen.set_state(extra["data_rng"])
     t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(start + 1, start + args.steps + 1):
         rows = torch.randperm(64, generator=gen)[:plan.global_batch_size]
         loss = pipe.train_step(data[rows, :-1], data[rows, 1:])  # the global batch, identical on all ranks
         opt.step()
         opt.zero_grad()
-        if rank == 0 and (step == 1 or step % 5 == 0):
-            print(f"step {step:3d}  loss {loss:.4f}  ({(time.perf_counter() - t0) / step * 1e3:.0f} ms/step)",
-                  flush=True)
+        if rank == 0 and (step == start + 1 or step % 5 == 0):
+            print(f"step {step:3d}  loss {loss:.4f}  ({(time.perf_counter() - t0) / (step - start) * 1e3:.0f} "
+                  f"ms/step)", flush=True)
+    if args.save:
+        dapple.save_checkpoint(args.save, pipe, opt, extra={"step": start + args.steps, "data_rng": gen.get_state()})
     dist.destroy_process_group()
 
 

@@ -1,0 +1,254 @@
+"""What each rank of a checkpointed Pipeline holds, by original name: stage tensors, optimizer state and groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from .engine import Pipeline
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use
+    from torch.distributed.checkpoint.metadata import Metadata
+
+FORMAT = 1  # version of the description ``describe`` writes
+
+
+def opt_key(name: str, state: str) -> str:
+    """Checkpoint key of one optimizer state entry: the parameter's original name, not an optimizer index."""
+    return f"optim/{name}/{state}"
+
+
+@dataclass
+class StageTensor:
+    """One distinct tensor of this rank's stage."""
+
+    key: str  # checkpoint key: a parameter's name in ``pipe.named_parameters()``; a buffer's smallest name
+    kind: str  # "parameter" | "buffer"
+    names: list[str]  # every name it has in the original model's state_dict (a tied one: several)
+    tensor: torch.Tensor
+
+
+def model_names(pipe: Pipeline) -> tuple[dict[int, list[str]], list[str]]:
+    """id(tensor) -> its names in the original model's state_dict, over ALL stages; and every name in order."""
+    out: dict[int, list[str]] = {}
+    order: list[str] = []
+    for g in pipe.graphs:  # every rank holds every stage's (shared) modules
+        for name, t in g.module.state_dict(keep_vars=True).items():
+            names = out.setdefault(id(t), [])
+            if name not in names:
+                names.append(name)
+                order.append(name)
+    return out, order
+
+
+def stage_tensors(pipe: Pipeline) -> list[StageTensor]:
+    """This rank's stage parameters and buffers, each once, with their checkpoint keys and all their names."""
+    aliases, _ = model_names(pipe)
+    pname = {id(p): n for n, p in pipe.named_parameters()}
+    out, seen = [], set()
+    for name, t in pipe.module.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        names = aliases.get(id(t), [name])
+        if isinstance(t, nn.Parameter):
+            out.append(StageTensor(pname.get(id(t), name), "parameter", names, t))
+        else:  # a buffer shared under several names: its smallest name, the same under any plan
+            out.append(StageTensor(min(names), "buffer", names, t))
+    return out
+
+
+def qualname(optimizer: torch.optim.Optimizer) -> str:
+    """``torch.optim.adamw.AdamW``: what a checkpoint's optimizer state is for."""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _plain(v: Any) -> Any:
+    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+
+def optimizer_info(optimizer: torch.optim.Optimizer, local: list[StageTensor]) -> dict:
+    """Class, param groups (hyperparameters + parameter names) and state entry kinds, by original name."""
+    key = {id(t.tensor): t.key for t in local if t.kind == "parameter"}
+    groups, state = [], {}
+    for i, group in enumerate(optimizer.param_groups):
+        names = []
+        for p in group["params"]:
+            if id(p) not in key:
+                raise ValueError(f"optimizer.param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not "
+                                 f"a parameter of this rank's stage (build the optimizer from pipe.parameters())")
+            names.append(key[id(p)])
+            state[key[id(p)]] = {k: "tensor" if isinstance(v, torch.Tensor) else "object"
+                                 for k, v in optimizer.state.get(p, {}).items()}
+        groups.append({"hyper": {k: _plain(v) for k, v in group.items() if k != "params"}, "params": names})
+    return {"class": qualname(optimizer), "param_groups": groups, "state": state}
+
+
+def save_state(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, local: list[StageTensor]) -> dict[str, Any]:
+    """What this rank hands to DCP: its tensors (buffers on replica 0 only) and optimizer state, by name."""
+    sd: dict[str, Any] = {}
+    for t in local:
+        if t.kind == "parameter" or pipe.replica == 0:
+            sd[t.key] = t.tensor.detach()
+    if optimizer is not None:
+        key = {id(t.tensor): t.key for t in local}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for k, v in optimizer.state.get(p, {}).items():
+                    sd[opt_key(key[id(p)], k)] = v.detach() if isinstance(v, torch.Tensor) else v
+    return sd
+
+
+def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
+    """The checkpoint's description, merged on rank 0 from every rank's part."""
+    import dapple
+
+    _, order = model_names(pipe)
+    pos = {n: i for i, n in enumerate(order)}
+    tensors: dict[str, dict] = {}
+    for info in infos:
+        for key, kind, names in info["tensors"]:
+            tensors.setdefault(key, {"kind": kind, "names": list(names)})
+    tensors = dict(sorted(tensors.items(), key=lambda kv: min(pos.get(n, len(pos)) for n in kv[1]["names"])))
+    opt = None
+    parts = [i["optimizer"] for i in infos if i["optimizer"] is not None]
+    if parts:
+        groups: dict[tuple, dict] = {}
+        state: dict[str, dict] = {}
+        for p in parts:
+            for g in p["param_groups"]:
+                groups.setdefault(tuple(g["params"]), g)  # replicas hold the same groups
+            state.update(p["state"])
+        opt = {"class": parts[0]["class"], "param_groups": list(groups.values()), "state": state}
+    return {"format": FORMAT, "step": int(pipe.step), "dapple_version": dapple.__version__,
+            "torch_version": str(torch.__version__), "world_size": pipe.ctx.world_size, "plan": pipe.plan.to_dict(),
+            "tensors": tensors, "state_dict_keys": order, "optimizer": opt, "extra": extra}
+
+
+def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: Path, md: Metadata, meta: dict,
+                 sd: dict[str, Any]) -> Callable[[], None]:
+    """Fill ``sd`` with this rank's destinations (checked); return what to do once DCP has read them."""
+    tensors = meta["tensors"]
+    key_of = {n: k for k, info in tensors.items() for n in info["names"]}
+    local = stage_tensors(pipe)
+    _, all_names = model_names(pipe)
+    where = f"stage {pipe.stage} (rank {pipe.ctx.rank})"
+    missing, shapes, extra_copies, keys = [], [], [], {}
+    for t in local:
+        key = next((key_of[n] for n in [t.key, *t.names] if n in key_of), None)
+        m = md.state_dict_metadata.get(key) if key is not None else None
+        if not is_stored_tensor(m):
+            missing.append(t.key)
+            continue
+        if tuple(m.size) != tuple(t.tensor.shape):
+            shapes.append(f"{t.key}: checkpoint {tuple(m.size)}, this model {tuple(t.tensor.shape)}")
+            continue
+        keys[id(t.tensor)] = key
+        if key in sd:  # two local tensors from one saved one (e.g. a tied checkpoint into an untied model)
+            extra_copies.append((t.tensor, sd[key]))
+        else:
+            sd[key] = t.tensor.detach()
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) that {where} needs: {few(missing)}; "
+                         f"it holds {len(tensors)} such as {few(list(tensors), 4)} (saved from another model?)")
+    if shapes:
+        raise ValueError(f"{path}: shape mismatch on {where}: {'; '.join(shapes[:6])}"
+                         f"{' ...' if len(shapes) > 6 else ''} (saved from a model of another size?)")
+    unused = [k for k, info in tensors.items() if not set(info["names"]) & set(all_names)]
+    if unused:  # like load_state_dict(strict=True): nothing of the checkpoint may be left over
+        raise ValueError(f"{path}: the checkpoint holds {len(unused)} tensor(s) this model lacks: {few(unused)} "
+                         f"(saved from another model?)")
+    opt_done = _optimizer_targets(optimizer, path, md, meta, keys, sd) if optimizer is not None else None
+
+    def finish() -> None:
+        with torch.no_grad():
+            for dst, src in extra_copies:
+                dst.copy_(src)
+        if opt_done is not None:
+            opt_done()
+    return finish
+
+
+def _optimizer_targets(optimizer: torch.optim.Optimizer, path: Path, md: Metadata, meta: dict,
+                       keys: dict[int, str], sd: dict[str, Any]) -> Callable[[], None]:
+    """Destinations for the saved state of this optimizer's parameters (by name); ``finish`` maps them back
+    to its own parameter order and param groups through ``optimizer.load_state_dict``."""
+    om = meta["optimizer"]
+    if om is None:
+        raise ValueError(f"{path}: saved without optimizer state; load without an optimizer, or save with one")
+    if om["class"] != qualname(optimizer):
+        raise ValueError(f"{path}: the optimizer state is for {om['class']}, the optimizer given is "
+                         f"{qualname(optimizer)}")
+    hyper_of = {}
+    for g in om["param_groups"]:
+        for k in g["params"]:
+            hyper_of.setdefault(k, g["hyper"])
+    groups, entries = [], []  # entries[i]: (checkpoint key, state names) of optimizer index i
+    for i, group in enumerate(optimizer.param_groups):
+        hypers, first = [], len(entries)
+        for p in group["params"]:
+            key = keys.get(id(p))
+            if key is None:
+                raise ValueError(f"optimizer.param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not "
+                                 f"a parameter of this rank's stage (build the optimizer from pipe.parameters())")
+            if key not in om["state"] or key not in hyper_of:
+                raise ValueError(f"{path}: no optimizer state for parameter {key!r} (its optimizer did not hold it)")
+            for s, kind in om["state"][key].items():
+                k = opt_key(key, s)
+                m = md.state_dict_metadata.get(k)
+                if kind == "tensor":
+                    if not is_stored_tensor(m):
+                        raise ValueError(f"{path}: damaged checkpoint: optimizer state {k!r} is listed but not stored")
+                    sd.setdefault(k, torch.empty(m.size, dtype=m.properties.dtype))
+                else:
+                    sd.setdefault(k, None)  # an object: DCP puts it in place
+            entries.append((key, list(om["state"][key])))
+            hypers.append((key, hyper_of[key]))
+        for key, h in hypers[1:]:
+            if not same(h, hypers[0][1]):
+                diff = sorted(k for k in set(h) | set(hypers[0][1]) if not same(h.get(k), hypers[0][1].get(k)))
+                raise ValueError(f"optimizer.param_groups[{i}] mixes parameters saved in param groups with different "
+                                 f"{diff}: {hypers[0][0]!r} and {key!r} (group them as when saving)")
+        hyper = hypers[0][1] if hypers else {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(first, len(entries)))})
+
+    def finish() -> None:
+        used: set[str] = set()
+        state = {}
+        for i, (key, names) in enumerate(entries):
+            st = {}
+            for s in names:
+                v = sd[opt_key(key, s)]
+                st[s] = v.clone() if isinstance(v, torch.Tensor) and key in used else v
+            used.add(key)
+            if st:
+                state[i] = st
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return finish
+
+
+def is_stored_tensor(m: Any) -> bool:
+    """DCP's metadata of a stored (whole) tensor, as opposed to an object or nothing."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    return isinstance(m, TensorStorageMetadata)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality of hyperparameter values that may be tensors, tuples or dicts."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and bool(torch.equal(a.cpu(), b.cpu())))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def few(names: list[str], n: int = 6) -> str:
+    """The first ``n`` names for an error message, and how many there are."""
+    return ", ".join(repr(x) for x in names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
