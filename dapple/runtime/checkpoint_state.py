@@ -34,15 +34,7 @@ class StageTensor:
 
 def model_names(pipe: Pipeline) -> tuple[dict[int, list[str]], list[str]]:
     """id(tensor) -> its names in the original model's state_dict, over ALL stages; and every name in order."""
-    out: dict[int, list[str]] = {}
-    order: list[str] = []
-    for g in pipe.graphs:  # every rank holds every stage's (shared) modules
-        for name, t in g.module.state_dict(keep_vars=True).items():
-            names = out.setdefault(id(t), [])
-            if name not in names:
-                names.append(name)
-                order.append(name)
-    return out, order
+    return pipe.state_names, pipe.state_order
 
 
 def stage_tensors(pipe: Pipeline) -> list[StageTensor]:

@@ -18,7 +18,7 @@ from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
 from .program import Instr, Layout, Transfer, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
-from .split import StageGraph, resolve_output, split_stages
+from .split import StageGraph, resolve_output, split_stages, state_names
 from .validate import as_tuple, check_batch, check_layers, check_plan
 
 
@@ -55,6 +55,9 @@ class Pipeline:
         self.replica = plan.stages[self.stage].devices.index(rank)
         self.graph: StageGraph = graphs[self.stage]
         self.module: nn.Module = self.graph.module.to(self.ctx.device)
+        # every name each of this stage's tensors has in any stage's state_dict, and all those names in order
+        # (checkpoints map tensors by them; the other stages' modules are dropped below)
+        self.state_names, self.state_order = state_names(graphs, self.module)
         self._names = canonical_names(model)
         placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
         self._input_names = [n.name for n in placeholders]
