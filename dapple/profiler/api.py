@@ -31,7 +31,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
 
     ``example_inputs``: the model's positional inputs (a tensor or tuple of tensors) at any batch size; rows
     along dim 0 are taken or repeated to make each of ``batch_sizes`` (default: half the example's and the
-    example's). With ``loss_fn``, ``loss_fn(model_output, targets)`` is part of the last layer (forward and
+    example's). With ``loss_fn``, ``loss_fn(model_output, *targets)`` (the runtime's convention) is part of the last layer (forward and
     backward), and ``targets`` (same batch size as the inputs) are required; without it, backward starts from a
     gradient of ones on every output. Times are medians of ``repeats`` runs after ``warmup`` runs of each layer
     on its own, from inputs recorded in one run of the whole model; the model is profiled in training mode on
@@ -50,13 +50,13 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{key}: expected an integer >= {least}, got {value!r}")
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn: expected a callable loss_fn(output, targets), got {type(loss_fn).__name__}")
+        raise TypeError(f"loss_fn: expected a callable loss_fn(output, *targets), got {type(loss_fn).__name__}")
     if loss_fn is not None and targets is None:
         raise ValueError("loss_fn was given without targets: pass targets=... (same batch size as example_inputs) "
                          "so the loss can be computed, or drop loss_fn to backpropagate ones from the output")
     if loss_fn is None and targets is not None:
         raise ValueError("targets were given without a loss_fn: pass loss_fn=... (called as loss_fn(output, "
-                         "targets)), or drop targets")
+                         "*targets)), or drop targets")
     inputs = as_tensors(example_inputs, "example_inputs")
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
@@ -90,16 +90,15 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             for b in sizes:
                 x = tuple(to_model(resize(t, b), dev, dtype) for t in inputs)
                 ys = tuple(to_model(resize(t, b), dev, dtype) for t in target_list)
-                y = ys[0] if isinstance(targets, torch.Tensor) else ys
                 values = record_inputs(lg, layers, x)
                 boundary.append([sum(tensor_bytes(values[n]) for n in lg.crossing(k))
                                  for k in range(lg.num_layers)])
-                timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=y, state=state, device=dev)
+                timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev)
                           for lm in layers]
                 per_batch.append([t.measure_sizes() for t in timers])
                 bar.update(len(timers))
                 step = time_rounds(timers, warmup, repeats, bar, f"batch {b}",
-                                   whole=(model, x, y, loss_fn) if check_step else None, device=dev)
+                                   whole=(model, x, ys, loss_fn) if check_step else None, device=dev)
                 if step is not None:
                     steps.append(step)
                 del values, timers

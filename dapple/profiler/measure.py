@@ -71,7 +71,7 @@ class LayerTimer:
         """-> (outputs, the tensors backward starts from: the loss, or every output that requires grad)."""
         out = self.lm.gm(*args)
         if self.loss_fn is not None:
-            loss = check_loss(self.loss_fn(out, self.targets))
+            loss = check_loss(self.loss_fn(out, *self.targets))
             return out, [loss] if loss.requires_grad else []
         return out, [t for t in tensors(out) if t.requires_grad]
 
@@ -119,7 +119,7 @@ def step_seconds(model: torch.nn.Module, inputs: tuple[Tensor, ...], *, loss_fn:
     t0 = time.perf_counter()
     out = model(*args)
     if loss_fn is not None:
-        roots = [check_loss(loss_fn(out, targets))]
+        roots = [check_loss(loss_fn(out, *targets))]
     else:
         roots = [t for t in tensors(out) if t.requires_grad]
     if roots:

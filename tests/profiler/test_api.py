@@ -213,3 +213,15 @@ def test_dtype_follows_the_model():
     assert prof.meta["dtype"] == "float64"
     assert prof.layers[0].boundary_bytes == [3 * 6 * 8]
     assert prof.param_bytes() == 4 * (6 * 6 + 6) * 8
+
+
+def test_tuple_targets_are_unpacked_like_the_runtime_does():
+    seen = []
+
+    def loss_fn(out, a, b):  # the runtime calls loss_fn(output, *targets)
+        seen.append((a.shape, b.shape))
+        return ((out - a) ** 2).mean() + (out * b).mean()
+
+    targets = (torch.randn(4, 6), torch.randn(4, 6))
+    prof = dapple.profile(LongSkip(), torch.randn(4, 6), loss_fn, batch_sizes=(2, 4), targets=targets, **FAST)
+    assert prof.num_layers == 4 and seen and all(a == b for a, b in seen)
