@@ -44,7 +44,6 @@ def test_programs_match_pairwise_and_never_deadlock(case):
         s = plan.stage_of_device(r)
         assert [i.op for i in prog if i.action == "compute"] == stage_ops(plan.schedule, plan.num_micro_batches,
                                                                           plan.warmup[s])
-        recv_pos = {i.transfer: k for k, i in enumerate(prog) if i.action == "recv"}
         comp_pos = {i.op: k for k, i in enumerate(prog) if i.action == "compute"}
         for k, i in enumerate(prog):  # every receive is posted before the computation that needs it
             if i.action == "recv":
