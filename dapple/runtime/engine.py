@@ -7,10 +7,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 
 from ..planner.plan import Plan
 from ..planner.slices import routes, slice_bounds
+from ..profiler.export import retarget_devices
 from ..profiler.layers import trace_layers
 from ..profiler.trace import LeafSpec
 from .comm import P2P, PipelineError
@@ -38,7 +40,8 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
                  *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
-                 backend: str | None = None):
+                 backend: str | None = None, trace: str = "auto", example_inputs: Any = None,
+                 dynamic_shapes: Any = None):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, *targets) -> scalar, got {loss_fn!r}")
         if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -46,7 +49,8 @@ class Pipeline:
         self.timeout = float(timeout)
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
-        lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
+        lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=trace,
+                          example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
         check_layers(plan, lg.names)
         self.plan, self.loss_fn = plan, loss_fn
         graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
@@ -55,6 +59,9 @@ class Pipeline:
         self.replica = plan.stages[self.stage].devices.index(rank)
         self.graph: StageGraph = graphs[self.stage]
         self.module: nn.Module = self.graph.module.to(self.ctx.device)
+        if "dapple_trace" in lg.gm.meta and isinstance(self.module, fx.GraphModule):  # torch.export graphs
+            self.module.meta["dapple_trace"] = dict(lg.gm.meta["dapple_trace"])  # bake in the traced device:
+            retarget_devices(self.module, self.ctx.device)  # point arange(..., device=) etc. at ours
         # every name each of this stage's tensors has in any stage's state_dict, and all those names in order
         # (checkpoints map tensors by them; the other stages' modules are dropped below)
         self.state_names, self.state_order = state_names(graphs, self.module)
@@ -282,7 +289,8 @@ class Pipeline:
 
 def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,
              concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
-             backend: str | None = None) -> Pipeline:
+             backend: str | None = None, trace: str = "auto", example_inputs: Any = None,
+             dynamic_shapes: Any = None) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss;
@@ -290,7 +298,9 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     ``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU otherwise). ``loss_fn(output, *targets)``
     must return the mean loss over the rows it is given. ``timeout`` (seconds) bounds every receive and
     collective: a dead or stuck peer makes the others raise :class:`PipelineError` naming rank, stage,
-    peer and micro-batch. ``concrete_args``/``leaf_modules`` are passed to the tracer, as for the profiler.
+    peer and micro-batch. ``concrete_args``/``leaf_modules``/``trace``/``example_inputs``/``dynamic_shapes``
+    go to the tracer exactly as for :func:`dapple.profile` (use the same values, so the layers match the
+    plan's): a model torch.fx cannot trace is traced with torch.export when ``example_inputs`` are given.
     """
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
-                    backend=backend)
+                    backend=backend, trace=trace, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)

@@ -140,6 +140,25 @@ def case_gpt(stages, gbs, mbs, seqs=(8,)) -> list[dict]:
     return out
 
 
+def case_nanogpt_export(stages, gbs, mbs, seqs=(8, 12)) -> list[dict]:
+    """nanoGPT as written (length assert, buffer-sliced attention): only torch.export traces it."""
+    from tests.nanogpt import VOCAB, NanoGPT
+    torch.manual_seed(0)
+    model = NanoGPT(n_layer=2, flash=False).double()
+    example = torch.randint(0, VOCAB, (2, seqs[0]))
+    names = trace_layers(model, method="export", example_inputs=example).names
+    plan = Plan(global_batch_size=gbs, micro_batch_size=mbs, stages=[Stage(*st) for st in stages], layer_names=names)
+    pipe = dapple.pipeline(model, plan, lm_loss, timeout=30, trace="export", example_inputs=example)
+    out = []
+    for i, t in enumerate(seqs):  # the sequence length changes between steps (dynamic dim)
+        x, y = dapple.models.random_tokens(gbs, t, VOCAB, generator=torch.Generator().manual_seed(i))
+        ref_loss, ref = _reference(model, lm_loss, x, y)
+        out.append(_compare(pipe, pipe.train_step(x, y), ref_loss, ref))
+        for p in pipe.parameters():
+            p.grad = None
+    return out
+
+
 def case_resnet(stages, gbs, mbs) -> list[dict]:
     torch.manual_seed(0)
     model = ResNet(widths=(4, 8), depth=1, num_classes=3, norm="group").double()
@@ -239,6 +258,8 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
                  {"warmup_policy": "B"}),
     "long_skip": (case_skip, ([((0, 1), [0]), ((1, 2), [1, 2]), ((2, 4), [3])], 9, 3), {}),
     "gpt_tied_seq_change": (case_gpt, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {"seqs": (8, 5)}),
+    # layers wte, wpe, drop, h.0, h.1, ln_f, lm_head; the tied lm_head/wte weight spans stages 0 and 2
+    "nanogpt_export": (case_nanogpt_export, ([((0, 3), [0]), ((3, 4), [1, 2]), ((4, 7), [3])], 6, 3), {}),
     # cut before stem.2, a ReLU(inplace=True): the received activation is changed in place
     "resnet_2_to_2": (case_resnet, ([((0, 2), [0, 1]), ((2, 7), [2, 3])], 6, 3), {}),
     "memory": (case_memory, (), {}),
