@@ -3,7 +3,7 @@
     python benchmarks/export_vs_fx.py                  # 4 blocks, d=128, seq 64, batch sizes 4 8, 5 trials
     python benchmarks/export_vs_fx.py --trials 9 --layers 8
 
-Each trial profiles the same model twice (trace="fx", then trace="export", interleaved so both see the same
+Each trial profiles the same model twice (tracer="fx", then tracer="export", interleaved so both see the same
 load) and records the sum over layers of forward_ms + backward_ms at the largest batch size. Prints whether the
 sizes (boundary, saved, parameter bytes) agree exactly, the per-trial sums, and the ratio of the medians.
 Uses only the public API.
@@ -38,7 +38,7 @@ def main() -> None:
     sizes: dict[str, list] = {}
     for _ in range(args.trials):
         for method in sums:
-            prof = dapple.profile(model, x, lm_loss, args.batch_sizes, targets=y, trace=method, progress=False)
+            prof = dapple.profile(model, x, lm_loss, args.batch_sizes, targets=y, tracer=method, progress=False)
             sums[method].append(sum(layer.forward_ms[-1] + layer.backward_ms[-1] for layer in prof.layers))
             sizes[method] = [(layer.name, layer.boundary_bytes, layer.saved_bytes, layer.param_bytes)
                              for layer in prof.layers]

@@ -101,7 +101,7 @@ def _add_profile(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before profiling")
     p.add_argument("--quiet", action="store_true", help="do not print the profile")
-    p.add_argument("--trace", choices=("auto", "fx", "export"), default="auto",
+    p.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
                    help="tracer: torch.fx, torch.export, or auto (fx, export where fx fails; default)")
     p.set_defaults(run=_run_profile)
 
@@ -119,7 +119,7 @@ def _run_profile(args: argparse.Namespace) -> int:
                    targets=targets if ex.loss_fn is not None else None, repeats=args.repeats, warmup=args.warmup,
                    device=args.device, concrete_args=getattr(ex, "concrete_args", None),
                    leaf_modules=getattr(ex, "leaf_modules", ()) or (), name=getattr(ex, "name", None) or None,
-                   trace=args.trace, dynamic_shapes=getattr(ex, "dynamic_shapes", None))
+                   tracer=args.tracer, dynamic_shapes=getattr(ex, "dynamic_shapes", None))
     if not args.quiet:
         print(prof)
     if args.output:

@@ -25,7 +25,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             batch_sizes: int | tuple[int, ...] | list[int] | None = None, *, targets: Batch | None = None,
             repeats: int = 10, warmup: int = 3, device: str | torch.device | None = None,
             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), name: str | None = None,
-            progress: bool | None = None, check_step: bool = False, trace: str = "auto",
+            progress: bool | None = None, check_step: bool = False, tracer: str = "auto",
             dynamic_shapes: Any = None) -> Profile:
     """Measure every layer of ``model`` (forward/backward ms, boundary/saved/param bytes) at each batch size.
 
@@ -37,7 +37,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     on its own, from inputs recorded in one run of the whole model; the model is profiled in training mode on
     ``device`` (default: cuda if available, else cpu; the model is moved there and back) in its own dtype,
     and its flags, buffers (BatchNorm statistics), gradients and the RNG are left as they were.
-    ``concrete_args`` / ``leaf_modules`` go to torch.fx (see :class:`~dapple.profiler.TraceError`). ``trace``:
+    ``concrete_args`` / ``leaf_modules`` go to torch.fx (see :class:`~dapple.profiler.TraceError`). ``tracer``:
     ``"fx"``, ``"export"`` (torch.export from ``example_inputs``, batch dim dynamic, other dims per
     ``dynamic_shapes``) or ``"auto"`` (fx, torch.export where fx fails); see :func:`~dapple.profiler.trace_layers`.
     ``progress``: a progress bar over layers (None: only when stderr is a terminal). ``check_step``: also time
@@ -62,7 +62,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     dev = resolve_device(device)
 
     cast = tuple(to_model(t, t.device, model_dtype(model)) for t in inputs)  # torch.export traces with these
-    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=trace,
+    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
                       example_inputs=cast, dynamic_shapes=dynamic_shapes)  # TraceError before any work
     required = [n for n in lg.gm.graph.nodes if n.op == "placeholder" and not n.args]  # no default value
     if not len(required) <= len(inputs) <= len(lg.inputs):
@@ -120,7 +120,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     meta = {"dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
             "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
-            "profiling_seconds": round(seconds, 3), "trace": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
+            "profiling_seconds": round(seconds, 3), "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
         meta["step_ms"] = [round(s * 1e3, 6) for s in steps]
         meta["layers_over_step"] = [

@@ -40,7 +40,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
                  *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
-                 backend: str | None = None, trace: str = "auto", example_inputs: Any = None,
+                 backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
                  dynamic_shapes: Any = None):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, *targets) -> scalar, got {loss_fn!r}")
@@ -49,7 +49,7 @@ class Pipeline:
         self.timeout = float(timeout)
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
-        lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=trace,
+        lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
                           example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
         check_layers(plan, lg.names)
         self.plan, self.loss_fn = plan, loss_fn
@@ -289,7 +289,7 @@ class Pipeline:
 
 def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,
              concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
-             backend: str | None = None, trace: str = "auto", example_inputs: Any = None,
+             backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
              dynamic_shapes: Any = None) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
@@ -298,9 +298,9 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     ``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU otherwise). ``loss_fn(output, *targets)``
     must return the mean loss over the rows it is given. ``timeout`` (seconds) bounds every receive and
     collective: a dead or stuck peer makes the others raise :class:`PipelineError` naming rank, stage,
-    peer and micro-batch. ``concrete_args``/``leaf_modules``/``trace``/``example_inputs``/``dynamic_shapes``
+    peer and micro-batch. ``concrete_args``/``leaf_modules``/``tracer``/``example_inputs``/``dynamic_shapes``
     go to the tracer exactly as for :func:`dapple.profile` (use the same values, so the layers match the
     plan's): a model torch.fx cannot trace is traced with torch.export when ``example_inputs`` are given.
     """
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
-                    backend=backend, trace=trace, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
+                    backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)

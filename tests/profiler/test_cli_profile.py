@@ -71,7 +71,7 @@ def test_example_factories_make_batches_of_the_asked_size():
 def test_profile_with_trace_export(tmp_path):
     out = tmp_path / "gpt.profile.yaml"
     assert main(["profile", "examples.models:gpt", "--batch-sizes", "2", "-o", str(out), *FAST, "--quiet",
-                 "--trace", "export", "--model-arg", "n_layer=1", "--model-arg", "n_embd=16",
+                 "--tracer", "export", "--model-arg", "n_layer=1", "--model-arg", "n_embd=16",
                  "--model-arg", "seq=8"]) == 0
     prof = Profile.load(out)
-    assert prof.meta["trace"] == "export" and prof.layer_names == ["wte", "wpe", "drop", "blocks.0", "ln_f", "lm_head"]
+    assert prof.meta["tracer"] == "export" and prof.layer_names == ["wte", "wpe", "drop", "blocks.0", "ln_f", "lm_head"]

@@ -225,8 +225,8 @@ def test_profile_with_trace_export():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default dynamic dims need no warning for token inputs
         prof = dapple.profile(m, x, lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), (2, 4),
-                              targets=y, repeats=1, warmup=0, trace="export")
-    assert [layer.name for layer in prof.layers] == NAMES and prof.meta["trace"] == "export"
+                              targets=y, repeats=1, warmup=0, tracer="export")
+    assert [layer.name for layer in prof.layers] == NAMES and prof.meta["tracer"] == "export"
     assert sum(layer.param_bytes for layer in prof.layers) == sum(p.numel() * 4 for p in m.parameters())
     block = prof.layers[NAMES.index("h.0")]
     assert block.boundary_bytes == [2 * 8 * EMBD * 4, 4 * 8 * EMBD * 4]

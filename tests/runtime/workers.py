@@ -148,7 +148,7 @@ def case_nanogpt_export(stages, gbs, mbs, seqs=(8, 12)) -> list[dict]:
     example = torch.randint(0, VOCAB, (2, seqs[0]))
     names = trace_layers(model, method="export", example_inputs=example).names
     plan = Plan(global_batch_size=gbs, micro_batch_size=mbs, stages=[Stage(*st) for st in stages], layer_names=names)
-    pipe = dapple.pipeline(model, plan, lm_loss, timeout=30, trace="export", example_inputs=example)
+    pipe = dapple.pipeline(model, plan, lm_loss, timeout=30, tracer="export", example_inputs=example)
     out = []
     for i, t in enumerate(seqs):  # the sequence length changes between steps (dynamic dim)
         x, y = dapple.models.random_tokens(gbs, t, VOCAB, generator=torch.Generator().manual_seed(i))
