@@ -1,7 +1,11 @@
 """The planner: cluster model, pivot-stage latency model, Fresh/Append/Scatter placement, DP search."""
 
 from .cluster import Cluster
+from .evaluate import evaluate
 from .plan import Estimate, Plan, Stage
 from .schedule import Op, stage_ops, warmup_counts
+from .search import plan
+from .simulator import SimResult, simulate
 
-__all__ = ["Cluster", "Estimate", "Op", "Plan", "Stage", "stage_ops", "warmup_counts"]
+__all__ = ["Cluster", "Estimate", "Op", "Plan", "SimResult", "Stage", "evaluate", "plan", "simulate", "stage_ops",
+           "warmup_counts"]
