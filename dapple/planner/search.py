@@ -51,7 +51,7 @@ class _Prefix:
 class SearchResult:
     latency: float
     spans: tuple  # ((a, c, server of each replica), ...)
-    policies: tuple  # how each stage was placed: fresh/append/scatter, "rest" (the last stage), "seed"
+    policies: tuple  # how each stage was placed: fresh/append/scatter, "rest" (the last stage), "even" (a seed)
     warmup_policy: str
     micro_batch_size: int
     states: int
@@ -180,7 +180,7 @@ class _DP:
             spans = tuple((bounds[i], bounds[i + 1], lays[i]) for i in range(S))
             res = self.evaluate_spans(spans)
             if res is not None:
-                self.record(res[0], spans, ("seed",) * S, res[1])
+                self.record(res[0], spans, ("even",) * S, res[1])
 
     # ---- the DP ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -229,12 +229,17 @@ class _DP:
             order = sorted(range(self.ns), key=lambda s: (first.get(s, 1 << 30), s))
             hit = []
             for name, take in placements(free, self.dps, m, order):
-                new = _arrange(take, prev)
                 free2 = tuple(free[s] - take[s] for s in range(self.ns))
-                tail = _arrange(free2, new)
-                wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
-                state_key, perm = _canonical(free2, new)
-                hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, state_key, perm))
+                # replica order: like the previous stage (its slices meet theirs on the same server), or with
+                # the servers that keep the most free devices first (the larger first slices meet the next
+                # stage's there)
+                ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
+                rank = {s: r for r, s in enumerate(ahead)}
+                for new in dict.fromkeys((_arrange(take, prev), tuple(sorted(_arrange(take, prev), key=rank.get)))):
+                    tail = _arrange(free2, new)
+                    wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
+                    state_key, perm = _canonical(free2, new)
+                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, state_key, perm))
             self._options[key] = hit
         return hit
 
@@ -364,16 +369,18 @@ def divisors(n: int) -> list[int]:
 
 
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
-         model: str = "paper", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
+         model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``.
 
     Searches stage splits, replication and Fresh/Append/Scatter placement by the DP of formulas 4-5
     (:func:`dp_search`) for each micro-batch size (the divisors of the global batch, or ``micro_batch_size``
-    / ``micro_batch_sizes``). ``model``: "paper" (formula 2) or "refined"; ``overlap``: the runtime overlaps
-    gradient AllReduce with the last backward (DDP-style). The warmup policy (A or B) is chosen by the refined
-    model unless given (A on ties: it holds fewer activations), and K_i is recorded per stage.
+    / ``micro_batch_sizes``). ``model``: "refined" (default: the model that tracks the event simulator, see
+    :mod:`dapple.planner.refined`) or "paper" (formula 2 as printed); ``overlap``: the runtime overlaps
+    gradient AllReduce with the last backward (DDP-style). ``max_stages`` limits the pipeline depth. The
+    warmup policy (A or B) is the better one under the refined model unless given (A on ties: it holds fewer
+    activations), and K_i is recorded per stage. ``beam``: prefixes kept per DP state (the paper keeps 1).
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()
