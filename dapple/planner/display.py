@@ -69,5 +69,7 @@ def format_plan(plan: "Plan") -> str:
             lines.append("  " + "; ".join(extra))
     if plan.meta.get("planning_time_s") is not None:
         lines.append(f"planned by {plan.meta.get('planner', '?')} in {plan.meta['planning_time_s']:.3f} s"
-                     + (f"; placement {', '.join(plan.meta['placement'])}" if plan.meta.get("placement") else ""))
+                     + (f"; placement {', '.join(plan.meta['placement'])}" if plan.meta.get("placement") else "")
+                     + ("; search stopped at its time limit: the best plan found so far"
+                        if plan.meta.get("search_complete") is False else ""))
     return "\n".join(lines)

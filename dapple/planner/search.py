@@ -13,7 +13,7 @@ from .latency import paper_latency
 from .memory import max_in_flight
 from .placement import placements
 from .plan import Plan, Stage
-from .refined import refined_latency
+from .refined import refined_latencies, refined_latency
 from .schedule import SCHEDULES, WARMUP_POLICIES, warmup_counts
 
 if TYPE_CHECKING:
@@ -98,6 +98,8 @@ class _DP:
         self.max_stages = max_stages
         self.best: tuple = (incumbent, None)
         self.states = self.transitions = 0
+        self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
+        self.complete = True
         self._tail: dict = {}
         self._options: dict = {}
         # rho[j]: least per-micro-batch work (ms x devices) any stage split can give layers [0, j)
@@ -122,14 +124,23 @@ class _DP:
         M = self.M
         if not self.refined:
             return paper_latency(F, B, AR, M).total, self.policy or "A"
-        best = (INF, "A")
-        Dk = [max(1, d) for d in D]
-        for pol in ((self.policy,) if self.policy else ("A", "B")):
-            K = warmup_counts(len(D), M, pol, max_in_flight=Dk)
-            t = refined_latency(F, B, AR, E if self.overlap else None, K, M, link_period, C).total
-            if t < best[0] - 1e-9:
-                best = (t, pol)
-        return best
+        pols = (self.policy,) if self.policy else ("A", "B")
+        S = len(D)
+        Ks = []
+        for pol in pols:  # warmup_counts, inlined: K_i = min(S-i or 2(S-i)-1, D_i, M, K_{i-1}), at least 1
+            K, prev = [], M
+            for i in range(S):
+                k = S - i if pol == "A" else 2 * (S - i) - 1
+                d = D[i] if D[i] > 1 else 1
+                k = min(k, d, prev)
+                K.append(k if k > 1 else 1)
+                prev = K[-1]
+            Ks.append(K)
+        if len(Ks) == 2 and Ks[0] == Ks[1]:
+            Ks.pop()
+        lats = refined_latencies(F, B, AR, E if self.overlap else None, Ks, M, link_period, C)
+        best = min(range(len(lats)), key=lambda x: lats[x].total - (1e-9 if x == 0 else 0.0))
+        return lats[best].total, pols[best]
 
     def tail(self, a: int, lay: Layout) -> tuple:
         key = (a, lay)
@@ -197,11 +208,14 @@ class _DP:
         for j in range(N):
             for pre in ([root] if j == 0 else [p for bucket in states[j].values() for p in bucket]):
                 self.states += 1
+                if self.deadline is not None and time.perf_counter() > self.deadline:
+                    self.complete = False
+                    return
                 free = pre.free
                 R = sum(free)
                 if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.best[0]:
                     continue
-                if self.refined and max(pre.W + M * (rho[N] - rho[j]) / R,
+                if self.refined and max(pre.W + M * (rho[N] - rho[j]) / R + pre.Bsum,
                                         pre.W + pre.Bsum + self.rt[N] - self.rt[j]) >= self.best[0]:
                     continue
                 if self.max_stages is not None and len(pre.spans) + 2 > self.max_stages:
@@ -250,8 +264,8 @@ class _DP:
         refined = self.refined
         if prev is not None:
             busy1, out1, in1, servers1, chain1 = cm.comm_links(j - 1, prev, new)
-            # formula 2: L >= M (F+B) of every stage; refined: L >= W + M max(F, B) (its chain)
-            base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1)
+            # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
+            base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
             if base >= self.best[0]:
                 return
             F0, B0, AR0, E0, C0 = pre.F + [busy1], pre.B + [busy1], pre.AR + [0.0], pre.E + [busy1], pre.C + [chain1]
@@ -277,21 +291,33 @@ class _DP:
         rest_per_device = M / len(tail)
         for j2 in range(lo, N):
             f, bb = cm.compute(j, j2, m)
-            lb = max(base, W1 + M * (f + bb))
+            lb = max(base, W1 + M * (f + bb) + Bsum1)
             if lb >= self.best[0]:
                 break  # a longer new stage is only slower
             dn = max_in_flight(static(j, j2), saved(j, j2, m), mem)
             if dn < 1:
                 break  # and only bigger
             if refined:  # the rest: some stage gets >= its share of the work; one micro-batch goes there and back
-                if max((rho[N] - rho[j2]) * rest_per_device + W1 + f,
+                if max((rho[N] - rho[j2]) * rest_per_device + W1 + f + bb + Bsum1,
                        W1 + f + bb + Bsum1 + rt[N] - rt[j2]) >= self.best[0]:
                     continue
             elif (rho[N] - rho[j2]) * rest_per_device >= self.best[0]:
                 continue
-            self.transitions += 1
             busy2, out2, in2, servers2, chain2 = cm.comm_links(j2 - 1, new, tail_eval)
             t_f, t_b, t_ar, t_e, t_d = self.tail(j2, tail_eval)
+            skey = (len(pre.spans) + 1, key) if self.max_stages is not None else key  # stage count limits what follows
+            bucket = states[j2].get(skey)
+            if bucket is not None and len(bucket) >= self.beam:
+                # the rest-as-one-stage's chain bounds this complete plan's L from below (formula 2: M (F+B) of
+                # any stage); skip evaluating a plan that can neither beat the best nor enter the bucket
+                if refined:
+                    quick = W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar,
+                                                                      Bsum1 + bb + chain2)
+                else:
+                    quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
+                if quick >= self.best[0] and quick >= bucket[-1].latency:
+                    continue
+            self.transitions += 1
             ar = cm.allreduce(j, j2, new)
             e = cm.overlapped_ending(j, j2, new) if self.overlap else bb
             F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
@@ -304,8 +330,6 @@ class _DP:
             spans = pre.spans + ((j, j2, new),)
             if not wide and t_d >= 1 and lat < self.best[0]:
                 self.record(lat, spans + ((j2, N, tail),), pre.policies + (name, "rest"), pol)
-            skey = (len(spans), key) if self.max_stages is not None else key  # the stage count limits what follows
-            bucket = states[j2].get(skey)
             if bucket is not None and len(bucket) >= self.beam and bucket[-1].latency <= lat:
                 continue
             spans = tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in spans)
@@ -326,7 +350,8 @@ class _DP:
 def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
               model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
               optimizer_factor: float = 4.0, beam: int = 1, incumbent: float = INF,
-              seed: bool = True, max_stages: int | None = None) -> SearchResult | None:
+              seed: bool = True, max_stages: int | None = None,
+              time_limit: float | None = None) -> SearchResult | None:
     """Formulas 4-5 for one micro-batch size: T_PL(j', m+m', g+g') = L of (planned stages + a new stage
     [j, j') on m' devices placed by Fresh/Append/Scatter First + the rest as one stage on the free devices).
 
@@ -343,6 +368,8 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
         return None  # not enough layers to give every device a stage of at most b replicas
     if seed:
         dp.seed()
+    if time_limit is not None:
+        dp.deadline = time.perf_counter() + time_limit
     dp.run()
     if dp.best[1] is None:
         return None
@@ -371,7 +398,7 @@ def divisors(n: int) -> list[int]:
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
          model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
-         max_stages: int | None = None) -> Plan:
+         max_stages: int | None = None, time_limit: float | None = None) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``.
 
     Searches stage splits, replication and Fresh/Append/Scatter placement by the DP of formulas 4-5
@@ -381,6 +408,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     gradient AllReduce with the last backward (DDP-style). ``max_stages`` limits the pipeline depth. The
     warmup policy (A or B) is the better one under the refined model unless given (A on ties: it holds fewer
     activations), and K_i is recorded per stage. ``beam``: prefixes kept per DP state (the paper keeps 1).
+    ``time_limit`` (seconds) makes the search anytime: when it runs out, the best plan found so far is
+    returned and ``plan.meta["search_complete"]`` is False (large clusters: see benchmarks/planning_time.py).
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()
@@ -413,13 +442,17 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             dp.seed()
             dps.append(dp)
     dps.sort(key=lambda dp: dp.best[0])  # most promising first: its plans bound the others' search
+    deadline = t0 + time_limit if time_limit is not None else None
+    complete = True
     found: SearchResult | None = None
     tried = []
     for dp in dps:
         bound = found.latency if found else INF
         if dp.best[0] >= bound:
             dp.best = (bound, None)
+        dp.deadline = deadline
         dp.run()
+        complete = complete and dp.complete
         tried.append(dp.b)
         if dp.best[1] is not None and (found is None or dp.best[0] < found.latency):
             spans, policies, pol = dp.best[1]
@@ -448,6 +481,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     meta = {"model": profile.model, "cluster": cluster.name or "", "planner": "dapple",
             "latency_model": model, "overlap": overlap, "placement": list(found.policies),
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
-            "dp_transitions": found.transitions, "planning_time_s": round(time.perf_counter() - t0, 4)}
+            "dp_transitions": found.transitions, "search_complete": complete,
+            "planning_time_s": round(time.perf_counter() - t0, 4)}
     return Plan(global_batch_size=g, micro_batch_size=b, stages=stages, schedule=schedule, warmup_policy=policy,
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
