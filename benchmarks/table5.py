@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--configs", default="A,B,C")
     ap.add_argument("--model", default="refined", choices=("refined", "paper"))
     ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per plan (anytime search)")
     ap.add_argument("--micro-batch", default="searched",
                     help="'searched' (divisors of the global batch) or 'profiled' (the profile's batch size)")
     args = ap.parse_args()
@@ -45,21 +46,22 @@ def main() -> None:
                 micro = pb if args.micro_batch == "profiled" and gbs % pb == 0 and pb >= 16 else None
                 t = time.perf_counter()
                 try:
-                    p = plan(prof, cluster, gbs, micro, model=args.model, overlap=args.overlap)
+                    p = plan(prof, cluster, gbs, micro, model=args.model, overlap=args.overlap,
+                             time_limit=args.time_limit)
                 except ValueError as e:
                     print(f"{name:<13} {gbs:>5} {cfg:>3}  no plan: {e}")
                     continue
                 dt = time.perf_counter() - t
                 sim = simulate(p, prof, cluster, overlap=args.overlap).latency_ms
                 try:  # pure data parallelism at the same micro-batch size, for reference
-                    dp = plan(prof, cluster, gbs, p.micro_batch_size if p.micro_batch_size >= 16 else None,
-                              model=args.model, overlap=args.overlap, max_stages=1)
+                    dp = plan(prof, cluster, gbs, model=args.model, overlap=args.overlap, max_stages=1)
                     dps = f"{simulate(dp, prof, cluster, overlap=args.overlap).latency_ms:9.1f}"
                 except ValueError:
                     dps = f"{'OOM':>9}"
                 split = " | ".join(f"{s.layers[0]}-{s.layers[1]}" for s in p.stages) if p.num_stages <= 3 else "..."
                 print(f"{name:<13} {gbs:>5} {cfg:>3}  {describe(p):<14} {split:<22} {p.micro_batch_size:>5} "
-                      f"{p.warmup_policy:>3} {p.estimate.latency_ms:9.1f} {sim:9.1f} {dps} {dt:6.2f}")
+                      f"{p.warmup_policy:>3} {p.estimate.latency_ms:9.1f} {sim:9.1f} {dps} {dt:6.2f}"
+                      + ("" if p.meta["search_complete"] else " (time limit)"), flush=True)
 
 
 if __name__ == "__main__":

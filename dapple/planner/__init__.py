@@ -4,7 +4,7 @@ from .cluster import Cluster
 from .evaluate import evaluate
 from .plan import Estimate, Plan, Stage
 from .schedule import Op, stage_ops, warmup_counts
-from .search import plan
+from .planning import plan
 from .simulator import SimResult, simulate
 
 __all__ = ["Cluster", "Estimate", "Op", "Plan", "SimResult", "Stage", "evaluate", "plan", "simulate", "stage_ops",
