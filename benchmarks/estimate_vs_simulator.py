@@ -37,7 +37,8 @@ def clusters() -> list[Cluster]:
             Cluster(2, 4, 20e9, 1e9, 5e-6, 50e-6, 16e9, name="2x4 slow")]
 
 
-def random_plan(rng: random.Random, prof: Profile, cluster: Cluster, shuffle: float = 0.0) -> Plan | None:
+def random_plan(rng: random.Random, prof: Profile, cluster: Cluster, shuffle: float = 0.0,
+                schedule: str = "dapple") -> Plan | None:
     n, G = prof.num_layers, cluster.num_devices
     S = rng.randint(1, min(6, n, G))
     cuts = sorted(rng.sample(range(1, n), S - 1))
@@ -59,7 +60,7 @@ def random_plan(rng: random.Random, prof: Profile, cluster: Cluster, shuffle: fl
     b = rng.choice(micro)
     try:
         return Plan(g, b, [Stage((bounds[i], bounds[i + 1]), devs[i]) for i in range(S)],
-                    warmup_policy=rng.choice("AB"))
+                    warmup_policy=rng.choice("AB"), schedule=schedule)
     except ValueError:
         return None
 
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overlap", action="store_true", help="AllReduce overlapped with the last backward")
     ap.add_argument("--worst", type=int, default=0, help="print the N worst plans of the refined model")
+    ap.add_argument("--schedule", default="dapple", choices=("dapple", "gpipe"))
     ap.add_argument("--shuffle", type=float, default=0.0,
                     help="share of plans whose devices are shuffled (else stages take consecutive devices)")
     args = ap.parse_args()
@@ -81,12 +83,13 @@ def main() -> None:
     while len(errors["paper"]) < args.plans:
         prof = rng.choice(profiles) if rng.random() < 0.5 else synthetic(rng, rng.randint(4, 24))
         cluster = rng.choice(clusters())
-        plan = random_plan(rng, prof, cluster, args.shuffle)
+        plan = random_plan(rng, prof, cluster, args.shuffle, args.schedule)
         if plan is None:
             continue
         try:
             est = {m: evaluate(prof, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size,
-                               warmup_policy=plan.warmup_policy, model=m, overlap=args.overlap).latency_ms
+                               warmup_policy=plan.warmup_policy, model=m, overlap=args.overlap,
+                               schedule=plan.schedule).latency_ms
                    for m in errors}
         except ValueError:
             continue  # does not fit in memory
@@ -94,8 +97,8 @@ def main() -> None:
         for m in errors:
             errors[m].append((est[m] - sim) / sim)
         rows.append((abs(est["refined"] - sim) / sim, prof.model, cluster.name, plan, est, sim))
-    print(f"{args.plans} random plans (seed {args.seed}, overlap {args.overlap}, shuffled {args.shuffle:.0%}): "
-          f"relative error of the model "
+    print(f"{args.plans} random {args.schedule} plans (seed {args.seed}, overlap {args.overlap}, shuffled "
+          f"{args.shuffle:.0%}): relative error of the model "
           f"against the simulator, (estimate - simulated) / simulated")
     print(f"  {'model':<8} {'median |e|':>10} {'p90 |e|':>9} {'max |e|':>9} {'mean e':>8} {'<=5%':>6}")
     for m, es in errors.items():

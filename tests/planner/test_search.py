@@ -84,11 +84,22 @@ def test_micro_batch_size_is_searched_and_wins_over_each_fixed_choice():
                            int(5e8)) for i in range(4)]
     prof = Profile("overhead", "synthetic", [1, 16], layers)
     c = cluster(1, 4, intra=1e10)
-    best = dapple.plan(prof, c, 64)
-    each = {b: dapple.plan(prof, c, 64, b).estimate.latency_ms for b in (1, 2, 4, 8, 16, 32, 64)}
+    best = dapple.plan(prof, c, 64, verify=0)  # the model's choice alone
+    each = {b: dapple.plan(prof, c, 64, b, verify=0).estimate.latency_ms for b in (1, 2, 4, 8, 16, 32, 64)}
     assert best.estimate.latency_ms == pytest.approx(min(each.values()))
     assert best.micro_batch_size == 8 and best.num_stages == 4
     assert sorted(best.meta["micro_batch_sizes_tried"]) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_the_simulator_has_the_last_word():
+    rng = random.Random(5)
+    prof = random_profile(rng, 12)
+    c = cluster(4, 2, intra=5e10, inter=1e9, intra_lat=5e-6, inter_lat=3e-5)
+    trusted = dapple.plan(prof, c, 128, verify=0)
+    checked = dapple.plan(prof, c, 128)
+    assert checked.meta["candidates_simulated"] >= 2
+    assert checked.meta["simulated_ms"] == pytest.approx(simulate(checked, prof, c).latency_ms)
+    assert simulate(checked, prof, c).latency_ms <= simulate(trusted, prof, c).latency_ms * (1 + 1e-3)
 
 
 def test_plan_fields():
