@@ -79,7 +79,7 @@ def main() -> None:
     profiles = [Profile.from_pipedream(PIPEDREAM / f"{k}.txt", v) for k, v in REAL.items()
                 if (PIPEDREAM / f"{k}.txt").exists()]
     errors: dict[str, list[float]] = {"paper": [], "refined": []}
-    rows = []
+    rows, acr = [], []
     while len(errors["paper"]) < args.plans:
         prof = rng.choice(profiles) if rng.random() < 0.5 else synthetic(rng, rng.randint(4, 24))
         cluster = rng.choice(clusters())
@@ -87,12 +87,13 @@ def main() -> None:
         if plan is None:
             continue
         try:
-            est = {m: evaluate(prof, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size,
-                               warmup_policy=plan.warmup_policy, model=m, overlap=args.overlap,
-                               schedule=plan.schedule).latency_ms
-                   for m in errors}
+            ests = {m: evaluate(prof, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size,
+                                warmup_policy=plan.warmup_policy, model=m, overlap=args.overlap,
+                                schedule=plan.schedule) for m in errors}
         except ValueError:
             continue  # does not fit in memory
+        est = {m: e.latency_ms for m, e in ests.items()}
+        acr.append(ests["refined"].details["acr"])
         sim = simulate(plan, prof, cluster, overlap=args.overlap).latency_ms
         for m in errors:
             errors[m].append((est[m] - sim) / sim)
@@ -105,6 +106,12 @@ def main() -> None:
         a = sorted(abs(e) for e in es)
         print(f"  {m:<8} {statistics.median(a):>10.2%} {a[int(0.9 * len(a))]:>9.2%} {a[-1]:>9.2%} "
               f"{statistics.mean(es):>8.2%} {sum(x <= 0.05 for x in a) / len(a):>6.0%}")
+    for lo, hi in ((0.0, 0.3), (0.3, float("inf"))):
+        sel = [i for i, a in enumerate(acr) if lo <= a < hi]
+        if sel:
+            line = ", ".join(f"{m} median {statistics.median(sorted(abs(errors[m][i]) for i in sel)):.2%} <=5% "
+                             f"{sum(abs(errors[m][i]) <= 0.05 for i in sel) / len(sel):.0%}" for m in errors)
+            print(f"  activation communication ratio in [{lo}, {hi}): {len(sel)} plans: {line}")
     for err, model, cname, plan, est, sim in sorted(rows, key=lambda r: -r[0])[: args.worst]:
         print(f"\n{err:.1%} {model} on {cname}: sim {sim:.2f} paper {est['paper']:.2f} refined {est['refined']:.2f}")
         print(plan)

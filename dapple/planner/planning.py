@@ -111,7 +111,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     cands = [(found.latency, found.micro_batch_size, (found.spans, found.policies))]
     cands += sorted((lat, b, (sp, pols)) for lat, b, (sp, pols, _) in seeds)
     chosen, simulated, n_sim = _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
-                                       optimizer_factor, verify)
+                                       optimizer_factor, verify, deadline)
     b, spans, policies, policy = chosen
     M = g // b
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
@@ -132,9 +132,11 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
 
 
-def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify):
+def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,
+            deadline=None):
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
-    ``verify`` distinct candidates x warmup policies (the DP's plan first: it wins ties)."""
+    ``verify`` distinct candidates x warmup policies (the DP's plan first: it wins ties; none past
+    ``deadline`` but the DP's own)."""
     from .simulator import simulate
 
     best_lat, b, (spans, policies) = cands[0]
@@ -150,7 +152,7 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
         return chosen, None, 0
     seen, best_sim, n = set(), None, 0
     for _, b, (spans, policies) in cands:
-        if (b, spans) in seen or len(seen) >= verify:
+        if (b, spans) in seen or len(seen) >= verify or (seen and deadline and time.perf_counter() > deadline):
             continue
         seen.add((b, spans))
         cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)

@@ -353,12 +353,20 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     """Formulas 4-5 for one micro-batch size: T_PL(j', m+m', g+g') = L of (planned stages + a new stage
     [j, j') on m' devices placed by Fresh/Append/Scatter First + the rest as one stage on the free devices).
 
-    Memoised on (j, free devices per server, where the last stage's replicas sit), up to server symmetry
-    (servers with the same descriptor are interchangeable for every later cost); each key keeps the ``beam``
-    best prefixes by their L (the paper keeps one: a heuristic, as L of a longer plan is not a function of
-    the key). Transitions whose lower bound M * max(steady cost F+B of a fixed stage, remaining work / free
-    devices) cannot beat the best complete plan so far (``incumbent``, ``seed`` plans: even splits) are
-    skipped: no plan reached through them can be better. Returns None when nothing beats ``incumbent``.
+    Memoised on (j, free devices per server, where the last stage's replicas sit), up to server symmetry:
+    servers with the same descriptor are interchangeable for every later decision and cost, and the last
+    stage's replica positions decide the split-concat routes to the next stage (the free counts alone do
+    not). Each key keeps the ``beam`` best prefixes by their formula-5 L (the paper keeps one): exact only
+    if a longer plan's L were a function of the key, which it is not, so this is where the DP is heuristic
+    (brute force on small clusters: see tests/planner/test_search.py). Replica order inside a stage: two
+    candidates (aligned with the previous stage; fullest remaining servers first).
+
+    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the even-split
+    ``seed`` plans, and every complete plan the DP meets): L >= M (F_s+B_s) for every stage under both models,
+    and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) + (last gradient's way
+    back), the remaining layers' least work over the free devices, and one micro-batch's round trip.
+    ``time_limit``: stop after that many seconds with the best plan so far (SearchResult via the seeds).
+    Returns None when nothing beats ``incumbent``.
     """
     dp = _DP(profile, cluster, global_batch_size, micro_batch_size, model, overlap, warmup_policy,
              optimizer_factor, beam, incumbent, max_stages)
