@@ -19,6 +19,7 @@ def test_plan_then_simulate(tmp_path, capsys):
     assert "dapple plan: 2 stage(s) on 16 device(s)" in text and "estimate (refined model)" in text
     plan = Plan.load(out)
     assert plan.layer_names[0] == "node1:Input" and plan.estimate is not None
+    assert plan == Plan.from_dict(plan.to_dict())  # estimate, details and meta survive YAML
     cluster_file = tmp_path / "a.yaml"
     Cluster.preset("A").save(cluster_file)
     assert main(["simulate", str(out), "--profile", profile, "--profile-batch", "1",

@@ -184,8 +184,9 @@ def make_estimate(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], pc: P
                "stages": per, "bubble_fraction": round(max(0.0, 1 - busy / (devices * lat.total)), 6)
                if lat.total > 0 else 0.0, "acr": round(acr, 6),
                "pivot": f"stage {q // 2}" if q % 2 == 0 else f"communication {q // 2}->{q // 2 + 1}"}
-    return Estimate(latency_ms=lat.total, warmup_ms=lat.warmup, steady_ms=lat.steady, ending_ms=lat.ending,
-                    pivot_stage=q // 2, details=details)
+    r = 6  # as Estimate.to_dict writes them: a saved and reloaded plan compares equal
+    return Estimate(latency_ms=round(lat.total, r), warmup_ms=round(lat.warmup, r), steady_ms=round(lat.steady, r),
+                    ending_ms=round(lat.ending, r), pivot_stage=q // 2, details=details)
 
 
 def estimate_plan(plan: Plan, profile: "Profile", cluster: "Cluster", **kw) -> Estimate:
