@@ -1,7 +1,7 @@
 """dapple: synchronous pipelined data-parallel training for PyTorch (the DAPPLE approach)."""
 
 from . import planner, profiler
-from .planner import Cluster, Plan
+from .planner import Cluster, Plan, evaluate, plan, simulate
 from .profiler import Profile
 from .profiler.api import profile
 from .runtime import Pipeline, pipeline
@@ -9,5 +9,5 @@ from .runtime.checkpoint import load_checkpoint, load_full_state_dict, save_chec
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "load_checkpoint", "load_full_state_dict", "pipeline",
-           "planner", "profile", "profiler", "save_checkpoint"]
+__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "evaluate", "load_checkpoint", "load_full_state_dict",
+           "pipeline", "plan", "planner", "profile", "profiler", "save_checkpoint", "simulate"]

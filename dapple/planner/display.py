@@ -8,11 +8,15 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 
+def _short(name: str, width: int = 24) -> str:
+    return name if len(name) <= width else name[: width - 1] + "~"
+
+
 def _layer_span(plan: "Plan", lo: int, hi: int) -> str:
     names = plan.layer_names
     if not names:
         return f"[{lo}, {hi})"
-    first, last = names[lo], names[hi - 1]
+    first, last = _short(names[lo]), _short(names[hi - 1])
     return f"[{lo}, {hi}) {first}" if hi - lo == 1 else f"[{lo}, {hi}) {first} .. {last}"
 
 
@@ -20,31 +24,52 @@ def format_plan(plan: "Plan") -> str:
     from .plan import device_ranges
 
     est = plan.estimate
-    per_stage = (est.details.get("stages") if est is not None else None) or []
+    details = est.details if est is not None else {}
+    per_stage = details.get("stages") or []
     head = (f"dapple plan: {plan.num_stages} stage(s) on {plan.num_devices} device(s), "
             f"global batch {plan.global_batch_size} = {plan.num_micro_batches} micro-batches x "
             f"{plan.micro_batch_size}, schedule {plan.schedule}, warmup policy {plan.warmup_policy}")
     if plan.meta.get("model"):
         head += f", model {plan.meta['model']}"
-    rows = [("stage", "layers", "devices", "K_i", "F ms", "B ms", "AR ms")]
+    if plan.meta.get("cluster"):
+        head += f", cluster {plan.meta['cluster']}"
+    rows = [("stage", "layers", "devices", "K_i", "F ms", "B ms", "AR ms", "send ms", "mem GB")]
     for i, s in enumerate(plan.stages):
         d = per_stage[i] if i < len(per_stage) else {}
 
-        def ms(key: str) -> str:
-            return f"{d[key]:.3f}" if key in d else "-"
+        def num(key: str, fmt: str = "{:.3f}") -> str:
+            return fmt.format(d[key]) if key in d else "-"
 
         rows.append((str(i), _layer_span(plan, *s.layers), f"{device_ranges(s.devices)} (x{len(s.devices)})",
-                     str(s.warmup), ms("forward_ms"), ms("backward_ms"), ms("allreduce_ms")))
+                     str(s.warmup), num("forward_ms"), num("backward_ms"), num("allreduce_ms"),
+                     num("send_forward_ms"), num("memory_gb", "{:.2f}")))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = [head]
     for k, r in enumerate(rows):
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
         if k == 0:
             lines.append("  " + "  ".join("-" * w for w in widths))
+    if per_stage:
+        lines.append("  (F/B: one micro-batch slice on the slowest replica; AR: gradient AllReduce over the stage's "
+                     "devices; send: activations to the next stage, gradients take as long back)")
     if est is not None:
-        tail = (f"estimate: latency {est.latency_ms:.3f} ms = warmup Tw {est.warmup_ms:.3f} + steady Ts "
-                f"{est.steady_ms:.3f} + ending Te {est.ending_ms:.3f}; pivot stage Q = {est.pivot_stage}")
-        if "bubble_fraction" in est.details:
-            tail += f"; bubble fraction {est.details['bubble_fraction']:.1%}"
-        lines.append(tail)
+        model = f" ({details['model']} model)" if details.get("model") else ""
+        pivot = details.get("pivot", "")
+        where = f"pivot stage Q = {est.pivot_stage}" + (f" ({pivot})" if pivot.startswith("comm") else "")
+        lines.append(f"estimate{model}: latency {est.latency_ms:.3f} ms = warmup Tw {est.warmup_ms:.3f} + steady Ts "
+                     f"{est.steady_ms:.3f} + ending Te {est.ending_ms:.3f}; {where}")
+        extra = []
+        if "bubble_fraction" in details:
+            extra.append(f"bubble fraction {details['bubble_fraction']:.1%}")
+        if "acr" in details:
+            extra.append(f"activation communication ratio {details['acr']:.3f}")
+        if details.get("overlap"):
+            extra.append("AllReduce overlapped with the last backward")
+        if extra:
+            lines.append("  " + "; ".join(extra))
+    if plan.meta.get("planning_time_s") is not None:
+        lines.append(f"planned by {plan.meta.get('planner', '?')} in {plan.meta['planning_time_s']:.3f} s"
+                     + (f"; placement {', '.join(plan.meta['placement'])}" if plan.meta.get("placement") else "")
+                     + ("; search stopped at its time limit: the best plan found so far"
+                        if plan.meta.get("search_complete") is False else ""))
     return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""Planning time of dapple.plan: bert_48 on 2x8 (paper config A), a 128-layer model on 8x8 and on 128x8."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dapple import Cluster, Profile, plan  # noqa: E402
+from dapple.profiler import LayerProfile  # noqa: E402
+
+PIPEDREAM = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "pipedream"
+
+
+def synthetic(n: int, seed: int = 0) -> Profile:
+    """A transformer-like stack: n layers of varied compute (+-30%), 50 MB of parameters and 4 MB of activations
+    per row each, profiled at batch 1 and 8 (a fixed per-layer overhead)."""
+    rng = random.Random(seed)
+    layers = []
+    for i in range(n):
+        f = rng.uniform(0.7, 1.3)
+        layers.append(LayerProfile(f"block{i}", [0.2 + f, 0.2 + 8 * f], [0.4 + 2 * f, 0.4 + 16 * f], [4e6, 32e6],
+                                   [16e6, 128e6], int(50e6)))
+    return Profile(f"synthetic{n}", "synthetic", [1, 8], layers)
+
+
+def timed(repeats: int, fn):
+    times, result = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), times, result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--big", action="store_true", help="also plan the 128-layer model on 128 x 8 = 1024 devices")
+    ap.add_argument("--model", default="refined", choices=("refined", "paper"))
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="stop the 8x8 and 128x8 searches after this many seconds (anytime: best plan so far)")
+    args = ap.parse_args()
+    bert = lambda: Profile.from_pipedream(PIPEDREAM / "bert_48.txt", 2)  # noqa: E731
+    cases = [("bert_48, global 64, 2x8 (A), micro-batch searched", bert, lambda: Cluster.preset("A"), 64, None, None),
+             ("bert_48, global 64, 2x8 (A), micro-batch 8", bert, lambda: Cluster.preset("A"), 64, 8, None),
+             ("synthetic 128 layers, global 512, 8x8, micro-batch 8",
+              lambda: synthetic(128), lambda: Cluster.preset("A", servers=8), 512, 8, args.time_limit),
+             ("synthetic 128 layers, global 512, 8x8, micro-batch searched",
+              lambda: synthetic(128), lambda: Cluster.preset("A", servers=8), 512, None, args.time_limit)]
+    if args.big:
+        cases.append(("synthetic 128 layers, global 8192, 128x8 (1024 devices), micro-batch 64",
+                      lambda: synthetic(128), lambda: Cluster.preset("A", servers=128), 8192, 64, args.time_limit))
+    for name, prof, cluster, g, b, limit in cases:
+        p, c = prof(), cluster()
+        med, times, result = timed(args.repeats, lambda: plan(p, c, g, b, model=args.model, time_limit=limit))
+        print(f"{name}: median {med:.3f} s over {len(times)} runs ({', '.join(f'{t:.3f}' for t in times)}); "
+              f"{result.num_stages} stages {[len(s.devices) for s in result.stages]}, micro-batch "
+              f"{result.micro_batch_size}, {result.meta['dp_states']} DP states, "
+              f"{result.meta['dp_transitions']} transitions, estimate {result.estimate.latency_ms:.1f} ms, "
+              f"search {'complete' if result.meta['search_complete'] else 'stopped at the time limit'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Per-stage costs (paper IV-A): a micro-batch slice's compute, split-concat transfers, ring AllReduce."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from .slices import routes
+
+if TYPE_CHECKING:
+    from ..profiler.profile import Profile
+    from .cluster import Cluster
+
+Layout = tuple  # the server of each replica of a stage, in replica order: (0, 0, 1) = 2 replicas on server 0, 1 on 1
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25: gradients are AllReduced in buckets of this size
+
+
+def layout_of(cluster: "Cluster", devices: Sequence[int]) -> Layout:
+    """Server of each replica, in the stage's device order (all costs depend on devices only through this)."""
+    return tuple(cluster.server_of(d) for d in devices)
+
+
+class CostModel:
+    """Costs of stages of one profile on one cluster at one micro-batch size, in milliseconds (memoised).
+
+    A stage is layers ``[a, c)`` on ``r`` replicas; each replica runs a slice of the micro-batch and the
+    slowest holds ``ceil(micro / r)`` rows (``slices.slice_bounds``), which sets the stage's F and B.
+    Parameters tied across stages (e.g. a GPT's embedding and head) are counted once, at the layer that owns
+    them in the profile; their cross-stage gradient exchange is ignored by this model.
+    """
+
+    def __init__(self, profile: "Profile", cluster: "Cluster", micro_batch_size: int,
+                 optimizer_factor: float = 4.0, bucket_bytes: float = DDP_BUCKET_BYTES):
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size: expected a positive integer, got {micro_batch_size!r}")
+        self.profile, self.cluster, self.micro = profile, cluster, micro_batch_size
+        self.optimizer_factor, self.bucket_bytes = float(optimizer_factor), float(bucket_bytes)
+        self.num_layers = profile.num_layers
+        params = profile.costs(micro_batch_size).param_bytes
+        self.param_bytes = list(params)
+        self._pre_params = _prefix(params)
+        self._prefix: dict[int, tuple[list[float], list[float], list[float]]] = {}
+        self._comm: dict[tuple, tuple[float, float]] = {}
+        self._loads: dict[tuple, list] = {}
+        self._bbytes: dict[int, list[float]] = {}
+        self._ar: dict[tuple, float] = {}
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def rows(self, replicas: int) -> int:
+        """Rows of the largest slice of a micro-batch split over ``replicas`` (the slowest replica)."""
+        return -(-self.micro // replicas)
+
+    def _sums(self, rows: int) -> tuple[list[float], list[float], list[float]]:
+        hit = self._prefix.get(rows)
+        if hit is None:
+            c = self.profile.costs(rows)
+            hit = self._prefix[rows] = (_prefix(c.forward_ms), _prefix(c.backward_ms), _prefix(c.saved_bytes))
+        return hit
+
+    def compute_rows(self, a: int, c: int, rows: int) -> tuple[float, float]:
+        """(forward ms, backward ms) of layers [a, c) on a slice of ``rows`` rows."""
+        f, b, _ = self._sums(rows)
+        return f[c] - f[a], b[c] - b[a]
+
+    def compute(self, a: int, c: int, replicas: int) -> tuple[float, float]:
+        """(F_s, B_s): forward and backward ms of layers [a, c) on the slowest of ``replicas`` replicas."""
+        return self.compute_rows(a, c, self.rows(replicas))
+
+    def saved_bytes(self, a: int, c: int, replicas: int) -> float:
+        """Activations one micro-batch slice keeps for backward on the slowest replica of layers [a, c)."""
+        s = self._sums(self.rows(replicas))[2]
+        return s[c] - s[a]
+
+    def params(self, a: int, c: int) -> float:
+        return self._pre_params[c] - self._pre_params[a]
+
+    # ---- communication stages ----------------------------------------------------------------------
+    def route_ms(self, layer: int, rows: int, src_server: int, dst_server: int) -> float:
+        """One split-concat transfer of ``rows`` rows of the tensors crossing a cut after ``layer``."""
+        nbytes = self.profile.costs(rows).boundary_bytes[layer]
+        cl = self.cluster
+        bw, lat = ((cl.intra_bandwidth, cl.intra_latency) if src_server == dst_server
+                   else (cl.inter_bandwidth, cl.inter_latency))
+        return (lat + nbytes / bw) * 1e3
+
+    def comm(self, layer: int, src: Layout, dst: Layout) -> tuple[float, float]:
+        """(F, B) of the communication stage after ``layer`` between stages placed as ``src`` and ``dst``.
+
+        Each split-concat route (``slices.routes``) takes latency + bytes / bandwidth of the slowest link it
+        crosses (``Cluster.link``). Routes sharing a link run one after another: a sender's and a receiver's
+        device link, and for cross-server routes the servers' up- and downlinks (the edges of
+        ``Cluster.graph()``). The stage time is the busiest link's total. Gradients (B) travel the reverse
+        routes with the same bytes, so B = F.
+        """
+        t = self.comm_links(layer, src, dst)[0]
+        return t, t
+
+    def comm_links(self, layer: int, src: Layout, dst: Layout) -> tuple:
+        """(busiest link ms, busiest sender device link ms, busiest receiver device link ms,
+        ((server, its uplink + downlink ms), ...), chain ms) of one micro-batch's transfers after ``layer``.
+
+        ``chain``: what the gradients' way back adds to one micro-batch's round trip. Receivers whose data
+        landed first send their gradients back while later routes are still busy, so only the part of the
+        backward transfers not overlapped with the forward ones counts: max(longest route, B - (last - first
+        receiver's arrival)); a concat (one receiver) gets no overlap."""
+        key = (layer, src, dst)
+        hit = self._comm.get(key)
+        if hit is None:
+            bb = self._boundary
+            groups = self._link_loads(src, dst)
+
+            def ms(load: tuple) -> float:
+                return 1e3 * sum(n * (lat + bb(rows)[layer] / bw) for n, rows, bw, lat in load)
+
+            out = max((ms(x) for x in groups["out"]), default=0.0)
+            inc = max((ms(x) for x in groups["in"]), default=0.0)
+            servers = tuple((s, ms(up), ms(down)) for s, up, down in groups["server"])
+            busiest = max([out, inc] + [max(u, d) for _, u, d in servers])
+            # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
+            # start when its last route lands. Its gradients can start back before the others' data is in.
+            free: dict = {}
+            done: dict = {}
+            longest = 0.0
+            for r in routes(self.micro, len(src), len(dst)):
+                a, b = src[r.src], dst[r.dst]
+                links = route_links(r.src, r.dst, a, b)
+                t = self.route_ms(layer, r.rows, a, b)
+                longest = max(longest, t)
+                end = max([free.get(x, 0.0) for x in links]) + t
+                for x in links:
+                    free[x] = end
+                done[r.dst] = max(done.get(r.dst, 0.0), end)
+            first = min(done.values(), default=0.0)
+            chain = max(longest, busiest - (max(busiest, max(done.values(), default=0.0)) - first))
+            hit = self._comm[key] = (busiest, out, inc, tuple((s, u + d) for s, u, d in servers), chain)
+        return hit
+
+    def _boundary(self, rows: int) -> list[float]:
+        hit = self._bbytes.get(rows)
+        if hit is None:
+            hit = self._bbytes[rows] = list(self.profile.costs(rows).boundary_bytes)
+        return hit
+
+    def _link_loads(self, src: Layout, dst: Layout) -> dict:
+        """What the routes between two layouts put on each link, as ((count, rows, bandwidth, latency), ...):
+        the distinct sender ("out") and receiver ("in") device link loads, and per server its up/downlink."""
+        key = (src, dst)
+        hit = self._loads.get(key)
+        if hit is None:
+            cl = self.cluster
+            per: dict = {}
+            for r in routes(self.micro, len(src), len(dst)):
+                a, b = src[r.src], dst[r.dst]
+                for link in route_links(("send", r.src), ("recv", r.dst), a, b):
+                    c = per.setdefault(link, {})
+                    c[(r.rows, a == b)] = c.get((r.rows, a == b), 0) + 1
+
+            def load(c: dict) -> tuple:
+                return tuple((n, rows, cl.intra_bandwidth if intra else cl.inter_bandwidth,
+                              cl.intra_latency if intra else cl.inter_latency) for (rows, intra), n in sorted(c.items()))
+
+            servers = sorted({who for (kind, who) in per if kind in ("up", "down")})
+            hit = self._loads[key] = {
+                "out": list({load(c) for (kind, _), c in per.items() if kind in ("out", "xout")}),
+                "in": list({load(c) for (kind, _), c in per.items() if kind in ("in", "xin")}),
+                "server": [(s, load(per.get(("up", s), {})), load(per.get(("down", s), {}))) for s in servers]}
+        return hit
+
+    def link_period(self, spans: Sequence[tuple[int, int, Layout]]) -> float:
+        """Least ms per micro-batch the links allow in the steady phase: a device link carries its stage's
+        activations forward and gradients back (two communication stages), a server's uplink and downlink
+        every cross-server transfer of the plan in either direction."""
+        period, per_server = 0.0, {}
+        prev_in = 0.0
+        for i in range(len(spans) - 1):
+            _, out, inc, servers, _ = self.comm_links(spans[i][1] - 1, spans[i][2], spans[i + 1][2])
+            period = max(period, out + prev_in)
+            prev_in = inc
+            for s, t in servers:
+                per_server[s] = per_server.get(s, 0.0) + t
+        return max([period, prev_in] + list(per_server.values()))
+
+    # ---- AllReduce ---------------------------------------------------------------------------------
+    def ring_allreduce_ms(self, nbytes: float, layout: Layout) -> float:
+        """Ring AllReduce: 2(r-1)/r * P / bw + 2(r-1) * latency over the slowest link the set spans."""
+        r = len(layout)
+        if r <= 1 or nbytes <= 0:
+            return 0.0
+        cl = self.cluster
+        bw, lat = ((cl.inter_bandwidth, cl.inter_latency) if len(set(layout)) > 1
+                   else (cl.intra_bandwidth, cl.intra_latency))
+        return (2 * (r - 1) / r * nbytes / bw + 2 * (r - 1) * lat) * 1e3
+
+    def allreduce(self, a: int, c: int, layout: Layout) -> float:
+        """AR(P_s, g_s) of formula 2: the gradients of layers [a, c) over the stage's replicas."""
+        key = (a, c, len(layout), len(set(layout)) > 1)
+        hit = self._ar.get(key)
+        if hit is None:
+            hit = self._ar[key] = self.ring_allreduce_ms(self.params(a, c), layout)
+        return hit
+
+    def buckets(self, a: int, c: int) -> list[tuple[int, float]]:
+        """DDP-style gradient buckets of layers [a, c) in backward order: (lowest layer, bytes) each."""
+        out, size, low = [], 0.0, c
+        for layer in range(c - 1, a - 1, -1):
+            p = self.param_bytes[layer]
+            if p <= 0:
+                continue
+            if size > 0 and size + p > self.bucket_bytes:
+                out.append((low, size))
+                size = 0.0
+            size += p
+            low = layer
+        if size > 0:
+            out.append((low, size))
+        return out
+
+    def overlapped_ending(self, a: int, c: int, layout: Layout, rows: int | None = None) -> float:
+        """Ms from the start of the stage's last backward to the end of its AllReduce, when each bucket is
+        reduced as soon as the last backward has produced it (DDP-style overlap); >= that backward's time."""
+        rows = self.rows(len(layout)) if rows is None else rows
+        _, b = self.compute_rows(a, c, rows)
+        if len(layout) <= 1:
+            return b
+        bsum = self._sums(rows)[1]
+        end = 0.0
+        for low, nbytes in self.buckets(a, c):
+            ready = bsum[c] - bsum[low]  # the last backward runs layers c-1 .. a; bucket done after layer `low`
+            end = max(end, ready) + self.ring_allreduce_ms(nbytes, layout)
+        return max(end, b)
+
+    # ---- memory --------------------------------------------------------------------------------------
+    def static_bytes(self, a: int, c: int) -> float:
+        """Parameters x optimizer factor (4: fp32 weights, gradients, Adam's two moments: 16 B/param)."""
+        return self.params(a, c) * self.optimizer_factor
+
+
+def route_links(sender: object, receiver: object, src_server: int, dst_server: int) -> tuple:
+    """Directed links a transfer occupies (the edges of ``Cluster.graph()``): within a server the sender's and
+    receiver's device links (NVLink); between servers the devices' links to the network ("xout"/"xin"),
+    the source server's uplink and the destination server's downlink (its NIC)."""
+    if src_server == dst_server:
+        return (("out", sender), ("in", receiver))
+    return (("xout", sender), ("up", src_server), ("down", dst_server), ("xin", receiver))
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out, acc = [0.0], 0.0
+    for v in values:
+        acc += v
+        out.append(acc)
+    return out

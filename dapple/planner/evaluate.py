@@ -1,0 +1,196 @@
+"""``evaluate``: the latency model (paper formula 2, or the refined model) of ANY given stages, as an Estimate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from .cost import CostModel, Layout, layout_of
+from .latency import Latency, paper_latency
+from .memory import check_stage_memory, max_in_flight
+from .plan import Estimate, Plan, Stage
+from .refined import refined_latency
+from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
+
+if TYPE_CHECKING:
+    from ..profiler.profile import Profile
+    from .cluster import Cluster
+
+MODELS = ("paper", "refined")
+
+
+@dataclass
+class PipelineCosts:
+    """Per-stage costs of a plan, interleaved (compute 2i, communication 2i+1), in ms, ready for a model."""
+
+    F: list[float]
+    B: list[float]
+    AR: list[float]  # 0 for communication stages and single replicas
+    E: list[float]  # last backward + overlapped AllReduce (DDP-style), per interleaved stage (B for comm)
+    K: list[int]  # warmup K_i per compute stage
+    M: int
+    link_period: float = 0.0  # least steady ms per micro-batch the links allow (CostModel.link_period)
+    chain: list | None = None  # B, with the gradients' share of a round trip for communication stages
+
+    def latency(self, model: str = "paper", overlap: bool = False) -> Latency:
+        if model == "paper":
+            return paper_latency(self.F, self.B, self.AR, self.M)
+        return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
+                               self.link_period, self.chain)
+
+
+def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
+    """``stages`` as Stage objects: (layer_start, layer_end_exclusive, [devices]) tuples or Stages; validated."""
+    if isinstance(stages, Plan):
+        stages = stages.stages
+    if not isinstance(stages, (list, tuple)) or not stages:
+        raise ValueError(f"stages: expected a non-empty list of (layer_start, layer_end, [device ids]) or Stage, "
+                         f"got {stages!r:.120}")
+    out, start, seen = [], 0, {}
+    for i, s in enumerate(stages):
+        if isinstance(s, Stage):
+            st = Stage(s.layers, s.devices, s.warmup)
+        elif isinstance(s, (list, tuple)) and len(s) in (3, 4):
+            st = Stage((s[0], s[1]), list(s[2]), s[3] if len(s) == 4 else None)
+        else:
+            raise ValueError(f"stages[{i}]: expected (layer_start, layer_end, [device ids]) or a Stage, got {s!r:.120}")
+        lo, hi = st.layers
+        if not (isinstance(lo, int) and isinstance(hi, int)) or lo != start or hi <= lo:
+            raise ValueError(f"stages[{i}]: expected a non-empty layer range starting at layer {start} (ranges "
+                             f"are contiguous from 0 and half-open), got [{lo}, {hi})")
+        if hi > num_layers:
+            raise ValueError(f"stages[{i}]: layer range [{lo}, {hi}) goes past the profile's {num_layers} layers")
+        start = hi
+        if not st.devices:
+            raise ValueError(f"stages[{i}]: expected at least one device, got []")
+        for d in st.devices:
+            if not isinstance(d, int) or not 0 <= d < cluster.num_devices:
+                raise ValueError(f"stages[{i}]: device {d!r} is not in the cluster (ids 0..{cluster.num_devices - 1})")
+            if d in seen:
+                raise ValueError(f"stages[{i}]: device {d} is already in stage {seen[d]}")
+            seen[d] = i
+        if st.replicas > micro_batch_size:
+            raise ValueError(f"stages[{i}]: {st.replicas} replicas cannot split a micro-batch of {micro_batch_size} "
+                             f"rows (each replica needs at least one row)")
+        out.append(st)
+    if start != num_layers:
+        raise ValueError(f"stages cover layers [0, {start}) but the profile has {num_layers} layers")
+    return out
+
+
+def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: int, policy: str = "A",
+                   warmup: Sequence[int] | None = None, check: bool = True) -> tuple[PipelineCosts, list[int]]:
+    """Interleaved costs of stages ``(a, c, layout)`` and D per stage (paper V-C); raises ValueError when a
+    stage does not fit in device memory (``check``)."""
+    F, B, AR, E, D, chain = [], [], [], [], [], []
+    mem = cm.cluster.device_memory
+    for i, (a, c, lay) in enumerate(spans):
+        f, b = cm.compute(a, c, len(lay))
+        d = max_in_flight(cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
+        if d < 1 and check:
+            check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
+        D.append(d)
+        F.append(f)
+        B.append(b)
+        chain.append(b)
+        AR.append(cm.allreduce(a, c, lay))
+        E.append(cm.overlapped_ending(a, c, lay))
+        if i + 1 < len(spans):
+            cl = cm.comm_links(c - 1, lay, spans[i + 1][2])
+            cf = cb = cl[0]
+            F.append(cf)
+            B.append(cb)
+            chain.append(cl[4])
+            AR.append(0.0)
+            E.append(cb)
+    if warmup is None:
+        K = warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
+    else:
+        K = [int(k) for k in warmup]
+        if check:
+            for i, (a, c, lay) in enumerate(spans):
+                if K[i] > D[i]:
+                    check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem, K[i])
+    return PipelineCosts(F, B, AR, E, K, M, cm.link_period(spans), chain), D
+
+
+def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
+             micro_batch_size: int | None = None, *, schedule: str = "dapple", warmup_policy: str = "A",
+             optimizer_factor: float = 4.0, model: str = "paper", overlap: bool = False) -> Estimate:
+    """Latency of one iteration of ``stages`` (formula 2 with the pivot of Algorithm 1 for ``model="paper"``,
+    the refined model of :mod:`dapple.planner.refined` for ``model="refined"``), with per-stage costs in
+    ``details``. ``stages``: (layer_start, layer_end_exclusive, [device ids]) tuples, Stages (their warmup
+    K_i is used if every stage gives one), or a Plan (its batch sizes are the defaults).
+    Raises ValueError for bad input or a plan that does not fit in device memory, naming the stage.
+    """
+    if isinstance(stages, Plan):
+        global_batch_size = global_batch_size or stages.global_batch_size
+        micro_batch_size = micro_batch_size or stages.micro_batch_size
+    g, b = global_batch_size, micro_batch_size
+    for key, v in (("global_batch_size", g), ("micro_batch_size", b)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{key}: expected a positive integer, got {v!r}")
+    if g % b:
+        raise ValueError(f"global_batch_size {g} is not divisible by micro_batch_size {b}")
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if warmup_policy not in WARMUP_POLICIES:
+        raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES}, got {warmup_policy!r}")
+    sts = stage_list(stages, profile.num_layers, cluster, b)
+    M = g // b
+    given = [s.warmup for s in sts]
+    if any(k is not None for k in given) and not all(k is not None for k in given):
+        raise ValueError(f"stages: give warmup K_i for every stage or for none, got {given}")
+    if schedule == "gpipe":
+        given = [M] * len(sts)  # gpipe holds every micro-batch's activations
+    elif given[0] is not None:
+        validate_warmup(given, M)
+    else:
+        given = None
+    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+    spans = [(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
+    pc, D = pipeline_costs(cm, spans, M, warmup_policy, given)
+    lat = pc.latency(model, overlap)
+    return make_estimate(cm, spans, pc, D, lat, model=model, overlap=overlap, schedule=schedule)
+
+
+def make_estimate(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], pc: PipelineCosts, D: Sequence[int],
+                  lat: Latency, *, model: str, overlap: bool, schedule: str) -> Estimate:
+    """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot."""
+    n = len(spans)
+    per = []
+    busy = 0.0
+    for i, (a, c, lay) in enumerate(spans):
+        k = pc.K[i]
+        busy += len(lay) * pc.M * (pc.F[2 * i] + pc.B[2 * i])
+        d = {"layers": [a, c], "replicas": len(lay), "rows": cm.rows(len(lay)),
+             "forward_ms": round(pc.F[2 * i], 6), "backward_ms": round(pc.B[2 * i], 6),
+             "allreduce_ms": round(pc.AR[2 * i], 6), "warmup": k, "max_in_flight": int(min(D[i], 1 << 20)),
+             "memory_gb": round((cm.static_bytes(a, c) + k * cm.saved_bytes(a, c, len(lay))) / 1e9, 4)}
+        if overlap and len(lay) > 1:
+            d["overlapped_ending_ms"] = round(pc.E[2 * i], 6)
+        if i + 1 < n:
+            d["send_forward_ms"] = round(pc.F[2 * i + 1], 6)
+            d["send_backward_ms"] = round(pc.B[2 * i + 1], 6)
+        per.append(d)
+    devices = sum(len(lay) for _, _, lay in spans)
+    comm = [pc.F[j] + pc.B[j] for j in range(1, len(pc.F), 2)]
+    compute = [pc.F[j] + pc.B[j] for j in range(0, len(pc.F), 2)]
+    acr = (sum(comm) / len(comm)) / (sum(compute) / len(compute)) if comm and sum(compute) > 0 else 0.0
+    q = lat.pivot
+    details = {"model": model, "schedule": schedule, "overlap": overlap, "num_micro_batches": pc.M,
+               "stages": per, "bubble_fraction": round(max(0.0, 1 - busy / (devices * lat.total)), 6)
+               if lat.total > 0 else 0.0, "acr": round(acr, 6),
+               "pivot": f"stage {q // 2}" if q % 2 == 0 else f"communication {q // 2}->{q // 2 + 1}"}
+    r = 6  # as Estimate.to_dict writes them: a saved and reloaded plan compares equal
+    return Estimate(latency_ms=round(lat.total, r), warmup_ms=round(lat.warmup, r), steady_ms=round(lat.steady, r),
+                    ending_ms=round(lat.ending, r), pivot_stage=q // 2, details=details)
+
+
+def estimate_plan(plan: Plan, profile: "Profile", cluster: "Cluster", **kw) -> Estimate:
+    """:func:`evaluate` of a Plan with its own schedule and warmup K_i."""
+    kw.setdefault("schedule", plan.schedule)
+    return evaluate(profile, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size,
+                    warmup_policy=plan.warmup_policy, **kw)

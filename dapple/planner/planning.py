@@ -1,0 +1,173 @@
+"""``dapple.plan``: the DP of formulas 4-5 over micro-batch sizes, warmup policy choice, and the Plan it makes."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from .cost import CostModel, Layout
+from .evaluate import MODELS, evaluate, pipeline_costs
+from .plan import Plan, Stage
+from .schedule import SCHEDULES, WARMUP_POLICIES
+from .search import INF, SearchResult, _DP
+
+if TYPE_CHECKING:
+    from ..profiler.profile import Profile
+    from .cluster import Cluster
+
+SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
+
+
+def devices_of(spans: Sequence[tuple[int, int, Layout]], cluster: "Cluster") -> list[list[int]]:
+    """Concrete device ids for stages given as server layouts: each replica takes the lowest free device
+    of its server."""
+    nxt = [s * cluster.devices_per_server for s in range(cluster.servers)]
+    out = []
+    for _, _, lay in spans:
+        ds = []
+        for s in lay:
+            ds.append(nxt[s])
+            nxt[s] += 1
+        out.append(ds)
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
+         model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
+         optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
+         max_stages: int | None = None, time_limit: float | None = None, verify: int = 6) -> Plan:
+    """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``.
+
+    Searches stage splits, replication and Fresh/Append/Scatter placement by the DP of formulas 4-5
+    (:func:`dp_search`) for each micro-batch size (the divisors of the global batch, or ``micro_batch_size``
+    / ``micro_batch_sizes``). ``model``: "refined" (default: the model that tracks the event simulator, see
+    :mod:`dapple.planner.refined`) or "paper" (formula 2 as printed); ``overlap``: the runtime overlaps
+    gradient AllReduce with the last backward (DDP-style). ``max_stages`` limits the pipeline depth. The
+    warmup policy (A or B) is the better one under the refined model unless given (A on ties: it holds fewer
+    activations), and K_i is recorded per stage. ``beam``: prefixes kept per DP state (the paper keeps 1).
+    ``time_limit`` (seconds) makes the search anytime: when it runs out, the best plan found so far is
+    returned and ``plan.meta["search_complete"]`` is False (large clusters: see benchmarks/planning_time.py).
+    ``verify``: the final choice among the DP's plan and the even-split plans of the micro-batch sizes (the
+    first ``verify`` of them, x warmup policies A and B) is made by the event simulator, the judge of the
+    model (0: trust the model; skipped above SIMULATE_LIMIT devices x micro-batches); ``meta`` records it.
+    Raises ValueError when no plan fits in device memory.
+    """
+    t0 = time.perf_counter()
+    g = global_batch_size
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ValueError(f"global_batch_size: expected a positive integer, got {g!r}")
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
+        raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
+    if micro_batch_size is not None:
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or g % micro_batch_size:
+            raise ValueError(f"micro_batch_size: expected a positive divisor of the global batch {g}, "
+                             f"got {micro_batch_size!r}")
+        candidates = [micro_batch_size]
+    elif micro_batch_sizes is not None:
+        bad = [x for x in micro_batch_sizes if not isinstance(x, int) or x < 1 or g % x]
+        if bad:
+            raise ValueError(f"micro_batch_sizes: {bad} do not divide the global batch {g}")
+        candidates = sorted(set(micro_batch_sizes))
+    else:
+        candidates = divisors(g)
+    dps = []
+    for b in sorted(candidates, reverse=True):  # larger micro-batches first: they win ties
+        if g % b == 0 and cluster.num_devices <= profile.num_layers * b:
+            dp = _DP(profile, cluster, g, b, model, overlap, warmup_policy if model == "refined" else None,
+                     optimizer_factor, beam, INF, max_stages)
+            dp.seed()
+            dps.append(dp)
+    seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
+    dps.sort(key=lambda dp: dp.best[0])  # most promising first: its plans bound the others' search
+    deadline = t0 + time_limit if time_limit is not None else None
+    complete = True
+    found: SearchResult | None = None
+    tried = []
+    for dp in dps:
+        bound = found.latency if found else INF
+        if dp.best[0] >= bound:
+            dp.best = (bound, None)
+        dp.deadline = deadline
+        dp.run()
+        complete = complete and dp.complete
+        tried.append(dp.b)
+        if dp.best[1] is not None and (found is None or dp.best[0] < found.latency):
+            spans, policies, pol = dp.best[1]
+            found = SearchResult(dp.best[0], spans, policies, pol, dp.b, dp.states, dp.transitions)
+    if found is None:
+        raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
+                         f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
+                         f"sizes {sorted(candidates)}: even the best split exceeds device memory; "
+                         f"try a larger cluster or smaller micro-batches")
+    # the candidates: the DP's plan, and the even-split seed plans of every micro-batch size, most promising first
+    cands = [(found.latency, found.micro_batch_size, (found.spans, found.policies))]
+    cands += sorted((lat, b, (sp, pols)) for lat, b, (sp, pols, _) in seeds)
+    chosen, simulated, n_sim = _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
+                                       optimizer_factor, verify, deadline)
+    b, spans, policies, policy = chosen
+    M = g // b
+    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+    pc, D = pipeline_costs(cm, spans, M, policy)
+    devs = devices_of(spans, cluster)
+    stages = [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)]
+    est = evaluate(profile, cluster, stages, g, b, schedule=schedule, warmup_policy=policy,
+                   optimizer_factor=optimizer_factor, model=model, overlap=overlap)
+    meta = {"model": profile.model, "cluster": cluster.name or "", "planner": "dapple",
+            "latency_model": model, "overlap": overlap, "placement": list(policies),
+            "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
+            "dp_transitions": found.transitions, "search_complete": complete}
+    if simulated is not None:
+        meta["simulated_ms"] = round(simulated, 4)
+        meta["candidates_simulated"] = n_sim
+    meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
+    return Plan(global_batch_size=g, micro_batch_size=b, stages=stages, schedule=schedule, warmup_policy=policy,
+                layer_names=list(profile.layer_names), estimate=est, meta=meta)
+
+
+def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,
+            deadline=None):
+    """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
+    ``verify`` distinct candidates x warmup policies (the DP's plan first: it wins ties; none past
+    ``deadline`` but the DP's own)."""
+    from .simulator import simulate
+
+    best_lat, b, (spans, policies) = cands[0]
+    M = g // b
+    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+    policy = warmup_policy
+    if policy is None:  # the better policy under the refined model (formula 2 ignores K_i); A on ties
+        lat = {pol: pipeline_costs(cm, spans, M, pol)[0].latency("refined", overlap).total for pol in ("A", "B")}
+        policy = "B" if lat["B"] < lat["A"] * (1 - 1e-3) else "A"
+    chosen = (b, spans, policies, policy)
+    too_big = cluster.num_devices * M > SIMULATE_LIMIT
+    if not verify or too_big:
+        return chosen, None, 0
+    seen, best_sim, n = set(), None, 0
+    for _, b, (spans, policies) in cands:
+        if (b, spans) in seen or len(seen) >= verify or (seen and deadline and time.perf_counter() > deadline):
+            continue
+        seen.add((b, spans))
+        cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+        for pol in ((warmup_policy,) if warmup_policy else ("A", "B")):
+            try:
+                pc, _ = pipeline_costs(cm, spans, g // b, pol)
+            except ValueError:
+                continue
+            devs = devices_of(spans, cluster)
+            trial = Plan(g, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)],
+                         schedule=schedule, warmup_policy=pol)
+            t = simulate(trial, profile, cluster, overlap=overlap).latency_ms
+            n += 1
+            if best_sim is None or t < best_sim * (1 - 1e-3) or (
+                    t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],)):
+                best_sim = t
+                chosen = (b, spans, policies, pol)
+    return chosen, best_sim, n

@@ -1,0 +1,139 @@
+"""A refined latency model: formula 2's pivot-stage idea plus the bubbles and overlap formula 2 ignores."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .latency import Latency
+
+
+def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
+                    K: Sequence[int], M: int, link_period: float | None = None,
+                    chain: Sequence[float] | None = None) -> Latency:
+    """Latency of the early-backward schedule over interleaved stages (compute 2i, communication 2i+1).
+
+    Like formula 2, the latency is the chain of one pivot stage: the first micro-batch reaching it (Tw), its
+    steady work (Ts), and the last gradient's way down with the AllReduces (Te). Unlike formula 2, every
+    stage's chain is computed and the longest is the latency (its stage is the pivot), and each chain adds
+    what formula 2 leaves out (each checked against :func:`dapple.planner.simulate`):
+    - stage i holds K_i micro-batches: its first backward waits for the downstream round trip D_i
+      (max(K_i F_i, F_i + D_i)), and its last K_i backwards for the last round trip (max(K_i B_i, D_i + B_i));
+      between them M-K_i pairs at max(F_i+B_i, RT_i/K_i) each (a window too small for the round trip
+      RT_i = F_i + D_i + B_i leaves bubbles: why policy B helps);
+    - forwards arrive at the rate of the slowest upstream forward while upstream warms up (its first
+      K_{i-1}), then once per period P: the slowest resource of the whole pipeline, compute or link
+      (``link_period``: a device link carries activations forward and gradients back, a server's uplink
+      every cross-server transfer, :meth:`CostModel.link_period`);
+    - a communication stage is a pivot candidate too: its M forward (and M backward) transfers queue on
+      its busiest link;
+    - ``chain``: what a communication stage adds to a round trip on the gradients' way back (gradients of
+      early receivers overlap later forward routes, :meth:`CostModel.comm_links`), default B;
+    - with ``E`` (overlap), a stage's AllReduce runs bucket by bucket during its last backward, ending E_s
+      after that backward starts, instead of B_s + AR_s;
+    - stages after the pivot: their own chains, not formula 2's negative terms.
+    """
+    return refined_latencies(F, B, AR, E, [K], M, link_period, chain)[0]
+
+
+def refined_latencies(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
+                      Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
+                      chain: Sequence[float] | None = None) -> list[Latency]:
+    """:func:`refined_latency` for several warmup choices ``Ks`` (e.g. policies A and B) sharing the work."""
+    n = (len(F) + 1) // 2
+    S = len(F)
+    Bc = B if chain is None else chain  # the gradients' way back through each stage, for round trips and endings
+    base = 0.0
+    for a in range(0, S, 2):
+        x = F[a] + B[a]
+        if x > base:
+            base = x
+    if link_period is not None:  # CostModel.link_period: device links and server up/downlinks
+        if link_period > base:
+            base = link_period
+    else:  # a communication stage's busiest link, forward and backward directions apart
+        for a in range(1, S, 2):
+            x = F[a] if F[a] > B[a] else B[a]
+            if x > base:
+                base = x
+    down = [0.0] * (S + 1)  # down[a] = sum_{a' >= a} (F + Bc): a round trip from stage a on
+    acc = 0.0
+    for a in range(S - 1, -1, -1):
+        acc += F[a] + Bc[a]
+        down[a] = acc
+    # tail[i]: from the end of stage i's last backward to the end of the iteration below it (formula 2's Te)
+    tail = [0.0] * n
+    below = None  # max over s < i of (own_s + the B between s's end and stage i)
+    for i in range(n):
+        b = B[2 * i]
+        own = b + AR[2 * i] if E is None else E[2 * i]  # last backward + AllReduce (overlapped: E)
+        if below is not None:
+            below += Bc[2 * i - 1]
+            tail[i] = below if below > own - b else own - b
+            below = below + b if below + b > own else own
+        else:
+            tail[i] = own - b
+            below = own
+    out = []
+    for K in Ks:
+        period = base
+        for i in range(n):  # window: K_i micro-batches per round trip, once the stage alternates
+            k = K[i]
+            if k < M:
+                x = down[2 * i] / (k if k > 1 else 1)
+                if x > period:
+                    period = x
+        best_total, best = -1.0, None
+        warm = 0.0  # sum of F before stage a
+        supply = 0.0  # slowest forward so far: how fast forwards arrive while everyone warms up
+        for a in range(S):
+            i = a >> 1
+            f = F[a]
+            if f > supply:
+                supply = f
+            if not a & 1:
+                b = B[a]
+                k = K[i] if K[i] < M else M
+                if k < 1:
+                    k = 1
+                d = down[a] - f - Bc[a]  # downstream round trip of one micro-batch
+                if i == 0:
+                    arrive = 0.0
+                else:
+                    up = K[i - 1] if K[i - 1] < M else M
+                    up = up if up > 1 else 1
+                    arrive = (min(M - 1, up - 1)) * supply + (M - up) * period
+                if M <= k:  # every forward before the first backward (gpipe, or few micro-batches)
+                    first = f
+                    steady = 0.0
+                    last = max(M * (f + b), f + d + M * b, arrive + f + d + b, M * f + d + b) - f
+                else:  # k forwards; the first backward waits for the round trip; M-k pairs; k backwards
+                    first = f + (k - 1) * supply
+                    if f + d > first:
+                        first = f + d
+                    pair = (f + d + Bc[a]) / k
+                    if f + b > pair:
+                        pair = f + b
+                    steady = (M - k) * pair
+                    if arrive + f - first > steady:
+                        steady = arrive + f - first
+                    last = k * b if k * b > d + b else d + b
+                end_tail = tail[i]
+            else:  # communication stage: M transfers each way queue on its busiest link
+                d = down[a + 1]  # round trip from the next compute stage on
+                k_next = K[i + 1] if K[i + 1] < M else M
+                k_next = k_next if k_next > 1 else 1
+                stagger = f - Bc[a] if f > Bc[a] else 0.0  # the first receiver's data lands this much earlier
+                first = f
+                fwd = (M - 1) * f + d + Bc[a]  # the last activations, then the last round trip
+                # the first gradients leave when the next stage has done its first backward (after K forwards)
+                g = (k_next - 1) * f + F[a + 1] + B[a + 1]
+                bwd = (d if d > g else g) - stagger + M * B[a]
+                steady = (M - 1) * f if fwd >= bwd else bwd - d - Bc[a]
+                last = d + Bc[a]
+                end_tail = B[2 * i] + tail[i]  # then stage i's last backward and what follows below it
+            total = warm + first + steady + last + end_tail
+            if total > best_total:
+                best_total, best = total, (warm + first, steady, last + end_tail, a)
+            warm += f
+        out.append(Latency(*best))
+    return out

@@ -1,0 +1,383 @@
+"""The planner's search (paper IV-C, formulas 4-5): DP over stage splits, replication and placement."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from .cost import CostModel, Layout
+from .evaluate import pipeline_costs
+from .latency import paper_latency
+from .memory import max_in_flight
+from .placement import placements
+from .refined import refined_latencies
+
+if TYPE_CHECKING:
+    from ..profiler.profile import Profile
+    from .cluster import Cluster
+
+INF = float("inf")
+
+
+@dataclass
+class _Prefix:
+    """Stages planned so far (layers [0, j)), in canonical server labels, with their interleaved costs (the
+    communication stage after the last one is not included: it depends on the next stage)."""
+
+    spans: tuple  # ((a, c, layout), ...)
+    policies: tuple  # placement policy of each stage
+    F: list
+    B: list
+    AR: list
+    E: list
+    C: list  # B, with the gradients' share of a round trip for communication stages (refined model)
+    D: list
+    lb: float  # lower bound on L of any completion, from the fixed stages' steady costs
+    free: tuple  # free devices per server (canonical order)
+    latency: float  # formula 5: the complete plan prefix + the remaining layers as one stage on the free devices
+    servers: dict  # per server, uplink + downlink ms per micro-batch of the prefix's transfers (refined model)
+    server_max: float
+    dev: float  # busiest device link of the prefix per micro-batch (refined model)
+    last_in: float  # busiest receiving device link of the prefix's last communication stage
+    W: float = 0.0  # sum of the prefix's F (compute and communication): when the first micro-batch leaves it
+    Bsum: float = 0.0  # sum of the prefix's B (communication: its round-trip share): the last gradient's way back
+
+
+@dataclass
+class SearchResult:
+    latency: float
+    spans: tuple  # ((a, c, server of each replica), ...)
+    policies: tuple  # how each stage was placed: fresh/append/scatter, "rest" (the last stage), "even" (a seed)
+    warmup_policy: str
+    micro_batch_size: int
+    states: int
+    transitions: int
+
+
+def _arrange(take: Sequence[int], prev: Layout | None) -> Layout:
+    """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
+    (split-concat then pairs replicas on the same server where it can)."""
+    first: dict = {}
+    for k, s in enumerate(prev or ()):
+        first.setdefault(s, k)
+    servers = sorted((s for s in range(len(take)) if take[s] > 0), key=lambda s: (first.get(s, 1 << 30), s))
+    return tuple(s for s in servers for _ in range(take[s]))
+
+
+def _canonical(free: Sequence[int], last: Layout) -> tuple[tuple, list[int]]:
+    """State key and relabelling: servers sorted by (free devices, positions of the last stage's replicas).
+    Servers with equal descriptors are interchangeable for every later decision and cost."""
+    pos: dict = {}
+    for k, x in enumerate(last):
+        pos.setdefault(x, []).append(k)
+    desc = [(free[s], tuple(pos.get(s, ()))) for s in range(len(free))]
+    order = sorted(range(len(free)), key=desc.__getitem__)
+    perm = [0] * len(free)
+    for new, old in enumerate(order):
+        perm[old] = new
+    return tuple(desc[s] for s in order), perm
+
+
+class _DP:
+    """Formulas 4-5 for one micro-batch size (see :func:`dp_search`)."""
+
+    def __init__(self, profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int,
+                 model: str, overlap: bool, warmup_policy: str | None, optimizer_factor: float, beam: int,
+                 incumbent: float, max_stages: int | None = None):
+        self.N, self.G, self.b = profile.num_layers, cluster.num_devices, micro_batch_size
+        self.M = global_batch_size // micro_batch_size
+        self.dps, self.ns = cluster.devices_per_server, cluster.servers
+        self.cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
+        self.mem = cluster.device_memory
+        self.model, self.overlap, self.policy, self.beam = model, overlap, warmup_policy, beam
+        self.refined = model == "refined"
+        self.max_stages = max_stages
+        self.best: tuple = (incumbent, None)
+        self.states = self.transitions = 0
+        self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
+        self.complete = True
+        self._tail: dict = {}
+        self._options: dict = {}
+        # rho[j]: least per-micro-batch work (ms x devices) any stage split can give layers [0, j)
+        rho = [0.0]
+        for layer in range(self.N):
+            rho.append(rho[-1] + min(r * sum(self.cm.compute(layer, layer + 1, r))
+                                     for r in range(1, min(self.b, self.G) + 1)))
+        self.rho = rho
+        # rt[j]: least one-micro-batch forward + backward of layers [0, j) under any replication (refined bound)
+        rt = [0.0]
+        for layer in range(self.N):
+            rt.append(rt[-1] + min(sum(self.cm.compute(layer, layer + 1, r)) for r in range(1, min(self.b, self.G) + 1)))
+        self.rt = rt
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def comm_lb(self, f: float, b: float) -> float:
+        """L >= this for a communication stage: M (F+B) under formula 2 (as for every stage, see the tests),
+        M max(F, B) under the refined model (each direction is its own link)."""
+        return self.M * (f + b) if not self.refined else self.M * max(f, b)
+
+    def latency(self, F, B, AR, E, C, D, link_period: float) -> tuple[float, str]:
+        M = self.M
+        if not self.refined:
+            return paper_latency(F, B, AR, M).total, self.policy or "A"
+        pols = (self.policy,) if self.policy else ("A", "B")
+        S = len(D)
+        Ks = []
+        for pol in pols:  # warmup_counts, inlined: K_i = min(S-i or 2(S-i)-1, D_i, M, K_{i-1}), at least 1
+            K, prev = [], M
+            for i in range(S):
+                k = S - i if pol == "A" else 2 * (S - i) - 1
+                d = D[i] if D[i] > 1 else 1
+                k = min(k, d, prev)
+                K.append(k if k > 1 else 1)
+                prev = K[-1]
+            Ks.append(K)
+        if len(Ks) == 2 and Ks[0] == Ks[1]:
+            Ks.pop()
+        lats = refined_latencies(F, B, AR, E if self.overlap else None, Ks, M, link_period, C)
+        best = min(range(len(lats)), key=lambda x: lats[x].total - (1e-9 if x == 0 else 0.0))
+        return lats[best].total, pols[best]
+
+    def tail(self, a: int, lay: Layout) -> tuple:
+        key = (a, lay)
+        hit = self._tail.get(key)
+        if hit is None:
+            cm = self.cm
+            f, bb = cm.compute(a, self.N, len(lay))
+            d = max_in_flight(cm.static_bytes(a, self.N), cm.saved_bytes(a, self.N, len(lay)), self.mem)
+            e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
+            hit = self._tail[key] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
+        return hit
+
+    def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
+        if latency < self.best[0]:
+            self.best = (latency, (spans, policies, pol))
+
+    def evaluate_spans(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, str] | None:
+        """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
+        if any(len(lay) > self.b for _, _, lay in spans):
+            return None
+        try:
+            pc, D = pipeline_costs(self.cm, spans, self.M, "A")
+        except ValueError:
+            return None
+        return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period)
+
+    # ---- seeds: a few simple complete plans give the bound something to prune with ------------------
+    def seed(self) -> None:
+        N, G = self.N, self.G
+        for S in range(1, min(N, G, self.max_stages or N) + 1):
+            reps = [G // S + (1 if i < G % S else 0) for i in range(S)]
+            if max(reps) > self.b:
+                continue
+            lays, d = [], 0
+            for r in reps:
+                lays.append(tuple((d + k) // self.dps for k in range(r)))
+                d += r
+            # cut layers so that each stage's work per replica is about even (prefix sums of rho)
+            cuts, a = [], 0
+            for i in range(S - 1):
+                target = self.rho[N] * sum(reps[: i + 1]) / G
+                c = a + 1
+                while c < N - (S - 1 - i) and self.rho[c] < target:
+                    c += 1
+                cuts.append(c)
+                a = c
+            bounds = [0] + cuts + [N]
+            spans = tuple((bounds[i], bounds[i + 1], lays[i]) for i in range(S))
+            res = self.evaluate_spans(spans)
+            if res is not None:
+                self.record(res[0], spans, ("even",) * S, res[1])
+
+    # ---- the DP ----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        N, M, b, ns, dps, cm, rho = self.N, self.M, self.b, self.ns, self.dps, self.cm, self.rho
+        states: list[dict] = [dict() for _ in range(N + 1)]
+        all_free = tuple([dps] * ns)
+        lay0 = tuple(s for s in range(ns) for _ in range(dps))
+        if self.G <= b:  # j = 0: pure data parallelism, the whole model as one stage on every device
+            f, bb, ar, e, d = self.tail(0, lay0)
+            if d >= 1:
+                lat, pol = self.latency([f], [bb], [ar], [e], [bb], [d], 0.0)
+                self.record(lat, ((0, N, lay0),), ("fresh",), pol)
+        root = _Prefix((), (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0)
+        for j in range(N):
+            for pre in ([root] if j == 0 else [p for bucket in states[j].values() for p in bucket]):
+                self.states += 1
+                if self.deadline is not None and time.perf_counter() > self.deadline:
+                    self.complete = False
+                    return
+                free = pre.free
+                R = sum(free)
+                if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.best[0]:
+                    continue
+                if self.refined and max(pre.W + M * (rho[N] - rho[j]) / R + pre.Bsum,
+                                        pre.W + pre.Bsum + self.rt[N] - self.rt[j]) >= self.best[0]:
+                    continue
+                if self.max_stages is not None and len(pre.spans) + 2 > self.max_stages:
+                    continue
+                prev = pre.spans[-1][2] if pre.spans else None
+                bound = self.best[0]
+                for m in range(1, min(R - 1, b) + 1):
+                    # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m
+                    # devices: M rho(j2, N) / (R-m) < bound. Skip m when no j2 satisfies both.
+                    lo = bisect.bisect_right(rho, rho[N] - bound * (R - m) / M, j + 1)
+                    if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
+                        continue
+                    for option in self.options(free, prev, m):
+                        self.expand(states, pre, j, m, option, prev, lo)
+
+    def options(self, free: tuple, prev: Layout | None, m: int) -> list:
+        """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
+        after it, the rest's layout, and the new state's key and server relabelling."""
+        key = (free, prev, m)
+        hit = self._options.get(key)
+        if hit is None:
+            first: dict = {}
+            for k, s in enumerate(prev or ()):
+                first.setdefault(s, k)
+            order = sorted(range(self.ns), key=lambda s: (first.get(s, 1 << 30), s))
+            hit = []
+            for name, take in placements(free, self.dps, m, order):
+                free2 = tuple(free[s] - take[s] for s in range(self.ns))
+                # replica order: like the previous stage (its slices meet theirs on the same server), or with
+                # the servers that keep the most free devices first (the larger first slices meet the next
+                # stage's there)
+                ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
+                rank = {s: r for r, s in enumerate(ahead)}
+                for new in dict.fromkeys((_arrange(take, prev), tuple(sorted(_arrange(take, prev), key=rank.get)))):
+                    tail = _arrange(free2, new)
+                    wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
+                    state_key, perm = _canonical(free2, new)
+                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, state_key, perm))
+            self._options[key] = hit
+        return hit
+
+    def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int) -> None:
+        """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
+        N, M, b, ns, cm, rho = self.N, self.M, self.b, self.ns, self.cm, self.rho
+        name, new, free2, tail, tail_eval, wide, key, perm = option
+        refined = self.refined
+        if prev is not None:
+            busy1, out1, in1, servers1, chain1 = cm.comm_links(j - 1, prev, new)
+            # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
+            base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
+            if base >= self.best[0]:
+                return
+            F0, B0, AR0, E0, C0 = pre.F + [busy1], pre.B + [busy1], pre.AR + [0.0], pre.E + [busy1], pre.C + [chain1]
+            if refined:
+                dev1 = max(pre.dev, out1 + pre.last_in)
+                srv1 = dict(pre.servers)
+                for s, t in servers1:
+                    srv1[s] = srv1.get(s, 0.0) + t
+                srvmax1 = max(srv1.values(), default=0.0)
+            else:
+                dev1, srv1, srvmax1 = 0.0, pre.servers, 0.0
+            last_in1 = in1
+            W1, Bsum1 = pre.W + busy1, pre.Bsum + chain1
+        else:
+            base = pre.lb
+            F0, B0, AR0, E0, C0 = [], [], [], [], []
+            dev1, srv1, srvmax1, last_in1 = 0.0, {}, 0.0, 0.0
+            W1 = Bsum1 = 0.0
+        if not refined:
+            W1 = Bsum1 = 0.0  # formula 2 has no fill/drain bound (pivot 0 hides both)
+        rt = self.rt
+        mem, static, saved = self.mem, cm.static_bytes, cm.saved_bytes
+        rest_per_device = M / len(tail)
+        for j2 in range(lo, N):
+            f, bb = cm.compute(j, j2, m)
+            lb = max(base, W1 + M * (f + bb) + Bsum1)
+            if lb >= self.best[0]:
+                break  # a longer new stage is only slower
+            dn = max_in_flight(static(j, j2), saved(j, j2, m), mem)
+            if dn < 1:
+                break  # and only bigger
+            if refined:  # the rest: some stage gets >= its share of the work; one micro-batch goes there and back
+                if max((rho[N] - rho[j2]) * rest_per_device + W1 + f + bb + Bsum1,
+                       W1 + f + bb + Bsum1 + rt[N] - rt[j2]) >= self.best[0]:
+                    continue
+            elif (rho[N] - rho[j2]) * rest_per_device >= self.best[0]:
+                continue
+            busy2, out2, in2, servers2, chain2 = cm.comm_links(j2 - 1, new, tail_eval)
+            t_f, t_b, t_ar, t_e, t_d = self.tail(j2, tail_eval)
+            skey = (len(pre.spans) + 1, key) if self.max_stages is not None else key  # stage count limits what follows
+            bucket = states[j2].get(skey)
+            if bucket is not None and len(bucket) >= self.beam:
+                # the rest-as-one-stage's chain bounds this complete plan's L from below (formula 2: M (F+B) of
+                # any stage); skip evaluating a plan that can neither beat the best nor enter the bucket
+                if refined:
+                    quick = W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar,
+                                                                      Bsum1 + bb + chain2)
+                else:
+                    quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
+                if quick >= self.best[0] and quick >= bucket[-1].latency:
+                    continue
+            self.transitions += 1
+            ar = cm.allreduce(j, j2, new)
+            e = cm.overlapped_ending(j, j2, new) if self.overlap else bb
+            F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
+            period = 0.0
+            if refined:
+                period = max(dev1, out2 + last_in1, in2, srvmax1,
+                             max((srv1.get(s, 0.0) + t for s, t in servers2), default=0.0))
+            lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
+                                    C + [chain2, t_b], D + [t_d], period)
+            spans = pre.spans + ((j, j2, new),)
+            if not wide and t_d >= 1 and lat < self.best[0]:
+                self.record(lat, spans + ((j2, N, tail),), pre.policies + (name, "rest"), pol)
+            if bucket is not None and len(bucket) >= self.beam and bucket[-1].latency <= lat:
+                continue
+            spans = tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in spans)
+            relabelled = [0] * ns
+            for s in range(ns):
+                relabelled[perm[s]] = free2[s]
+            nxt = _Prefix(spans, pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
+                          {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
+                          W1 + f, Bsum1 + bb)
+            if bucket is None:
+                states[j2][skey] = [nxt]
+            elif all(p.spans != spans for p in bucket):
+                bucket.append(nxt)
+                bucket.sort(key=lambda p: p.latency)
+                del bucket[self.beam:]
+
+
+def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
+              model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
+              optimizer_factor: float = 4.0, beam: int = 1, incumbent: float = INF,
+              seed: bool = True, max_stages: int | None = None,
+              time_limit: float | None = None) -> SearchResult | None:
+    """Formulas 4-5 for one micro-batch size: T_PL(j', m+m', g+g') = L of (planned stages + a new stage
+    [j, j') on m' devices placed by Fresh/Append/Scatter First + the rest as one stage on the free devices).
+
+    Memoised on (j, free devices per server, where the last stage's replicas sit), up to server symmetry:
+    servers with the same descriptor are interchangeable for every later decision and cost, and the last
+    stage's replica positions decide the split-concat routes to the next stage (the free counts alone do
+    not). Each key keeps the ``beam`` best prefixes by their formula-5 L (the paper keeps one): exact only
+    if a longer plan's L were a function of the key, which it is not, so this is where the DP is heuristic
+    (brute force on small clusters: see tests/planner/test_search.py). Replica order inside a stage: two
+    candidates (aligned with the previous stage; fullest remaining servers first).
+
+    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the even-split
+    ``seed`` plans, and every complete plan the DP meets): L >= M (F_s+B_s) for every stage under both models,
+    and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) + (last gradient's way
+    back), the remaining layers' least work over the free devices, and one micro-batch's round trip.
+    ``time_limit``: stop after that many seconds with the best plan so far (SearchResult via the seeds).
+    Returns None when nothing beats ``incumbent``.
+    """
+    dp = _DP(profile, cluster, global_batch_size, micro_batch_size, model, overlap, warmup_policy,
+             optimizer_factor, beam, incumbent, max_stages)
+    if global_batch_size % micro_batch_size or dp.G > dp.N * dp.b:
+        return None  # not enough layers to give every device a stage of at most b replicas
+    if seed:
+        dp.seed()
+    if time_limit is not None:
+        dp.deadline = time.perf_counter() + time_limit
+    dp.run()
+    if dp.best[1] is None:
+        return None
+    spans, policies, pol = dp.best[1]
+    return SearchResult(dp.best[0], spans, policies, pol, micro_batch_size, dp.states, dp.transitions)

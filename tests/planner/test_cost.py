@@ -1,0 +1,65 @@
+"""Cost model: slice compute on the slowest replica, split-concat transfers over shared links, ring AllReduce."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapple.planner.cost import CostModel, route_links
+
+from .helpers import cluster, linear_profile
+
+
+def test_stage_time_is_the_slowest_replicas_slice():
+    cm = CostModel(linear_profile([1.0, 2.0, 3.0]), cluster(1, 4), micro_batch_size=8)
+    assert cm.compute(0, 3, 1) == pytest.approx((6.0 * 8, 12.0 * 8))
+    assert cm.rows(3) == 3  # 8 rows over 3 replicas: 3, 3, 2
+    assert cm.compute(1, 3, 3) == pytest.approx((5.0 * 3, 10.0 * 3))
+    assert cm.compute(0, 1, 8) == pytest.approx((1.0, 2.0))
+
+
+def test_transfers_share_links():
+    # 1e6 bytes per row, micro-batch 8: a whole micro-batch is 8e6 bytes; 1e10 B/s inside, 1e9 between servers
+    cm = CostModel(linear_profile([1.0] * 3, boundary=1e6), cluster(2, 2), micro_batch_size=8)
+    assert cm.comm(0, (0,), (0,)) == pytest.approx((0.8, 0.8))  # NVLink-like, ms
+    assert cm.comm(0, (0,), (1,)) == pytest.approx((8.0, 8.0))  # across servers
+    assert cm.comm(0, (0, 1), (0, 1))[0] == pytest.approx(0.4)  # two parallel intra-server halves
+    assert cm.comm(0, (0, 0), (1, 1))[0] == pytest.approx(8.0)  # two halves queue on server 0's uplink
+    assert cm.comm(0, (0, 1), (1, 0))[0] == pytest.approx(4.0)  # one half each way: separate uplinks
+    assert cm.comm(0, (0,), (0, 0))[0] == pytest.approx(0.8)  # a split: both halves leave one device link
+
+
+def test_latency_is_paid_per_route():
+    cm = CostModel(linear_profile([1.0] * 2, boundary=1e6), cluster(2, 2, inter_lat=30e-6), micro_batch_size=8)
+    assert cm.comm(0, (0, 0), (1, 1))[0] == pytest.approx(2 * (0.030 + 4.0))
+
+
+def test_route_links_follow_the_topology_graph():
+    c = cluster(2, 2)
+    assert len(c.path(0, 1)) - 1 == len(route_links(0, 1, 0, 0))  # device -> switch -> device
+    assert len(c.path(0, 3)) - 1 == len(route_links(0, 3, 0, 1))  # device -> server -> network -> server -> device
+
+
+def test_ring_allreduce_over_the_slowest_link():
+    cm = CostModel(linear_profile([1.0, 1.0], params=[1e9, 0.0]), cluster(2, 2, intra_lat=1e-5, inter_lat=1e-4), 8)
+    # 2 (r-1)/r * P / bw + 2 (r-1) * latency
+    assert cm.allreduce(0, 2, (0, 0)) == pytest.approx(1e3 * (1e9 / 1e10 + 2 * 1e-5))
+    assert cm.allreduce(0, 2, (0, 1)) == pytest.approx(1e3 * (1e9 / 1e9 + 2 * 1e-4))
+    assert cm.allreduce(0, 2, (0, 0, 1, 1)) == pytest.approx(1e3 * (1.5 * 1e9 / 1e9 + 6 * 1e-4))
+    assert cm.allreduce(0, 2, (1,)) == 0.0
+
+
+def test_buckets_and_overlapped_ending():
+    mb = 2**20
+    prof = linear_profile([1.0, 1.0, 1.0, 1.0], params=[30 * mb, 0, 10 * mb, 10 * mb])
+    cm = CostModel(prof, cluster(1, 4), 8)
+    assert cm.buckets(0, 4) == [(2, 20 * mb), (0, 30 * mb)]  # backward order, 25 MiB cap, empty layers skipped
+    lay = (0, 0)
+    _, b = cm.compute(0, 4, 2)
+    e = cm.overlapped_ending(0, 4, lay)
+    assert b < e < b + cm.allreduce(0, 4, lay)  # the first bucket's AllReduce hides under the backward
+    assert cm.overlapped_ending(0, 4, (0,)) == pytest.approx(cm.compute(0, 4, 1)[1])
+
+
+def test_bad_micro_batch():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        CostModel(linear_profile([1.0]), cluster(1, 1), 0)

@@ -1,0 +1,96 @@
+"""Event simulator: the runtime's op order per device, transfers on shared links, AllReduce (optionally overlapped)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dapple import Plan
+from dapple.planner import Stage, evaluate, simulate
+
+from .helpers import cluster, linear_profile, random_profile
+
+
+def _straight(S, M, policy="A", schedule="dapple"):
+    return Plan(M * 8, 8, [Stage((i, i + 1), [i]) for i in range(S)], warmup_policy=policy, schedule=schedule)
+
+
+def test_straight_pipeline_of_equal_stages():
+    S, M = 4, 8
+    prof = linear_profile([1.0] * S, boundary=1e6)  # F = 8, B = 16 ms per micro-batch of 8 rows
+    c = cluster(1, S, intra=1e10)  # an activation transfer takes 0.8 ms each way
+    fill_drain = (M + S - 1) * 24
+    assert simulate(_straight(S, M), linear_profile([1.0] * S), c).latency_ms == pytest.approx(fill_drain)
+    # with transfers: the first micro-batch's way down and the last gradient's way back add 2 (S-1) transfers,
+    # once K_i covers the round trip (policy B); policy A's K_i = S - i leaves bubbles the refined model sees
+    b = simulate(_straight(S, M, "B"), prof, c).latency_ms
+    assert b == pytest.approx(fill_drain + 2 * (S - 1) * 0.8)
+    a = simulate(_straight(S, M, "A"), prof, c).latency_ms
+    assert a > b
+    for policy, sim in (("A", a), ("B", b)):
+        est = evaluate(prof, c, _straight(S, M, policy), model="refined").latency_ms
+        assert est == pytest.approx(sim, rel=0.01)
+
+
+@pytest.mark.parametrize("S, M", [(2, 2), (3, 5), (4, 8), (5, 3)])
+def test_gpipe_and_dapple_have_the_same_bubbles_without_communication(S, M):
+    prof = linear_profile([1.0] * S)
+    c = cluster(1, S)
+    d = simulate(_straight(S, M), prof, c).latency_ms
+    g = simulate(_straight(S, M, schedule="gpipe"), prof, c).latency_ms
+    assert d == pytest.approx(g) == pytest.approx((M + S - 1) * 24)
+
+
+def test_at_most_k_i_alive_and_timeline_is_consistent():
+    rng = random.Random(0)
+    prof = random_profile(rng, 8)
+    c = cluster(2, 4, intra=5e10, inter=3e9, intra_lat=5e-6, inter_lat=3e-5)
+    plan = Plan(64, 8, [Stage((0, 3), [0, 1, 2]), Stage((3, 5), [3, 4]), Stage((5, 8), [5, 6, 7])],
+                warmup_policy="B")
+    sim = simulate(plan, prof, c)
+    M = plan.num_micro_batches
+    for i, st in enumerate(plan.stages):
+        for d in st.devices:
+            assert sim.max_alive(d) == min(st.warmup, M)
+            ops = [o for o in sim.device_timeline(d) if o.kind in ("F", "B")]
+            assert len(ops) == 2 * M
+            assert all(a.end_ms <= b.start_ms + 1e-9 for a, b in zip(ops, ops[1:]))  # one op at a time
+    # every split-concat route carries each micro-batch once each way
+    from dapple.planner.slices import routes
+    n_routes = len(routes(8, 3, 2)) + len(routes(8, 2, 3))
+    assert len(sim.transfers) == 2 * M * n_routes
+    assert {t.kind for t in sim.transfers} == {"send_F", "send_B"}
+    assert all(t.peer is not None and t.end_ms > t.start_ms for t in sim.transfers)
+    assert sim.latency_ms == pytest.approx(max(o.end_ms for o in sim.ops))
+    assert [o.kind for o in sim.device_timeline(0)][-1] == "AR"
+
+
+def test_overlapped_allreduce_ends_sooner():
+    prof = linear_profile([1.0] * 4, params=[0, 0, 2e8, 2e8])  # parameters at the end: reduced first
+    c = cluster(1, 4, intra=1e10)
+    plan = Plan(32, 8, [Stage((0, 4), [0, 1, 2, 3])])
+    plain = simulate(plan, prof, c)
+    over = simulate(plan, prof, c, overlap=True)
+    compute = 4 * (4 * 2 + 4 * 4)  # M x (F + B) on 2 rows per replica
+    ar = 1e3 * 1.5 * 4e8 / 1e10
+    assert plain.latency_ms == pytest.approx(compute + ar)
+    assert compute < over.latency_ms < plain.latency_ms
+    for overlap in (False, True):  # the refined model tracks both
+        est = evaluate(prof, c, plan, model="refined", overlap=overlap).latency_ms
+        assert est == pytest.approx(simulate(plan, prof, c, overlap=overlap).latency_ms, rel=1e-6)
+
+
+def test_a_deadlocking_order_is_reported():
+    plan = _straight(2, 4)
+    plan.stages[1].warmup = 3  # K_1 > K_0: stage 0 waits for a gradient stage 1 never sends
+    plan.stages[0].warmup = 1
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(plan, linear_profile([1.0, 1.0]), cluster(1, 2))
+
+
+def test_rejects_plans_for_other_profiles_or_clusters():
+    with pytest.raises(ValueError, match="plan covers 2 layers but the profile has 3"):
+        simulate(_straight(2, 2), linear_profile([1.0] * 3), cluster(1, 2))
+    with pytest.raises(ValueError, match="uses device 1"):
+        simulate(_straight(2, 2), linear_profile([1.0] * 2), cluster(1, 1))

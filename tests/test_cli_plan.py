@@ -1,0 +1,33 @@
+"""`dapple plan` and `dapple simulate` on a PipeDream profile and a saved cluster document."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapple import Cluster, Plan
+from dapple.cli import main
+
+from .conftest import pipedream_path
+
+
+def test_plan_then_simulate(tmp_path, capsys):
+    profile = str(pipedream_path("xlnet_36"))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", profile, "--profile-batch", "1", "--cluster", "A", "--global-batch", "128",
+                 "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "dapple plan: 2 stage(s) on 16 device(s)" in text and "estimate (refined model)" in text
+    plan = Plan.load(out)
+    assert plan.layer_names[0] == "node1:Input" and plan.estimate is not None
+    assert plan == Plan.from_dict(plan.to_dict())  # estimate, details and meta survive YAML
+    cluster_file = tmp_path / "a.yaml"
+    Cluster.preset("A").save(cluster_file)
+    assert main(["simulate", str(out), "--profile", profile, "--profile-batch", "1",
+                 "--cluster", str(cluster_file)]) == 0
+    text = capsys.readouterr().out
+    assert "simulated dapple iteration" in text and "refined model estimate" in text and "paper model estimate" in text
+
+
+def test_pipedream_profile_needs_its_batch_size():
+    with pytest.raises(SystemExit, match="--profile-batch"):
+        main(["plan", str(pipedream_path("vgg19")), "--cluster", "A", "--global-batch", "64"])
