@@ -31,6 +31,12 @@ class Cluster:
     device_memory: float = 16e9
     name: str = ""
     meta: dict = field(default_factory=dict)  # how the numbers were obtained (measured, preset, ...)
+    # Measured ring-AllReduce numbers (bus bandwidth B/s, latency s per ring step), when they differ from the
+    # links' (gloo reduces on the CPU, NCCL has its own algorithms); None: use the link numbers.
+    intra_allreduce_bandwidth: float | None = None
+    intra_allreduce_latency: float | None = None
+    inter_allreduce_bandwidth: float | None = None
+    inter_allreduce_latency: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("servers", "devices_per_server"):
@@ -45,6 +51,11 @@ class Cluster:
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"Cluster.{key}: expected a number of seconds >= 0, got {v!r}")
+        for key in ("intra_allreduce_bandwidth", "inter_allreduce_bandwidth", "intra_allreduce_latency",
+                    "inter_allreduce_latency"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, (int, float)) or v < 0 or (v == 0 and "bandwidth" in key)):
+                raise ValueError(f"Cluster.{key}: expected None or a positive number, got {v!r}")
 
     # ---- topology ------------------------------------------------------------------------------
     @property
@@ -70,6 +81,18 @@ class Cluster:
         if len(self.servers_of(devices)) > 1:
             return self.inter_bandwidth, self.inter_latency
         return self.intra_bandwidth, self.intra_latency
+
+    def allreduce_link(self, devices: Iterable[int] | None = None, *, spans_servers: bool | None = None
+                       ) -> tuple[float, float]:
+        """(bus bandwidth, latency per ring step) of a ring AllReduce over ``devices`` (or, without them,
+        one that does or does not span servers): the measured AllReduce numbers where known, else the
+        slowest link's."""
+        inter = len(self.servers_of(devices)) > 1 if spans_servers is None else spans_servers
+        if inter:
+            return (self.inter_allreduce_bandwidth or self.inter_bandwidth,
+                    self.inter_latency if self.inter_allreduce_latency is None else self.inter_allreduce_latency)
+        return (self.intra_allreduce_bandwidth or self.intra_bandwidth,
+                self.intra_latency if self.intra_allreduce_latency is None else self.intra_allreduce_latency)
 
     def graph(self) -> nx.Graph:
         """The topology: device nodes ``("device", d)`` joined to their ``("server", s)`` switch (intra
@@ -106,24 +129,61 @@ class Cluster:
 
     @classmethod
     def local(cls, world_size: int, bandwidth: float | None = None, latency: float | None = None,
-              device_memory: float | None = None) -> "Cluster":
-        """``world_size`` processes on this machine, one server. Numbers not given get defaults for gloo
-        over loopback; :func:`dapple.planner.probe` measures them instead."""
-        if not isinstance(world_size, int) or world_size < 1:
+              device_memory: float | None = None, measure: bool | None = None) -> "Cluster":
+        """``world_size`` processes on this machine (one server), for planning a local run.
+
+        Link bandwidth (B/s) and latency (s) are measured by starting ``world_size`` gloo processes (P2P
+        ping-pong and AllReduce over several sizes, fitted as latency + bytes / bandwidth) unless both are
+        given; ``measure=False`` takes defaults instead of measuring. ``device_memory`` defaults to this
+        machine's RAM shared by the processes.
+        """
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"Cluster.local: world_size must be a positive integer, got {world_size!r}")
         if device_memory is None:
             device_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world_size
+        if measure is None:
+            measure = (bandwidth is None or latency is None) and world_size > 1
+        if measure:
+            from ..profiler.bandwidth import probe_local  # torch is imported only when measuring
+
+            cluster = cls.from_probe(probe_local(max(2, world_size)), device_memory=float(device_memory))
+            cluster.name = "local"
+            if bandwidth is not None:
+                cluster.intra_bandwidth = cluster.inter_bandwidth = float(bandwidth)
+            if latency is not None:
+                cluster.intra_latency = cluster.inter_latency = float(latency)
+            return cluster
         bw = bandwidth if bandwidth is not None else 1e9
         lat = latency if latency is not None else 100e-6
         return cls(servers=1, devices_per_server=world_size, intra_bandwidth=bw, inter_bandwidth=bw,
                    intra_latency=lat, inter_latency=lat, device_memory=float(device_memory), name="local",
                    meta={"bandwidth": "given" if bandwidth is not None else "default"})
 
+    @classmethod
+    def from_probe(cls, fits: dict, device_memory: float = 16e9) -> "Cluster":
+        """A Cluster from :func:`dapple.profiler.bandwidth.measure`'s fits (latency s, bandwidth B/s)."""
+        intra = fits.get("intra") or fits.get("inter")
+        inter = fits.get("inter") or intra
+        if intra is None:
+            raise ValueError(f"probe results hold no link fit (need 'intra' or 'inter'): {sorted(fits)}")
+        ar = fits.get("allreduce")
+        ar_intra = fits.get("allreduce_intra") or (ar if fits["servers"] == 1 else None)
+        ar_inter = ar if fits["servers"] > 1 else None
+        return cls(servers=int(fits["servers"]), devices_per_server=int(fits["devices_per_server"]),
+                   intra_bandwidth=float(intra[1]), intra_latency=float(intra[0]), inter_bandwidth=float(inter[1]),
+                   inter_latency=float(inter[0]), device_memory=float(device_memory),
+                   intra_allreduce_bandwidth=float(ar_intra[1]) if ar_intra else None,
+                   intra_allreduce_latency=float(ar_intra[0]) if ar_intra else None,
+                   inter_allreduce_bandwidth=float(ar_inter[1]) if ar_inter else None,
+                   inter_allreduce_latency=float(ar_inter[0]) if ar_inter else None,
+                   meta={"measured": "dapple probe (P2P ping-pong, ring AllReduce; least squares)",
+                         "hosts": list(fits.get("hosts", []))})
+
     # ---- YAML ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = {"dapple_cluster": VERSION, **asdict(self)}
-        if not d["meta"]:
-            del d["meta"]
+        for key in [k for k, v in d.items() if v is None or v == {}]:
+            del d[key]
         return d
 
     def save(self, path: _io.PathLike) -> None:
@@ -139,7 +199,10 @@ class Cluster:
                        intra_latency=f.number("intra_latency", default=5e-6),
                        inter_latency=f.number("inter_latency", default=30e-6),
                        device_memory=f.number("device_memory", default=16e9), name=str(doc.get("name", "")),
-                       meta=dict(doc.get("meta") or {}))
+                       meta=dict(doc.get("meta") or {}),
+                       **{k: f.number(k) for k in ("intra_allreduce_bandwidth", "intra_allreduce_latency",
+                                                   "inter_allreduce_bandwidth", "inter_allreduce_latency")
+                          if doc.get(k) is not None})
         except _io.DocumentError:
             raise
         except ValueError as e:

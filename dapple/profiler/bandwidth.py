@@ -63,18 +63,18 @@ def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, re
     return out
 
 
-def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict[int, float]:
-    """Median seconds of an all_reduce(sum) of each size over the default group; every rank calls it."""
+def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, group=None) -> dict[int, float]:
+    """Median seconds of an all_reduce(sum) of each size over ``group`` (default: all); its ranks call it."""
     device = _device()
     out: dict[int, float] = {}
     for n in sizes:
         buf = torch.ones(max(1, n // 4), dtype=torch.float32, device=device)
         times = []
         for i in range(repeats + 1):
-            dist.barrier()
+            dist.barrier(group=group)
             _sync(device)
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            dist.all_reduce(buf, group=group)
             _sync(device)
             if i:
                 times.append(time.perf_counter() - t0)
@@ -107,14 +107,21 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
     if len(names) > 1:
         t = ping_pong(0, per, sizes, repeats)
         result["inter"] = fit_line(list(t), list(t.values())) if t else None
-    ar = allreduce_times(sizes, repeats)
-    r = world
-    # ring AllReduce moves 2(r-1)/r of the bytes over the slowest link in 2(r-1) latency-bound steps
-    lat, bw = fit_line([2 * (r - 1) / r * n for n in ar], list(ar.values()))
-    result["allreduce"] = (lat / (2 * (r - 1)), bw)
+    result["allreduce"] = _ring_fit(allreduce_times(sizes, repeats), world)
+    if len(names) > 1 and per > 1:  # an AllReduce inside one server, for stages that do not span servers
+        server0 = dist.new_group(list(range(per)))  # every rank creates it, only server 0 uses it
+        if dist.get_rank() < per:
+            result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, group=server0), per)
     fits = [result]
     dist.broadcast_object_list(fits, src=0)  # rank 0 timed the ping-pongs: everyone gets its numbers
     return fits[0]
+
+
+def _ring_fit(times: dict[int, float], r: int) -> tuple[float, float]:
+    """(latency per ring step s, bus bandwidth B/s): a ring AllReduce of n bytes over r ranks moves
+    2(r-1)/r * n bytes over its slowest link in 2(r-1) latency-bound steps."""
+    lat, bw = fit_line([2 * (r - 1) / r * n for n in times], list(times.values()))
+    return lat / (2 * (r - 1)), bw
 
 
 def _worker(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int, queue) -> None:
@@ -125,6 +132,11 @@ def _worker(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int
         fits = measure(sizes, repeats)
         if rank == 0:
             queue.put(fits)
+        dist.barrier()  # nobody closes its connections while a peer still reads from them
+    except Exception as e:  # rank 0's own error (e.g. a noisy fit) reaches the caller, not just "peer closed"
+        if rank == 0:
+            queue.put(e)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -140,6 +152,14 @@ def probe_local(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repea
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_worker, args=(world_size, port, tuple(sizes), repeats, queue), nprocs=world_size,
-                       join=True, start_method="spawn")
-    return queue.get(timeout=10)
+    try:
+        mp.start_processes(_worker, args=(world_size, port, tuple(sizes), repeats, queue), nprocs=world_size,
+                           join=True, start_method="spawn")
+    except Exception:
+        if not queue.empty() and isinstance(err := queue.get(), Exception):
+            raise err from None
+        raise
+    result = queue.get(timeout=10)
+    if isinstance(result, Exception):
+        raise result
+    return result

@@ -71,4 +71,17 @@ def test_cluster_round_trip_and_errors(tmp_path):
     assert Cluster.load(tmp_path / "c.yaml") == c
     with pytest.raises(ValueError, match=r"devices_per_server: expected a positive integer, got 0"):
         Cluster(servers=1, devices_per_server=0, intra_bandwidth=1, inter_bandwidth=1)
-    assert Cluster.local(3).num_devices == 3
+    assert Cluster.local(3, measure=False).num_devices == 3
+
+
+def test_measured_allreduce_numbers_override_the_links():
+    fits = {"servers": 2, "devices_per_server": 4, "intra": (1e-5, 1e10), "inter": (5e-5, 1e9),
+            "allreduce": (2e-4, 5e8), "allreduce_intra": (3e-5, 4e9), "hosts": ["a", "b"]}
+    c = Cluster.from_probe(fits, device_memory=8e9)
+    assert (c.servers, c.devices_per_server, c.intra_bandwidth, c.inter_latency) == (2, 4, 1e10, 5e-5)
+    assert c.allreduce_link(range(4)) == (4e9, 3e-5) and c.allreduce_link([0, 4]) == (5e8, 2e-4)
+    assert c.link(0, 5) == (1e9, 5e-5)  # P2P keeps the link numbers
+    plain = Cluster(servers=2, devices_per_server=4, intra_bandwidth=1e10, inter_bandwidth=1e9)
+    assert plain.allreduce_link([0, 4]) == (1e9, plain.inter_latency)
+    with pytest.raises(ValueError, match="intra_allreduce_bandwidth: expected None or a positive number, got 0"):
+        Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, intra_allreduce_bandwidth=0)
