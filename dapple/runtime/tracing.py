@@ -1,0 +1,204 @@
+"""Opt-in trace of training steps: per-rank events (F/B, transfer waits, AllReduce, idle) merged over ranks.
+
+The engine holds ``Pipeline._rec``: None when tracing is off (each instruction then costs one ``is None``
+test and allocates nothing), a :class:`Recorder` when on. Events are taken on this rank's clock
+(:data:`CLOCK`, ``time.perf_counter``) and moved onto rank 0's when they are gathered (see clocksync.py).
+
+What a step records, per rank (``Event`` kinds and names as in dapple/planner/timeline.py):
+- compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for); ``idle``
+  (waiting for the receives of an op, for sends to complete, or for the loss AllReduce at the end of the
+  step; ``args["waiting_for"]`` says which); ``AR`` (waiting for the stage's gradient AllReduce).
+- p2p lane: ``recv←1`` from the start to the end of the wait for that message (``args["posted_ms_before"]``:
+  how long before the wait its irecv was posted; a near-zero event means the data was already there);
+  ``send→2`` the isend call (delivery shows as the peer's receive). Both with peer, bytes, micro-batch.
+- allreduce lane: ``AR bucket k`` from the launch of bucket k (during the last backward, or at the end of the
+  step for parameters the last backward did not reach) to when the rank saw it complete.
+- step lane: ``step n``, the whole ``train_step`` call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..planner.timeline import Event, save_chrome_trace
+from .clocksync import ClockSync, correction, gather_json, sync_clock
+from .program import Transfer
+
+if TYPE_CHECKING:
+    from .engine import Pipeline
+
+CLOCK: Callable[[], float] = time.perf_counter  # read when a Recorder is made (tests skew it per rank)
+KEEP_STEPS = 16  # pipeline(trace=True) keeps this many most recent steps
+ARROW = {"send": "→", "recv": "←"}
+
+
+class Recorder:
+    """This rank's events of the steps it records, on its own clock; called by the engine only when tracing."""
+
+    def __init__(self, rank: int, stage: int, max_steps: int | None = None):
+        self.clock = CLOCK
+        self.rank, self.stage = rank, stage
+        self.steps: deque[tuple[int, list[Event]]] = deque(maxlen=max_steps)  # (step, its events)
+        self.syncs: list[ClockSync] = []
+        self.posted: dict[Transfer, float] = {}  # irecv post times of the current step
+        self._events: list[Event] = []
+        self._step = 0
+        self._step_start = 0.0
+
+    @property
+    def events(self) -> list[Event]:
+        """Every recorded event (this rank's clock), steps in order."""
+        return [e for _, evs in self.steps for e in evs]
+
+    # ---- called by the engine -------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self._events, self._step, self._step_start = [], step, self.clock()
+        self.posted.clear()
+
+    def end_step(self) -> None:
+        self._add("other", f"step {self._step}", self._step_start, self.clock(), None, {"lane": "step"})
+        self.steps.append((self._step, self._events))
+
+    def compute(self, kind: str, micro_batch: int, start: float, end: float) -> None:
+        self._add("forward" if kind == "F" else "backward", f"{kind}{micro_batch}", start, end, micro_batch, {})
+
+    def idle(self, start: float, end: float, waiting_for: str) -> None:
+        self._add("idle", "idle", start, end, None, {"waiting_for": waiting_for})
+
+    def transfer(self, direction: str, t: Transfer, nbytes: int, start: float, end: float, value: str) -> None:
+        peer = t.dst if direction == "send" else t.src
+        args = {"peer": peer, "bytes": nbytes, "what": "activations" if t.kind == "act" else "gradients",
+                "value": value, "rows": [t.start, t.end]}
+        if direction == "recv" and t in self.posted:
+            args["posted_ms_before"] = round((start - self.posted.pop(t)) * 1e3, 4)
+        self._add(direction, f"{direction}{ARROW[direction]}{peer}", start, end, t.micro_batch, args)
+
+    def allreduce_bucket(self, k: int, start: float, end: float, label: str, ranks: list[int], nbytes: int,
+                         launched_in: str) -> None:
+        self._add("allreduce", f"AR bucket {k}", start, end, None,
+                  {"lane": "allreduce", "group": label, "ranks": ranks, "bytes": nbytes, "launched_in": launched_in})
+
+    def allreduce_wait(self, start: float, end: float, buckets: int) -> None:
+        self._add("allreduce", "AR", start, end, None, {"waiting_for": f"gradient AllReduce ({buckets} bucket(s))"})
+
+    def _add(self, kind: str, name: str, start: float, end: float, mb: int | None, args: dict) -> None:
+        args["step"] = self._step
+        self._events.append(Event(self.rank, kind, name, start, end, mb, args))
+
+    # ---- gathering --------------------------------------------------------------------------------
+    def payload(self, info: dict) -> dict:
+        """What this rank sends to rank 0: its identity, clock syncs and events (local clock)."""
+        return dict(info, syncs=[s.to_list() for s in self.syncs], steps=[s for s, _ in self.steps],
+                    events=[[e.kind, e.name, e.start, e.end, e.micro_batch, e.args] for e in self.events])
+
+
+def merge(payloads: list[dict]) -> tuple[list[Event], dict[int, dict]]:
+    """Every rank's events on rank 0's clock, and per rank its identity plus clock offset, error and drift."""
+    events: list[Event] = []
+    ranks: dict[int, dict] = {}
+    for p in payloads:
+        r = int(p["rank"])
+        to0 = correction(p["syncs"])
+        for kind, name, start, end, mb, args in p["events"]:
+            events.append(Event(r, kind, name, to0(start), to0(end), mb, args))
+        info = {k: v for k, v in p.items() if k not in ("syncs", "events")}
+        syncs = sorted(p["syncs"])
+        if syncs:
+            info["clock_offset_ms"] = round(syncs[-1][1] * 1e3, 4)
+            info["clock_error_ms"] = round(max(s[2] for s in syncs) * 1e3, 4)
+        if len(syncs) >= 2 and syncs[-1][0] > syncs[0][0]:
+            info["clock_drift_ppm"] = round((syncs[-1][1] - syncs[0][1]) / (syncs[-1][0] - syncs[0][0]) * 1e6, 2)
+        ranks[r] = info
+    return events, ranks
+
+
+class Trace:
+    """``with pipe.trace() as t: pipe.train_step(...)`` records the steps run in the block (enter it on every
+    rank: starting syncs clocks); then ``t.save("trace.json")`` on every rank writes one merged Chrome trace."""
+
+    def __init__(self, pipe: "Pipeline", recorder: Recorder | None = None):
+        self._pipe = pipe
+        self.recorder = recorder
+        self._previous: Recorder | None = None
+
+    def __enter__(self) -> "Trace":
+        self.recorder = start_recorder(self._pipe)
+        self._previous, self._pipe._rec = self._pipe._rec, self.recorder
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._pipe._rec = self._previous  # no collective here: the block may have raised on this rank only
+
+    @property
+    def events(self) -> list[Event]:
+        """This rank's recorded events, on this rank's clock (``gather`` moves them onto rank 0's)."""
+        return self.recorder.events if self.recorder is not None else []
+
+    def gather(self) -> tuple[list[Event], dict] | None:
+        """Collective: every rank's events on rank 0's clock plus trace metadata, on rank 0 (None elsewhere)."""
+        if self.recorder is None:
+            raise RuntimeError("Trace.gather: nothing was recorded; use 'with pipe.trace() as t:' first")
+        return gather_trace(self._pipe, self.recorder)
+
+    def save(self, path: str | os.PathLike) -> Path | None:
+        """Collective: write the merged Chrome trace (Perfetto, chrome://tracing) to ``path`` on rank 0;
+        returns the path there, None on the other ranks. ``dapple show PATH --png out.png`` draws it."""
+        return _write(self.gather(), path)
+
+
+def start_recorder(pipe: "Pipeline", max_steps: int | None = None) -> Recorder:
+    """A new recorder for ``pipe``'s rank with a first clock sync (collective)."""
+    rec = Recorder(pipe.ctx.rank, pipe.stage, max_steps)
+    rec.syncs.append(sync_clock(rec.clock, pipe.ctx.rank, pipe.ctx.world_size, pipe.ctx.device, pipe.timeout))
+    return rec
+
+
+def gather_trace(pipe: "Pipeline", rec: Recorder) -> tuple[list[Event], dict] | None:
+    """Sync clocks again (drift), gather every rank's payload to rank 0 and merge (collective)."""
+    ctx = pipe.ctx
+    rec.syncs.append(sync_clock(rec.clock, ctx.rank, ctx.world_size, ctx.device, pipe.timeout))
+    info = {"rank": ctx.rank, "stage": pipe.stage, "replica": pipe.replica, "host": socket.gethostname(),
+            "pid": os.getpid(), "device": str(ctx.device)}
+    payloads = gather_json(rec.payload(info), ctx.rank, ctx.world_size, ctx.device, pipe.timeout)
+    if payloads is None:
+        return None
+    events, ranks = merge(payloads)
+    plan = pipe.plan
+    t0 = min((e.start for e in events), default=rec.clock())
+    meta = {"dapple_trace": 1, "world_size": ctx.world_size, "backend": ctx.backend, "schedule": plan.schedule,
+            "num_stages": plan.num_stages, "num_micro_batches": plan.num_micro_batches,
+            "micro_batch_size": plan.micro_batch_size, "global_batch_size": plan.global_batch_size,
+            "warmup": plan.warmup, "steps": sorted({s for p in payloads for s in p["steps"]}),
+            "stage_of_rank": {str(r): i["stage"] for r, i in sorted(ranks.items())},
+            "ranks": {str(r): i for r, i in sorted(ranks.items())},
+            "clock": "each rank's time.perf_counter moved onto rank 0's by ping-pong offsets (error <= half the "
+                     "shortest of 8 round trips, per rank in ranks[r].clock_error_ms), interpolated between the "
+                     "syncs at the start of recording and at gathering",
+            "started_at_unix": time.time() - (rec.clock() - t0), "plan_summary": str(plan).splitlines(),
+            "plan": plan.to_dict()}
+    return events, meta
+
+
+def rank_labels(meta: dict) -> dict[int, str]:
+    """rank -> "rank 1 · stage 0 (replica 2/2)" from a trace's metadata."""
+    out = {}
+    counts: dict[int, int] = {}
+    for i in (meta.get("ranks") or {}).values():
+        counts[i["stage"]] = counts.get(i["stage"], 0) + 1
+    for r, i in (meta.get("ranks") or {}).items():
+        rep = f" ({i['replica'] + 1}/{counts[i['stage']]})" if counts[i["stage"]] > 1 else ""
+        out[int(r)] = f"rank {r} · stage {i['stage']}{rep}"
+    return out
+
+
+def _write(gathered: tuple[list[Event], dict] | None, path: str | os.PathLike) -> Path | None:
+    if gathered is None:
+        return None
+    events, meta = gathered
+    save_chrome_trace(events, path, meta, rank_labels(meta))
+    return Path(path)
