@@ -54,7 +54,7 @@ class P2P:
         except Exception as e:
             raise self._error(t, t.src, "waiting for", e) from e
         if rec is not None:
-            rec.transfer("recv", t, buffer.numel() * buffer.element_size(), start, rec.clock(), self.value_name(t))
+            rec.transfer("recv", t, buffer.numel() * buffer.element_size(), start, rec.clock())
         return buffer
 
     # ---- sends --------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ class P2P:
             raise self._error(t, t.dst, "could not send", e) from e
         self._sends.append((t, work, tensor))
         if rec is not None:
-            rec.transfer("send", t, tensor.numel() * tensor.element_size(), start, rec.clock(), self.value_name(t))
+            rec.transfer("send", t, tensor.numel() * tensor.element_size(), start, rec.clock())
         self._reap()
 
     def _reap(self) -> None:

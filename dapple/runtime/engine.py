@@ -277,7 +277,7 @@ class Pipeline:
         for t in recvs:
             pieces[t.value].append(self._p2p.wait_recv(t))
         if rec is not None and recvs:
-            rec.idle(start, rec.clock(), f"receives of {op}")
+            rec.idle(start, rec.clock(), op)
         return pieces
 
     # ---- plans for the communication ------------------------------------------------------------

@@ -3,6 +3,8 @@
 The engine holds ``Pipeline._rec``: None when tracing is off (each instruction then costs one ``is None``
 test and allocates nothing), a :class:`Recorder` when on. Events are taken on this rank's clock
 (:data:`CLOCK`, ``time.perf_counter``) and moved onto rank 0's when they are gathered (see clocksync.py).
+On CUDA every timestamp first synchronizes the device, so times are when the GPU finished, not when the host
+queued the work (tracing then also removes the overlap of kernel launches with execution: slightly slower).
 
 What a step records, per rank (``Event`` kinds and names as in dapple/planner/timeline.py):
 - compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for); ``idle``
@@ -25,6 +27,8 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from ..planner.timeline import Event, save_chrome_trace
 from .clocksync import ClockSync, correction, gather_json, sync_clock
 from .program import Transfer
@@ -38,63 +42,99 @@ ARROW = {"send": "→", "recv": "←"}
 
 
 class Recorder:
-    """This rank's events of the steps it records, on its own clock; called by the engine only when tracing."""
+    """This rank's events of the steps it records, on its own clock; called by the engine only when tracing.
 
-    def __init__(self, rank: int, stage: int, max_steps: int | None = None):
+    The hot path appends a plain tuple per event (no formatting); :attr:`events` builds the ``Event`` objects.
+    """
+
+    def __init__(self, rank: int, stage: int, max_steps: int | None = None,
+                 value_name: Callable[[Transfer], str] = lambda t: f"value {t.value}", device: Any = None):
         self.clock = CLOCK
+        if device is not None and torch.device(device).type == "cuda":  # kernels and NCCL run asynchronously:
+            self.clock = _synced(CLOCK, torch.device(device))  # a time is taken once the GPU has caught up
         self.rank, self.stage = rank, stage
-        self.steps: deque[tuple[int, list[Event]]] = deque(maxlen=max_steps)  # (step, its events)
+        self.value_name = value_name  # boundary value -> its name in the model's graph
+        self.steps: deque[tuple[int, list[tuple]]] = deque(maxlen=max_steps)  # (step, its raw events)
         self.syncs: list[ClockSync] = []
         self.posted: dict[Transfer, float] = {}  # irecv post times of the current step
-        self._events: list[Event] = []
+        self._raw: list[tuple] = []
         self._step = 0
         self._step_start = 0.0
 
     @property
     def events(self) -> list[Event]:
         """Every recorded event (this rank's clock), steps in order."""
-        return [e for _, evs in self.steps for e in evs]
+        return [self._event(step, raw) for step, raws in self.steps for raw in raws]
 
     # ---- called by the engine -------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        self._events, self._step, self._step_start = [], step, self.clock()
+        self._raw, self._step, self._step_start = [], step, self.clock()
         self.posted.clear()
 
     def end_step(self) -> None:
-        self._add("other", f"step {self._step}", self._step_start, self.clock(), None, {"lane": "step"})
-        self.steps.append((self._step, self._events))
+        self._raw.append(("S", self._step_start, self.clock()))
+        self.steps.append((self._step, self._raw))
 
     def compute(self, kind: str, micro_batch: int, start: float, end: float) -> None:
-        self._add("forward" if kind == "F" else "backward", f"{kind}{micro_batch}", start, end, micro_batch, {})
+        self._raw.append(("C", start, end, kind, micro_batch))
 
-    def idle(self, start: float, end: float, waiting_for: str) -> None:
-        self._add("idle", "idle", start, end, None, {"waiting_for": waiting_for})
+    def idle(self, start: float, end: float, waiting_for: Any) -> None:
+        """``waiting_for``: a description, or the Op whose receives were waited for."""
+        self._raw.append(("I", start, end, waiting_for))
 
-    def transfer(self, direction: str, t: Transfer, nbytes: int, start: float, end: float, value: str) -> None:
-        peer = t.dst if direction == "send" else t.src
-        args = {"peer": peer, "bytes": nbytes, "what": "activations" if t.kind == "act" else "gradients",
-                "value": value, "rows": [t.start, t.end]}
-        if direction == "recv" and t in self.posted:
-            args["posted_ms_before"] = round((start - self.posted.pop(t)) * 1e3, 4)
-        self._add(direction, f"{direction}{ARROW[direction]}{peer}", start, end, t.micro_batch, args)
+    def transfer(self, direction: str, t: Transfer, nbytes: int, start: float, end: float) -> None:
+        posted = self.posted.pop(t, None) if direction == "recv" else None
+        self._raw.append(("T", start, end, direction, t, nbytes, posted))
 
     def allreduce_bucket(self, k: int, start: float, end: float, label: str, ranks: list[int], nbytes: int,
                          launched_in: str) -> None:
-        self._add("allreduce", f"AR bucket {k}", start, end, None,
-                  {"lane": "allreduce", "group": label, "ranks": ranks, "bytes": nbytes, "launched_in": launched_in})
+        self._raw.append(("R", start, end, k, label, ranks, nbytes, launched_in))
 
     def allreduce_wait(self, start: float, end: float, buckets: int) -> None:
-        self._add("allreduce", "AR", start, end, None, {"waiting_for": f"gradient AllReduce ({buckets} bucket(s))"})
+        self._raw.append(("W", start, end, buckets))
 
-    def _add(self, kind: str, name: str, start: float, end: float, mb: int | None, args: dict) -> None:
-        args["step"] = self._step
-        self._events.append(Event(self.rank, kind, name, start, end, mb, args))
+    # ---- events -----------------------------------------------------------------------------------
+    def _event(self, step: int, raw: tuple) -> Event:
+        tag, start, end = raw[:3]
+        mb, args = None, {}
+        if tag == "C":
+            kind, name, mb = ("forward" if raw[3] == "F" else "backward"), f"{raw[3]}{raw[4]}", raw[4]
+        elif tag == "I":
+            kind, name = "idle", "idle"
+            args["waiting_for"] = raw[3] if isinstance(raw[3], str) else f"receives of {raw[3]}"
+        elif tag == "T":
+            kind, t, nbytes, posted = raw[3:]
+            peer = t.dst if kind == "send" else t.src
+            name, mb = f"{kind}{ARROW[kind]}{peer}", t.micro_batch
+            args.update(peer=peer, bytes=nbytes, what="activations" if t.kind == "act" else "gradients",
+                        value=self.value_name(t), rows=[t.start, t.end])
+            if posted is not None:
+                args["posted_ms_before"] = round((start - posted) * 1e3, 4)
+        elif tag == "R":
+            k, label, ranks, nbytes, during = raw[3:]
+            kind, name = "allreduce", f"AR bucket {k}"
+            args.update(lane="allreduce", group=label, ranks=ranks, bytes=nbytes, launched_in=during)
+        elif tag == "W":
+            kind, name = "allreduce", "AR"
+            args["waiting_for"] = f"gradient AllReduce ({raw[3]} bucket(s))"
+        else:  # "S"
+            kind, name = "other", f"step {step}"
+            args["lane"] = "step"
+        args["step"] = step
+        return Event(self.rank, kind, name, start, end, mb, args)
 
     # ---- gathering --------------------------------------------------------------------------------
     def payload(self, info: dict) -> dict:
         """What this rank sends to rank 0: its identity, clock syncs and events (local clock)."""
         return dict(info, syncs=[s.to_list() for s in self.syncs], steps=[s for s, _ in self.steps],
                     events=[[e.kind, e.name, e.start, e.end, e.micro_batch, e.args] for e in self.events])
+
+
+def _synced(clock: Callable[[], float], device: Any) -> Callable[[], float]:
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return clock()
+    return synced
 
 
 def merge(payloads: list[dict]) -> tuple[list[Event], dict[int, dict]]:
@@ -153,7 +193,7 @@ class Trace:
 
 def start_recorder(pipe: "Pipeline", max_steps: int | None = None) -> Recorder:
     """A new recorder for ``pipe``'s rank with a first clock sync (collective)."""
-    rec = Recorder(pipe.ctx.rank, pipe.stage, max_steps)
+    rec = Recorder(pipe.ctx.rank, pipe.stage, max_steps, pipe._value_name, pipe.ctx.device)
     rec.syncs.append(sync_clock(rec.clock, pipe.ctx.rank, pipe.ctx.world_size, pipe.ctx.device, pipe.timeout))
     return rec
 

@@ -4,7 +4,10 @@ Chrome-trace process per rank, clock offsets corrected, nothing recorded when of
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,7 @@ from dapple.runtime.tracing import Recorder, merge
 from tests.runtime import trace_workers
 from tests.runtime._spawn import run_ranks
 
+ROOT = Path(__file__).resolve().parents[2]
 DAPPLE_ORDER = {0: "F0 F1 B0 F2 B1 F3 B2 B3", 1: "F0 F1 B0 F2 B1 F3 B2 B3", 2: "F0 B0 F1 B1 F2 B2 F3 B3"}
 GPIPE_ORDER = "F0 F1 F2 F3 B0 B1 B2 B3"
 
@@ -182,3 +186,34 @@ def test_merge_moves_each_rank_onto_rank_0s_clock():
     assert ranks[1]["clock_offset_ms"] == pytest.approx(-90000) and ranks[1]["clock_error_ms"] == pytest.approx(0.02)
     step = next(e for e in events if e.name == "step 1")
     assert lane_of(step) == "step" and step.start == pytest.approx(10.0) and step.end == pytest.approx(12.0)
+
+
+def _expected(schedule: str, m: int, k: int) -> str:
+    if schedule == "gpipe":
+        return " ".join([f"F{j}" for j in range(m)] + [f"B{j}" for j in range(m)])
+    ops = [f"F{j}" for j in range(k)]
+    for j in range(m - k):
+        ops += [f"B{j}", f"F{j + k}"]
+    return " ".join(ops + [f"B{j}" for j in range(m - k, m)])
+
+
+@pytest.mark.parametrize("name", ["dapple", "gpipe", "hybrid"])
+def test_committed_example_traces_show_their_schedule(name):
+    doc = json.loads((ROOT / "docs" / f"trace_{name}.json").read_text())
+    meta, events = doc["otherData"], _events(doc)
+    assert (ROOT / "docs" / f"trace_{name}.png").stat().st_size > 10_000
+    for r, stage in meta["stage_of_rank"].items():
+        assert _order(events, int(r)) == _expected(meta["schedule"], meta["num_micro_batches"],
+                                                   meta["warmup"][stage]), (name, r)
+
+
+@pytest.mark.slow
+def test_example_script_writes_trace_and_png(tmp_path):
+    subprocess.run([sys.executable, "examples/trace_emulated.py", "--out", str(tmp_path), "--plans", "hybrid",
+                    "--micro-batches", "4", "--ms-per-row", "0.3", "--warmup", "1"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=240, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    doc = json.loads((tmp_path / "trace_hybrid.json").read_text())
+    assert (tmp_path / "trace_hybrid.png").read_bytes()[:4] == b"\x89PNG"
+    assert doc["otherData"]["warmup"] == [3, 2, 1] and len(_events(doc)) > 50
+    for r, stage in doc["otherData"]["stage_of_rank"].items():
+        assert _order(_events(doc), int(r)) == _expected("dapple", 4, [3, 2, 1][stage])
