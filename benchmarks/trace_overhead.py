@@ -1,12 +1,14 @@
-"""Cost of runtime tracing: step time with tracing off vs on, on 2 ranks, in interleaved rounds.
+"""Cost of runtime tracing: step time with tracing off vs on, on 2 ranks, steps interleaved one by one.
 
 The worst case for a per-op recorder: a tiny real-compute model (Linear+tanh blocks, width 16) in 2 straight
-stages with many one-row micro-batches, so a step is mostly runtime overhead (about 10 instructions per
-micro-batch per rank). Both pipelines live in the same processes and alternate round by round, so drifts in
-the machine's load hit both alike. Step time = the slowest rank's, all ranks starting together.
+stages with many one-row micro-batches, so a step is mostly runtime overhead (about 5 events per micro-batch
+per rank). Both pipelines live in the same processes and alternate step by step (each first in turn), so each
+traced step is paired with an untraced one a few ms apart and drifts in the machine's load hit both alike. Wall time = the
+slowest rank's, all ranks starting together; CPU = the main thread's, mean over ranks.
 
     PYTHONPATH=$PWD python benchmarks/trace_overhead.py                  # off vs on
-    PYTHONPATH=/tmp/dapple_main python benchmarks/trace_overhead.py      # a checkout without tracing: "off" only
+    git archive main | tar -x -C /tmp/main_src                           # a checkout without tracing code:
+    PYTHONPATH=$PWD python benchmarks/trace_overhead.py --baseline /tmp/main_src/dapple   # it too, same processes
 
 Tracing "off" costs one ``is None`` test per instruction; its price is also measured directly (``--micro``).
 """
@@ -14,10 +16,12 @@ Tracing "off" costs one ``is None`` test per instruction; its price is also meas
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import os
 import statistics
+import sys
 import time
 import timeit
 
@@ -27,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import dapple
-from dapple.planner import Stage
 from dapple.profiler import trace_layers
 
 
@@ -61,27 +64,40 @@ def _timed(step, steps: int) -> list[tuple[float, float]]:
     return out
 
 
+def _baseline(path: str):
+    """The dapple package at ``path`` (another checkout), imported as ``dapple_baseline`` beside this one."""
+    spec = importlib.util.spec_from_file_location("dapple_baseline", os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dapple_baseline"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     m = args.micro_batches
     x, y = torch.randn(m, 16), torch.randint(0, 4, (m,))
     can_trace = "trace" in inspect.signature(dapple.pipeline).parameters
-    modes = {"off": False, "on": True} if can_trace else {"off (no tracing code)": None}
+    modes = {"off": (dapple, False), "on": (dapple, True)} if can_trace else {"off (no tracing code)": (dapple, None)}
+    if args.baseline:
+        modes["baseline"] = (_baseline(args.baseline), None)
     steps = {}
-    for name, on in modes.items():
+    for name, (lib, on) in modes.items():
         torch.manual_seed(0)
         model = Blocks()
-        plan = dapple.Plan(global_batch_size=m, micro_batch_size=1, stages=[Stage((0, 2), [0]), Stage((2, 5), [1])],
-                           layer_names=trace_layers(model).names)
+        plan = lib.Plan(global_batch_size=m, micro_batch_size=1, stages=[((0, 2), [0]), ((2, 5), [1])],
+                        layer_names=trace_layers(model).names)
         kw = {} if on is None else {"trace": on}
-        pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=120, **kw)
+        pipe = lib.pipeline(model, plan, F.cross_entropy, timeout=120, **kw)
         steps[name] = lambda pipe=pipe: pipe.train_step(x, y)
     for step in steps.values():
         _timed(step, args.warmup)
     res: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            res[name] += _timed(step, args.steps)
+    names = list(steps)
+    for i in range(args.rounds * args.steps):  # step by step, each mode first in turn (no position bias)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            res[name] += _timed(steps[name], 1)
     return res
 
 
@@ -105,6 +121,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--micro", action="store_true", help="also time the off-test and one event in isolation")
+    p.add_argument("--baseline", help="also run the dapple package in this directory (e.g. main's, without "
+                   "tracing code), in the same processes")
     p.add_argument("--json", help="also write the raw step times here")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -115,8 +133,11 @@ def main() -> None:
     wall0, cpu0 = statistics.median(w for w, _ in first), statistics.median(c for _, c in first)
     for name, ts in res.items():
         wall, cpu = statistics.median(w for w, _ in ts), statistics.median(c for _, c in ts)
-        print(f"  tracing {name:<22} wall median {wall:7.2f} (x{wall / wall0:.3f}) min {min(w for w, _ in ts):6.2f}"
-              f" | CPU median {cpu:6.2f} (x{cpu / cpu0:.3f}, {1e3 * (cpu - cpu0):+.0f} us)")
+        dwall = statistics.median(w - w0 for (w, _), (w0, _) in zip(ts, first))  # paired: consecutive steps
+        dcpu = statistics.median(c - c0 for (_, c), (_, c0) in zip(ts, first))
+        print(f"  tracing {name:<22} wall median {wall:7.2f} min {min(w for w, _ in ts):6.2f} | CPU median "
+              f"{cpu:6.2f} | paired median difference: wall {1e3 * dwall:+5.0f} us ({dwall / wall0:+.1%}), "
+              f"CPU {1e3 * dcpu:+5.0f} us ({dcpu / cpu0:+.1%})")
     if args.micro:
         for k, v in micro().items():
             print(f"  {k}: {v:.0f} ns")

@@ -2,13 +2,14 @@
 
 Method: for each rank r > 0 in turn, r stamps a = its clock, sends a ping to rank 0, rank 0 stamps T on
 receipt and replies with T, r stamps b on the reply. Rank 0 read its clock at some instant between a and b
-(causality), so the offset (rank 0's clock minus r's) lies in [T - b, T - a]: the estimate T - (a + b) / 2 is
-off by at most half the round trip, whatever the delays in each direction. Of ``pings`` round trips the
-shortest is kept (queueing and scheduling only lengthen a round trip). On one machine over gloo/loopback a
-round trip takes tens of microseconds idle and up to a few milliseconds under load, so offsets are known to
-that precision (the bound is recorded next to each offset). Clocks drift (tens of ppm at worst for servers
-kept by NTP), so a trace syncs when recording starts and again when it is saved, and corrects each event by
-interpolating the offset linearly between the two (see :func:`correction`).
+(causality), so the offset (rank 0's clock minus r's) lies in [T - b, T - a], whatever the delays in each
+direction. Every one of ``pings`` round trips gives such an interval; the offset lies in all of them, so their
+intersection is kept (at least as tight as the shortest round trip's): the estimate is its middle, the error
+bound its half-width. On one machine over gloo/loopback a round trip takes tens of microseconds when idle and
+up to milliseconds under load, so offsets are known to that precision (the bound is recorded with each
+offset). Clocks drift (tens of ppm for servers kept by NTP), so a trace syncs when recording starts and again
+when it is saved; if one constant offset fits both syncs' intervals it is used, otherwise the offset is
+interpolated linearly between them (see :func:`correction`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from .comm import PipelineError
 
-PINGS = 8  # round trips per rank; the shortest is kept
+PINGS = 16  # round trips per rank; the offset lies in the intersection of their intervals
 TAG = 31_415  # message tag for the pings (gloo matches by tag, keeping them apart from pipeline transfers)
 
 
@@ -69,7 +70,7 @@ def sync_clock(clock: Callable[[], float], rank: int, world: int, device: torch.
     if world == 1:
         return ClockSync(clock(), 0.0, 0.0)
     buf = torch.zeros(1, dtype=torch.float64, device=device)  # (1,) a timestamp in seconds
-    best = None
+    lo, hi, mid = -float("inf"), float("inf"), 0.0  # the offset lies in [lo, hi]; mid: this clock then
     for r in range(1, world):  # one rank at a time, so rank 0 answers without queueing
         if rank == 0:
             for _ in range(pings):
@@ -82,25 +83,41 @@ def sync_clock(clock: Callable[[], float], rank: int, world: int, device: torch.
                 _wait(dist.isend(buf, dst=0, tag=TAG), ctx, "clock sync: ping to rank 0")
                 _wait(dist.irecv(buf, src=0, tag=TAG), ctx, "clock sync: reply from rank 0")
                 b = clock()
-                if best is None or b - a < best[1] - best[0]:
-                    best = (a, b, float(buf.item()))
+                t = float(buf.item())
+                if t - b > lo:
+                    lo = t - b
+                if t - a < hi:
+                    hi, mid = t - a, (a + b) / 2
     # leave together, as ranks leave a step (its loss AllReduce): a traced step then starts as an untraced one
     _wait(dist.all_reduce(torch.zeros(1, device=device), async_op=True), ctx, "clock sync: closing barrier")
-    if rank == 0 or best is None:
+    if rank == 0:
         return ClockSync(clock(), 0.0, 0.0)
-    a, b, t = best
-    return ClockSync((a + b) / 2, t - (a + b) / 2, (b - a) / 2)
+    if lo > hi:  # impossible for clocks that do not jump: trust the tightest side, report the contradiction
+        return ClockSync(mid, (lo + hi) / 2, (lo - hi) / 2)
+    return ClockSync(mid, (lo + hi) / 2, (hi - lo) / 2)
+
+
+def constant_offset(syncs: Sequence[Sequence[float]]) -> tuple[float, float] | None:
+    """(offset, error) of one offset within every sync's [offset - error, offset + error], or None if no
+    constant offset fits them all (the clocks drifted measurably between the syncs)."""
+    if not syncs:
+        return None
+    lo = max(float(s[1]) - float(s[2]) for s in syncs)
+    hi = min(float(s[1]) + float(s[2]) for s in syncs)
+    return ((lo + hi) / 2, (hi - lo) / 2) if lo <= hi else None
 
 
 def correction(syncs: Sequence[Sequence[float]]) -> Callable[[float], float]:
-    """Local time -> rank 0's time: the offset interpolated linearly between sync points (drift), constant
-    before the first and after the last. ``syncs``: (local, offset, error) triples."""
-    pts = sorted((float(s[0]), float(s[1])) for s in syncs)
-    if not pts:
+    """Local time -> rank 0's time. ``syncs``: (local, offset, error) triples. One constant offset if one fits
+    every sync (:func:`constant_offset`), else the offset interpolated linearly between the sync points
+    (drift), constant before the first and after the last."""
+    if not syncs:
         return lambda t: t
-    if len(pts) == 1:
-        off = pts[0][1]
+    const = constant_offset(syncs)
+    if const is not None:
+        off = const[0]
         return lambda t: t + off
+    pts = sorted((float(s[0]), float(s[1])) for s in syncs)
     xs = [p[0] for p in pts]
 
     def to_rank0(t: float) -> float:

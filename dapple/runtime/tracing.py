@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..planner.timeline import Event, save_chrome_trace
-from .clocksync import ClockSync, correction, gather_json, sync_clock
+from .clocksync import ClockSync, constant_offset, correction, gather_json, sync_clock
 from .program import Transfer
 
 if TYPE_CHECKING:
@@ -148,11 +148,15 @@ def merge(payloads: list[dict]) -> tuple[list[Event], dict[int, dict]]:
             events.append(Event(r, kind, name, to0(start), to0(end), mb, args))
         info = {k: v for k, v in p.items() if k not in ("syncs", "events")}
         syncs = sorted(p["syncs"])
-        if syncs:
+        const = constant_offset(syncs)
+        if const is not None:  # one offset fits every sync
+            info["clock_offset_ms"], info["clock_error_ms"] = round(const[0] * 1e3, 4), round(const[1] * 1e3, 4)
+        elif syncs:  # measurable drift: interpolated between the syncs
             info["clock_offset_ms"] = round(syncs[-1][1] * 1e3, 4)
             info["clock_error_ms"] = round(max(s[2] for s in syncs) * 1e3, 4)
-        if len(syncs) >= 2 and syncs[-1][0] > syncs[0][0]:
-            info["clock_drift_ppm"] = round((syncs[-1][1] - syncs[0][1]) / (syncs[-1][0] - syncs[0][0]) * 1e6, 2)
+            if syncs[-1][0] > syncs[0][0]:
+                info["clock_drift_ppm"] = round((syncs[-1][1] - syncs[0][1]) / (syncs[-1][0] - syncs[0][0]) * 1e6,
+                                                2)
         ranks[r] = info
     return events, ranks
 
@@ -216,9 +220,9 @@ def gather_trace(pipe: "Pipeline", rec: Recorder) -> tuple[list[Event], dict] | 
             "warmup": plan.warmup, "steps": sorted({s for p in payloads for s in p["steps"]}),
             "stage_of_rank": {str(r): i["stage"] for r, i in sorted(ranks.items())},
             "ranks": {str(r): i for r, i in sorted(ranks.items())},
-            "clock": "each rank's time.perf_counter moved onto rank 0's by ping-pong offsets (error <= half the "
-                     "shortest of 8 round trips, per rank in ranks[r].clock_error_ms), interpolated between the "
-                     "syncs at the start of recording and at gathering",
+            "clock": "each rank's time.perf_counter moved onto rank 0's by a ping-pong offset: the intersection of "
+                     "the [T - b, T - a] intervals of 16 round trips, at the start of recording and at gathering; "
+                     "error bound per rank in ranks[r].clock_error_ms (drift: interpolated, clock_drift_ppm)",
             "started_at_unix": time.time() - (rec.clock() - t0), "plan_summary": str(plan).splitlines(),
             "plan": plan.to_dict()}
     return events, meta

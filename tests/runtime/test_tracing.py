@@ -167,6 +167,9 @@ def test_correction_interpolates_drift():
     assert to0(10.0) == pytest.approx(12.0) and to0(15.0) == pytest.approx(17.0005)
     assert to0(5.0) == pytest.approx(7.0) and to0(30.0) == pytest.approx(32.001)  # constant outside the syncs
     assert correction([[1.0, -0.5, 0.0]])(3.0) == pytest.approx(2.5)
+    # syncs whose intervals overlap: one constant offset, the middle of their intersection
+    to0 = correction([[10.0, 2.0, 3e-4], [20.0, 2.0004, 2e-4]])  # [1.9997, 2.0003] and [2.0002, 2.0006]
+    assert to0(10.0) == pytest.approx(12.00025) and to0(20.0) == pytest.approx(22.00025)
 
 
 def test_merge_moves_each_rank_onto_rank_0s_clock():
