@@ -3,11 +3,11 @@
 The worst case for a per-op recorder: a tiny real-compute model (Linear+tanh blocks, width 16) in 2 straight
 stages with many one-row micro-batches, so a step is mostly runtime overhead (about 5 events per micro-batch
 per rank). Both pipelines live in the same processes and alternate step by step (each first in turn), so each
-traced step is paired with an untraced one a few ms apart and drifts in the machine's load hit both alike. Wall time = the
-slowest rank's, all ranks starting together; CPU = the main thread's, mean over ranks.
+traced step is paired with an untraced one a few ms apart and drifts in the machine's load hit both alike.
+Wall time = the slowest rank's, all ranks starting together; CPU = the main thread's, mean over ranks.
 
     PYTHONPATH=$PWD python benchmarks/trace_overhead.py                  # off vs on
-    git archive main | tar -x -C /tmp/main_src                           # a checkout without tracing code:
+    mkdir -p /tmp/main_src && git archive main | tar -x -C /tmp/main_src   # a checkout without tracing code:
     PYTHONPATH=$PWD python benchmarks/trace_overhead.py --baseline /tmp/main_src/dapple   # it too, same processes
 
 Tracing "off" costs one ``is None`` test per instruction; its price is also measured directly (``--micro``).

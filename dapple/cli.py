@@ -50,10 +50,15 @@ def _show_trace(path: str, png: str | None) -> int:
     names = process_names(doc)
     steps = meta.get("steps")
     head = f"trace {path}: {len(names) or len({e.rank for e in events})} rank(s), {len(events)} events"
+    which = ""
+    if steps:
+        contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
+        which = (f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if contiguous
+                 else f"steps {steps}")
     if meta.get("schedule"):
         head += (f", schedule {meta['schedule']}, {meta.get('num_micro_batches')} micro-batches x "
-                 f"{meta.get('micro_batch_size')}, steps {steps}")
-    print(head)
+                 f"{meta.get('micro_batch_size')}, {which}")
+    print(head + (f"; ms summed over the {len(steps)} steps" if steps and len(steps) > 1 else ""))
     print(f"{'rank':<28}{'step ms':>9}{'fwd ms':>9}{'bwd ms':>9}{'idle ms':>9}{'AR ms':>8}{'busy':>7}")
     for r, d in summarize(events).items():
         print(f"{names.get(r, f'rank {r}'):<28}{d['span_ms']:>9.1f}{d['forward_ms']:>9.1f}{d['backward_ms']:>9.1f}"
@@ -61,8 +66,8 @@ def _show_trace(path: str, png: str | None) -> int:
     if png:
         title = f"{path}: measured"
         if meta.get("schedule") and steps:
-            which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-            title = (f"{meta['schedule']} schedule, measured: {meta['num_stages']} stages, "
+            stages = f"{meta['num_stages']} stage{'s' if meta['num_stages'] != 1 else ''}"
+            title = (f"{meta['schedule']} schedule, measured: {stages}, "
                      f"M={meta['num_micro_batches']} micro-batches of {meta['micro_batch_size']} rows, {which}")
         draw_gantt(events, png, title=title, rank_labels=names)
         print(f"wrote {png}")

@@ -129,7 +129,8 @@ class Pipeline:
 
     def trace(self) -> Trace:
         """Record the steps run inside ``with pipe.trace() as t:`` (enter on every rank; it syncs clocks), then
-        ``t.save("trace.json")`` on every rank: one Chrome trace of all ranks, written by rank 0."""
+        ``t.save("trace.json")`` on every rank: one Chrome trace of all ranks, written by rank 0. Steps in the
+        block are recorded there only (not also by a ``trace=True`` pipeline's own recorder)."""
         return Trace(self)
 
     def save_trace(self, path: str | os.PathLike) -> Path | None:

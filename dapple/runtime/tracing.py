@@ -49,7 +49,7 @@ class Recorder:
 
     def __init__(self, rank: int, stage: int, max_steps: int | None = None,
                  value_name: Callable[[Transfer], str] = lambda t: f"value {t.value}", device: Any = None):
-        self.clock = CLOCK
+        self.clock = self.base_clock = CLOCK  # base_clock: the same time base, without a device sync
         if device is not None and torch.device(device).type == "cuda":  # kernels and NCCL run asynchronously:
             self.clock = _synced(CLOCK, torch.device(device))  # a time is taken once the GPU has caught up
         self.rank, self.stage = rank, stage
@@ -198,14 +198,14 @@ class Trace:
 def start_recorder(pipe: "Pipeline", max_steps: int | None = None) -> Recorder:
     """A new recorder for ``pipe``'s rank with a first clock sync (collective)."""
     rec = Recorder(pipe.ctx.rank, pipe.stage, max_steps, pipe._value_name, pipe.ctx.device)
-    rec.syncs.append(sync_clock(rec.clock, pipe.ctx.rank, pipe.ctx.world_size, pipe.ctx.device, pipe.timeout))
+    rec.syncs.append(sync_clock(rec.base_clock, pipe.ctx.rank, pipe.ctx.world_size, pipe.ctx.device, pipe.timeout))
     return rec
 
 
 def gather_trace(pipe: "Pipeline", rec: Recorder) -> tuple[list[Event], dict] | None:
     """Sync clocks again (drift), gather every rank's payload to rank 0 and merge (collective)."""
     ctx = pipe.ctx
-    rec.syncs.append(sync_clock(rec.clock, ctx.rank, ctx.world_size, ctx.device, pipe.timeout))
+    rec.syncs.append(sync_clock(rec.base_clock, ctx.rank, ctx.world_size, ctx.device, pipe.timeout))
     info = {"rank": ctx.rank, "stage": pipe.stage, "replica": pipe.replica, "host": socket.gethostname(),
             "pid": os.getpid(), "device": str(ctx.device)}
     payloads = gather_json(rec.payload(info), ctx.rank, ctx.world_size, ctx.device, pipe.timeout)
