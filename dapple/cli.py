@@ -10,8 +10,9 @@ Adder = Callable[["argparse._SubParsersAction"], None]
 
 
 def _add_show(sub: "argparse._SubParsersAction") -> None:
-    p = sub.add_parser("show", help="print a Profile, Cluster or Plan YAML document")
-    p.add_argument("path", help="a dapple YAML document")
+    p = sub.add_parser("show", help="print a Profile, Cluster or Plan YAML document, or summarise a trace JSON")
+    p.add_argument("path", help="a dapple YAML document, or a Chrome-trace .json written by a traced pipeline")
+    p.add_argument("--png", default=None, metavar="PNG", help="trace: draw its timeline (ranks x time) here")
     p.set_defaults(run=_run_show)
 
 
@@ -20,14 +21,57 @@ def _run_show(args: argparse.Namespace) -> int:
 
     from . import Cluster, Plan, Profile
 
+    if str(args.path).endswith(".json"):
+        return _show_trace(args.path, args.png)
     with open(args.path) as f:
         head = yaml.safe_load(f) or {}
     kinds = {"dapple_plan": Plan, "dapple_profile": Profile, "dapple_cluster": Cluster}
     for key, cls in kinds.items():
         if isinstance(head, dict) and key in head:
+            if args.png:
+                raise SystemExit(f"dapple show: --png draws a trace (.json); {args.path} is a {key[7:]} document")
             print(cls.load(args.path))
             return 0
     raise SystemExit(f"dapple show: {args.path} is not a dapple document (expected one of {sorted(kinds)})")
+
+
+def _show_trace(path: str, png: str | None) -> int:
+    from .planner.gantt import draw_gantt
+    from .planner.timeline import from_chrome_trace, process_names, read_chrome_trace, summarize
+
+    try:
+        doc = read_chrome_trace(path)
+        events = from_chrome_trace(doc, where=path)
+    except ValueError as e:
+        raise SystemExit(f"dapple show: {e}") from None
+    if not events:
+        raise SystemExit(f"dapple show: {path} holds no events")
+    meta = doc.get("otherData") or {}
+    names = process_names(doc)
+    steps = meta.get("steps")
+    head = f"trace {path}: {len(names) or len({e.rank for e in events})} rank(s), {len(events)} events"
+    which = ""
+    if steps:
+        contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
+        which = (f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if contiguous
+                 else f"steps {steps}")
+    if meta.get("schedule"):
+        head += (f", schedule {meta['schedule']}, {meta.get('num_micro_batches')} micro-batches x "
+                 f"{meta.get('micro_batch_size')}, {which}")
+    print(head + (f"; ms summed over the {len(steps)} steps" if steps and len(steps) > 1 else ""))
+    print(f"{'rank':<28}{'step ms':>9}{'fwd ms':>9}{'bwd ms':>9}{'idle ms':>9}{'AR ms':>8}{'busy':>7}")
+    for r, d in summarize(events).items():
+        print(f"{names.get(r, f'rank {r}'):<28}{d['span_ms']:>9.1f}{d['forward_ms']:>9.1f}{d['backward_ms']:>9.1f}"
+              f"{d['idle_ms']:>9.1f}{d['allreduce_ms']:>8.1f}{d['busy']:>7.0%}")
+    if png:
+        title = f"{path}: measured"
+        if meta.get("schedule") and steps:
+            stages = f"{meta['num_stages']} stage{'s' if meta['num_stages'] != 1 else ''}"
+            title = (f"{meta['schedule']} schedule, measured: {stages}, "
+                     f"M={meta['num_micro_batches']} micro-batches of {meta['micro_batch_size']} rows, {which}")
+        draw_gantt(events, png, title=title, rank_labels=names)
+        print(f"wrote {png}")
+    return 0
 
 
 def _parse_model_args(items: Sequence[str]) -> dict:

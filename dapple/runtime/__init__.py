@@ -3,5 +3,6 @@
 from .comm import PipelineError
 from .engine import Pipeline, pipeline
 from .launch import launch
+from .tracing import Trace
 
-__all__ = ["Pipeline", "PipelineError", "launch", "pipeline"]
+__all__ = ["Pipeline", "PipelineError", "Trace", "launch", "pipeline"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ class P2P:
         self.step = 0
         self._recvs: dict[Transfer, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: list[tuple[Transfer, dist.Work, torch.Tensor]] = []
+        self.rec: Any = None  # a tracing.Recorder while tracing, else None
 
     # ---- receives -----------------------------------------------------------------------------
     def post_recv(self, t: Transfer, buffer: torch.Tensor) -> None:
@@ -41,23 +42,33 @@ class P2P:
         except Exception as e:
             raise self._error(t, t.src, "could not post the receive of", e) from e
         self._recvs[t] = (work, buffer)
+        if self.rec is not None:
+            self.rec.posted[t] = self.rec.clock()
 
     def wait_recv(self, t: Transfer) -> torch.Tensor:
         work, buffer = self._recvs.pop(t)
+        rec = self.rec
+        start = rec.clock() if rec is not None else 0.0
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:
             raise self._error(t, t.src, "waiting for", e) from e
+        if rec is not None:
+            rec.transfer("recv", t, buffer.numel() * buffer.element_size(), start, rec.clock())
         return buffer
 
     # ---- sends --------------------------------------------------------------------------------
     def send(self, t: Transfer, tensor: torch.Tensor) -> None:
+        rec = self.rec
+        start = rec.clock() if rec is not None else 0.0
         tensor = tensor.detach().contiguous()
         try:
             work = dist.isend(tensor, dst=t.dst, group=self.groups[t.kind])
         except Exception as e:
             raise self._error(t, t.dst, "could not send", e) from e
         self._sends.append((t, work, tensor))
+        if rec is not None:
+            rec.transfer("send", t, tensor.numel() * tensor.element_size(), start, rec.clock())
         self._reap()
 
     def _reap(self) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -11,6 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..planner.plan import Plan
+from ..planner.schedule import Op
 from ..planner.slices import routes, slice_bounds
 from ..profiler.export import retarget_devices
 from ..profiler.layers import trace_layers
@@ -21,6 +24,8 @@ from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
 from .program import Instr, Layout, Transfer, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
 from .split import StageGraph, resolve_output, split_stages, state_names
+from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder
+from .tracing import _write as _write_trace
 from .validate import as_tuple, check_batch, check_layers, check_plan
 
 
@@ -41,11 +46,14 @@ class Pipeline:
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
                  *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
                  backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
-                 dynamic_shapes: Any = None):
+                 dynamic_shapes: Any = None, trace: bool = False):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, *targets) -> scalar, got {loss_fn!r}")
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        if not isinstance(trace, bool):
+            raise TypeError(f"trace: expected True or False (record a timeline of each step), got {trace!r}; the "
+                            f"choice between torch.fx and torch.export is tracer='auto'|'fx'|'export'")
         self.timeout = float(timeout)
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
@@ -84,6 +92,9 @@ class Pipeline:
         self._reducer = GradReducer(self._groups)
         self._p2p = P2P(rank, plan.stage_of_device, None, grad_p2p, self.timeout, self._value_name)
         self._handshake()
+        self._rec: Recorder | None = None  # tracing: None (off) or the recorder the steps log into
+        self._own_rec: Recorder | None = start_recorder(self, KEEP_STEPS) if trace else None
+        self._rec = self._own_rec
 
     # ---- public -------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -116,6 +127,20 @@ class Pipeline:
             self._failed = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise
 
+    def trace(self) -> Trace:
+        """Record the steps run inside ``with pipe.trace() as t:`` (enter on every rank; it syncs clocks), then
+        ``t.save("trace.json")`` on every rank: one Chrome trace of all ranks, written by rank 0. Steps in the
+        block are recorded there only (not also by a ``trace=True`` pipeline's own recorder)."""
+        return Trace(self)
+
+    def save_trace(self, path: str | os.PathLike) -> Path | None:
+        """With ``pipeline(..., trace=True)``: write the last recorded steps (up to 16) of all ranks as one
+        Chrome trace on rank 0 (collective: call on every rank); returns the path on rank 0, else None."""
+        if self._own_rec is None:
+            raise RuntimeError("save_trace: this pipeline does not record steps; create it with "
+                               "dapple.pipeline(..., trace=True), or use 'with pipe.trace() as t: ...; t.save(path)'")
+        return _write_trace(gather_trace(self, self._own_rec), path)
+
     def __repr__(self) -> str:
         s = self.plan.stages[self.stage]
         return (f"Pipeline(rank={self.ctx.rank}, stage={self.stage}/{self.plan.num_stages}, replica={self.replica}"
@@ -133,6 +158,10 @@ class Pipeline:
         alive: dict[int, _MicroBatch] = {}
         outbox: list[torch.Tensor | None] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        rec = self._p2p.rec = self._reducer.rec = self._rec  # tracing: one `is not None` test per instruction
+        if rec is not None:
+            rec.begin_step(self.step)
+        n_recv, n_send = len(self.graph.recv), len(self.graph.send)
         for ins in program:
             t = ins.transfer
             if ins.action == "recv":
@@ -142,28 +171,45 @@ class Pipeline:
                 lo = t.start - self._rows[0]  # rows of this rank's slice that the route covers
                 self._p2p.send(t, self._checked(outbox[t.value][lo:lo + t.rows], self._spec(key, t), t))
             elif ins.op.kind == "F":
-                outbox = self._forward(ins.op.micro_batch, waits[ins.op], xs, ys, alive, layout)
+                pieces = self._gather(ins.op, waits[ins.op], n_recv, rec)
+                start = rec.clock() if rec is not None else 0.0
+                outbox = self._forward(ins.op.micro_batch, pieces, xs, ys, alive, layout)
                 if alive[ins.op.micro_batch].loss is not None:
                     loss_sum += alive[ins.op.micro_batch].loss.detach()
+                if rec is not None:
+                    rec.compute("F", ins.op.micro_batch, start, rec.clock())
             else:
+                pieces = self._gather(ins.op, waits[ins.op], n_send, rec)
+                start = rec.clock() if rec is not None else 0.0
                 if ins.op.micro_batch == self.plan.num_micro_batches - 1:  # the last backward of the step
                     self._reducer.arm()  # gradient AllReduce buckets start as their gradients become final
-                outbox = self._backward(ins.op.micro_batch, waits[ins.op], alive, layout)
+                outbox = self._backward(ins.op.micro_batch, pieces, alive, layout)
+                if rec is not None:
+                    rec.compute("B", ins.op.micro_batch, start, rec.clock())
+        start = rec.clock() if rec is not None else 0.0
         self._p2p.finish()
+        if rec is not None:
+            rec.idle(start, rec.clock(), "sends to complete")
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
         self._reducer.finish(self.timeout, where)
+        start = rec.clock() if rec is not None else 0.0
         try:  # the global mean loss lives on the last stage's replicas; every rank returns it
             dist.all_reduce(loss_sum, async_op=True).wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:
             raise PipelineError(f"{where}: loss AllReduce over all ranks failed or timed out (timeout "
                                 f"{self.timeout:g}s): {str(e).strip()[:300]}") from e
+        if rec is not None:
+            rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")
         for p, old in stash.items():
             if old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)
+        if rec is not None:
+            rec.end_step()
         return float(loss_sum)
 
-    def _forward(self, j: int, recvs: list[Transfer], xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...],
-                 alive: dict[int, _MicroBatch], layout: Layout) -> list[torch.Tensor | None]:
+    def _forward(self, j: int, pieces: list[list[torch.Tensor]], xs: tuple[torch.Tensor, ...],
+                 ys: tuple[torch.Tensor, ...], alive: dict[int, _MicroBatch], layout: Layout
+                 ) -> list[torch.Tensor | None]:
         g, b = self.graph, self.plan.micro_batch_size
         lo, hi = j * b + self._rows[0], j * b + self._rows[1]  # this replica's rows of the global batch
         env: dict[str, Any] = {}
@@ -172,7 +218,6 @@ class Pipeline:
             env[name] = xs[i][lo:hi].to(self.ctx.device, non_blocking=True) if i < len(xs) else self._defaults[name]
         leaves: list[torch.Tensor] = []
         if self.stage > 0:  # concat: the pieces of each value from the senders whose slices overlap ours
-            pieces = self._gather(recvs, len(g.recv))
             grads = set(layout.grads[self.stage - 1])
             for v, name in enumerate(g.recv):
                 x = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])  # (rows, ...)
@@ -193,14 +238,13 @@ class Pipeline:
         alive[j] = _MicroBatch(leaves, sent, None)
         return sent
 
-    def _backward(self, j: int, recvs: list[Transfer], alive: dict[int, _MicroBatch], layout: Layout
+    def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch], layout: Layout
                   ) -> list[torch.Tensor | None]:
         m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations
         if m.loss is not None:
             if m.loss.requires_grad:
                 m.loss.backward()
         else:
-            pieces = self._gather(recvs, len(self.graph.send))
             roots, grads = [], []
             for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
                 g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
@@ -227,11 +271,14 @@ class Pipeline:
                                 f"(meta device) gave {spec.shape}; the model's shapes must not depend on values")
         return x if x.dtype == spec.dtype else x.to(spec.dtype)  # e.g. under autocast (meta runs without it)
 
-    def _gather(self, recvs: list[Transfer], count: int) -> list[list[torch.Tensor]]:
+    def _gather(self, op: Op, recvs: list[Transfer], count: int, rec: Recorder | None) -> list[list[torch.Tensor]]:
         """Wait for an op's receives; per value, the pieces in row order (routes are sorted by rows)."""
         pieces: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        start = rec.clock() if rec is not None and recvs else 0.0
         for t in recvs:
             pieces[t.value].append(self._p2p.wait_recv(t))
+        if rec is not None and recvs:
+            rec.idle(start, rec.clock(), op)
         return pieces
 
     # ---- plans for the communication ------------------------------------------------------------
@@ -290,7 +337,7 @@ class Pipeline:
 def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,
              concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
-             dynamic_shapes: Any = None) -> Pipeline:
+             dynamic_shapes: Any = None, trace: bool = False) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss;
@@ -301,6 +348,9 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     peer and micro-batch. ``concrete_args``/``leaf_modules``/``tracer``/``example_inputs``/``dynamic_shapes``
     go to the tracer exactly as for :func:`dapple.profile` (use the same values, so the layers match the
     plan's): a model torch.fx cannot trace is traced with torch.export when ``example_inputs`` are given.
+    ``trace=True`` records a timeline of every step (the last 16 are kept; ``pipe.save_trace(path)`` on every
+    rank writes them as one Chrome trace); ``with pipe.trace() as t:`` records just the steps in a block.
     """
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
-                    backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
+                    backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
+                    trace=trace)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,8 @@ class GradReducer:
         self._armed = False
         self._left: list[int] = []
         self._launched: list[tuple | None] = []
+        self.rec: Any = None  # a tracing.Recorder while tracing, else None
+        self._launch_times: list[tuple[float, str]] = []
         for _, bucket in self.buckets:
             for p in bucket:
                 p.register_post_accumulate_grad_hook(self._ready)
@@ -105,6 +107,8 @@ class GradReducer:
         self._left = [len(b) for _, b in self.buckets]
         self._launched = [None] * len(self.buckets)
         self._armed = True
+        if self.rec is not None:
+            self._launch_times = [(0.0, "")] * len(self.buckets)
 
     def _ready(self, p: nn.Parameter) -> None:
         i = self._bucket_of.get(id(p))
@@ -125,6 +129,8 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in bucket]
         flat = torch._utils._flatten_dense_tensors(grads)  # (sum of numels,)
+        if self.rec is not None:
+            self._launch_times[k] = (self.rec.clock(), "last backward" if self._armed else "end of step")
         self._launched[k] = (grads, flat, dist.all_reduce(flat, group=g.group, async_op=True))
 
     def finish(self, timeout: float, where: str) -> None:
@@ -132,6 +138,8 @@ class GradReducer:
         if not self._armed:
             self.arm()
         self._armed = False
+        rec = self.rec
+        start = rec.clock() if rec is not None else 0.0
         for k in range(len(self.buckets)):
             if self._launched[k] is None:
                 self._launch(k)
@@ -142,8 +150,14 @@ class GradReducer:
             except Exception as e:
                 raise PipelineError(f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks}) failed or timed "
                                     f"out (timeout {timeout:g}s): {_first_line(e)}") from e
+            if rec is not None:
+                launched, during = self._launch_times[k]
+                rec.allreduce_bucket(k, launched, rec.clock(), g.label, g.ranks, flat.numel() * flat.element_size(),
+                                     during)
             for dst, src in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 dst.copy_(src)
+        if rec is not None and self.buckets:
+            rec.allreduce_wait(start, rec.clock(), len(self.buckets))
         self._launched = []
 
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from dapple.planner.gantt import draw_gantt
-from dapple.planner.timeline import Event, load_chrome_trace, save_chrome_trace, to_chrome_trace
+from dapple.planner.timeline import (Event, lane_of, load_chrome_trace, save_chrome_trace, summarize,
+                                     to_chrome_trace)
 
 
 def _events():
@@ -47,3 +48,29 @@ def test_to_chrome_trace_times_are_relative_microseconds():
     doc = to_chrome_trace(_events())
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert min(e["ts"] for e in xs) == 0 and max(e["ts"] + e["dur"] for e in xs) == pytest.approx(14000)
+
+
+def test_lanes_become_threads_and_overlaps_get_their_own():
+    evs = [Event(0, "backward", "B3", 0.0, 1.0, 3), Event(0, "recv", "recv←1", 0.2, 0.3, 3, {"peer": 1}),
+           Event(0, "allreduce", "AR bucket 0", 0.5, 2.0, None, {"lane": "allreduce"}),
+           Event(0, "allreduce", "AR bucket 1", 0.8, 1.5, None, {"lane": "allreduce"}),  # overlaps bucket 0
+           Event(0, "allreduce", "AR", 1.0, 2.0), Event(0, "other", "step 1", 0.0, 2.0, None, {"lane": "step"})]
+    assert [lane_of(e) for e in evs] == ["compute", "p2p", "allreduce", "allreduce", "compute", "step"]
+    doc = to_chrome_trace(evs, process_names={0: "rank 0 · stage 0"})
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    tid = {e["name"]: e["tid"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert tid["B3"] == tid["AR"] and threads[(0, tid["B3"])] == "compute"
+    assert threads[(0, tid["recv←1"])] == "p2p" and threads[(0, tid["step 1"])] == "step"
+    assert tid["AR bucket 0"] != tid["AR bucket 1"] and threads[(0, tid["AR bucket 1"])] == "allreduce (2)"
+    names = [e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"]
+    assert names == ["rank 0 · stage 0"]
+
+
+def test_summarize_counts_the_compute_lane_within_steps():
+    evs = _events() + [Event(0, "idle", "idle", 1.002, 1.009), Event(0, "other", "step 1", 1.0, 1.02, None,
+                                                                     {"lane": "step"})]
+    s = summarize(evs)
+    assert s[0]["span_ms"] == pytest.approx(20) and s[0]["forward_ms"] == pytest.approx(2)
+    assert s[0]["backward_ms"] == pytest.approx(4) and s[0]["idle_ms"] == pytest.approx(7)
+    assert s[0]["allreduce_ms"] == pytest.approx(1) and s[0]["busy"] == pytest.approx(0.3)
+    assert s[1]["span_ms"] == pytest.approx(6.5) and s[1]["forward_ms"] == pytest.approx(2)  # no step: first..last
