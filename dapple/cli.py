@@ -12,7 +12,13 @@ Adder = Callable[["argparse._SubParsersAction"], None]
 def _add_show(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("show", help="print a Profile, Cluster or Plan YAML document, or summarise a trace JSON")
     p.add_argument("path", help="a dapple YAML document, or a Chrome-trace .json written by a traced pipeline")
-    p.add_argument("--png", default=None, metavar="PNG", help="trace: draw its timeline (ranks x time) here")
+    p.add_argument("--png", default=None, metavar="PNG",
+                   help="draw the timeline (ranks x time) here: a trace's measured one, or a plan's simulated one")
+    p.add_argument("--profile", default=None, help="plan --png: the profile it was made for (YAML or PipeDream .txt)")
+    p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
+    p.add_argument("--cluster", default=None, help="plan --png: preset A, B or C, or a cluster YAML")
+    p.add_argument("--overlap", action="store_true", help="plan --png: AllReduce overlapped with the last backward")
+    p.add_argument("--json", default=None, metavar="JSON", help="plan: also write the simulated Chrome trace here")
     p.set_defaults(run=_run_show)
 
 
@@ -28,11 +34,42 @@ def _run_show(args: argparse.Namespace) -> int:
     kinds = {"dapple_plan": Plan, "dapple_profile": Profile, "dapple_cluster": Cluster}
     for key, cls in kinds.items():
         if isinstance(head, dict) and key in head:
+            doc = cls.load(args.path)
+            print(doc)
+            if key == "dapple_plan" and (args.png or args.json):
+                return _show_simulated(doc, args)
             if args.png:
-                raise SystemExit(f"dapple show: --png draws a trace (.json); {args.path} is a {key[7:]} document")
-            print(cls.load(args.path))
+                raise SystemExit(f"dapple show: --png draws a trace (.json) or a plan; {args.path} is a "
+                                 f"{key[7:]} document")
             return 0
     raise SystemExit(f"dapple show: {args.path} is not a dapple document (expected one of {sorted(kinds)})")
+
+
+def _show_simulated(plan, args: argparse.Namespace) -> int:
+    """Draw (and/or save as a Chrome trace) the simulated schedule of ``plan`` on its profile and cluster."""
+    from .planner import simulate
+    from .planner.gantt import draw_gantt
+    from .planner.timeline import from_simulation, save_chrome_trace
+
+    if not args.profile or not args.cluster:
+        raise SystemExit(f"dapple show: drawing the simulated schedule of {args.path} needs the --profile it was "
+                         f"made for and the --cluster it runs on")
+    prof = _load_profile(args.profile, args.profile_batch)
+    sim = simulate(plan, prof, _load_cluster(args.cluster), overlap=args.overlap)
+    print(sim)
+    events = from_simulation(sim)
+    labels = {d: f"device {d} · stage {s}" for d, s in sim.stage_of_device.items()}
+    if args.json:
+        save_chrome_trace(events, args.json, metadata={"simulated": True, "plan": plan.to_dict()},
+                          process_names=labels)
+        print(f"wrote {args.json}")
+    if args.png:
+        title = (f"{plan.schedule} schedule, simulated: {plan.num_stages} stage{'s' if plan.num_stages != 1 else ''}"
+                 f", M={plan.num_micro_batches} micro-batches of {plan.micro_batch_size} rows, "
+                 f"{sim.latency_ms:.1f} ms")
+        draw_gantt(events, args.png, title=title, rank_labels=labels)
+        print(f"wrote {args.png}")
+    return 0
 
 
 def _show_trace(path: str, png: str | None) -> int:
