@@ -286,7 +286,32 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Adder] = [_add_show, _add_profile, _add_plan, _add_simulate]
+def _add_demo(sub: "argparse._SubParsersAction") -> None:
+    from .demo import DemoConfig
+
+    d = DemoConfig()
+    p = sub.add_parser("demo", help="profile the built-in GPT, plan it for local processes, train it pipelined")
+    p.add_argument("--nproc", type=int, default=d.nproc, help=f"local processes (default {d.nproc})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument("--global-batch", type=int, default=d.global_batch, help=f"default {d.global_batch}")
+    p.add_argument("--n-layer", type=int, default=d.n_layer, help=f"GPT blocks (default {d.n_layer})")
+    p.add_argument("--n-embd", type=int, default=d.n_embd, help=f"GPT width (default {d.n_embd})")
+    p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
+                   help="device memory per process as a share of what the whole model needs "
+                        f"(default {d.memory_fraction}: the model does not fit one process and must be split)")
+    p.add_argument("--trace", default=None, metavar="JSON", help="write a Chrome trace of the last step here")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run
+
+    run(DemoConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch, n_layer=args.n_layer,
+                   n_embd=args.n_embd, memory_fraction=args.memory_fraction, trace=args.trace))
+    return 0
+
+
+COMMANDS: list[Adder] = [_add_show, _add_profile, _add_plan, _add_simulate, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
