@@ -311,7 +311,51 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Adder] = [_add_show, _add_profile, _add_plan, _add_simulate, _add_demo]
+def _add_probe(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("probe", help="measure link and AllReduce bandwidth/latency into a Cluster YAML "
+                                     "(under torchrun: the real cluster; else --nproc local processes)")
+    p.add_argument("-o", "--output", default="cluster.yaml", help="Cluster YAML to write (default cluster.yaml)")
+    p.add_argument("--nproc", type=int, default=2, help="local processes when not under torchrun (default 2)")
+    p.add_argument("--repeats", type=int, default=7, help="timed transfers per size (median; default 7)")
+    p.add_argument("--device-memory", type=float, default=None,
+                   help="bytes per device (default: the GPU's memory, or RAM / processes per server)")
+    p.set_defaults(run=_run_probe)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    import os
+
+    from . import Cluster
+    from .profiler.bandwidth import DEFAULT_SIZES, measure, probe_local
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: every rank measures
+        import torch
+        import torch.distributed as dist
+
+        from .runtime.distributed import init_distributed
+
+        ctx = init_distributed(timeout=300.0)
+        fits = measure(DEFAULT_SIZES, args.repeats)
+        memory = args.device_memory
+        if memory is None:
+            memory = (torch.cuda.get_device_properties(ctx.device).total_memory if ctx.device.type == "cuda" else
+                      os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / fits["devices_per_server"])
+        if ctx.rank == 0:
+            cluster = Cluster.from_probe(fits, device_memory=float(memory))
+            cluster.save(args.output)
+            print(f"{cluster}\nwrote {args.output}")
+        dist.destroy_process_group()
+        return 0
+    fits = probe_local(args.nproc, DEFAULT_SIZES, args.repeats)
+    memory = args.device_memory or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / args.nproc
+    cluster = Cluster.from_probe(fits, device_memory=float(memory))
+    cluster.name = "local"
+    cluster.save(args.output)
+    print(f"{cluster}\nwrote {args.output}")
+    return 0
+
+
+COMMANDS: list[Adder] = [_add_show, _add_profile, _add_plan, _add_simulate, _add_probe, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
