@@ -47,28 +47,22 @@ def _run_show(args: argparse.Namespace) -> int:
 
 def _show_simulated(plan, args: argparse.Namespace) -> int:
     """Draw (and/or save as a Chrome trace) the simulated schedule of ``plan`` on its profile and cluster."""
-    from .planner import simulate
-    from .planner.gantt import draw_gantt
+    from .planner import draw_plan, simulate
+    from .planner.gantt import device_labels
     from .planner.timeline import from_simulation, save_chrome_trace
 
     if not args.profile or not args.cluster:
         raise SystemExit(f"dapple show: drawing the simulated schedule of {args.path} needs the --profile it was "
                          f"made for and the --cluster it runs on")
-    prof = _load_profile(args.profile, args.profile_batch)
-    sim = simulate(plan, prof, _load_cluster(args.cluster), overlap=args.overlap)
-    print(sim)
-    events = from_simulation(sim)
-    labels = {d: f"device {d} · stage {s}" for d, s in sim.stage_of_device.items()}
-    if args.json:
-        save_chrome_trace(events, args.json, metadata={"simulated": True, "plan": plan.to_dict()},
-                          process_names=labels)
-        print(f"wrote {args.json}")
+    prof, cluster = _load_profile(args.profile, args.profile_batch), _load_cluster(args.cluster)
     if args.png:
-        title = (f"{plan.schedule} schedule, simulated: {plan.num_stages} stage{'s' if plan.num_stages != 1 else ''}"
-                 f", M={plan.num_micro_batches} micro-batches of {plan.micro_batch_size} rows, "
-                 f"{sim.latency_ms:.1f} ms")
-        draw_gantt(events, args.png, title=title, rank_labels=labels)
-        print(f"wrote {args.png}")
+        sim = draw_plan(plan, prof, cluster, args.png, overlap=args.overlap)
+        print(f"{sim}\nwrote {args.png}")
+    if args.json:
+        sim = simulate(plan, prof, cluster, overlap=args.overlap)
+        save_chrome_trace(from_simulation(sim), args.json, metadata={"simulated": True, "plan": plan.to_dict()},
+                          process_names=device_labels(sim))
+        print(f"wrote {args.json}")
     return 0
 
 
