@@ -291,8 +291,8 @@ def _add_demo(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--n-layer", type=int, default=d.n_layer, help=f"GPT blocks (default {d.n_layer})")
     p.add_argument("--n-embd", type=int, default=d.n_embd, help=f"GPT width (default {d.n_embd})")
     p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
-                   help="device memory per process as a share of what the whole model needs "
-                        f"(default {d.memory_fraction}: the model does not fit one process and must be split)")
+                   help="device memory per process: this share of the parameters with Adam state, plus room for "
+                        f"activations (default {d.memory_fraction}: the model does not fit one process)")
     p.add_argument("--trace", default=None, metavar="JSON", help="write a Chrome trace of the last step here")
     p.set_defaults(run=_run_demo)
 

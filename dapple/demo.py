@@ -21,7 +21,7 @@ class DemoConfig:
     n_embd: int = 64
     n_head: int = 4
     lr: float = 3e-3
-    memory_fraction: float = 0.6  # device memory per rank, as a share of what the whole model needs with Adam
+    memory_fraction: float = 0.6  # device memory per rank: this share of the parameters' Adam state (x4) + activations
     trace: str | None = None  # write a Chrome trace of the last step here
     seed: int = 0
 
@@ -64,16 +64,18 @@ def run(cfg: DemoConfig) -> dict:
           flush=True)
     prof = dapple.profile(model, x, lm_loss, batch_sizes=(2, 8), targets=y, repeats=3, warmup=1, progress=False,
                           name="demo-gpt")
-    whole = 4 * prof.param_bytes() + sum(prof.costs(cfg.global_batch).saved_bytes)
+    static = 4 * prof.param_bytes()  # fp32 weights, gradients and Adam's two moments
+    activations = sum(prof.costs(cfg.global_batch / cfg.nproc).saved_bytes)  # a process's share of a batch
     print(f"      {prof.num_layers} layers, {prof.param_bytes() / 1e6:.2f} MB of parameters, "
           f"profiled in {prof.meta['profiling_seconds']:.1f} s")
     print(f"[2/4] measuring the links between {cfg.nproc} local processes ...", flush=True)
-    memory = cfg.memory_fraction * whole
+    memory = cfg.memory_fraction * static + activations
     cluster = dapple.Cluster.local(cfg.nproc, device_memory=memory) if cfg.nproc > 1 else \
         dapple.Cluster.local(1, device_memory=memory, measure=False)
     print(f"      {cluster}")
-    print(f"      device memory capped at {memory / 1e6:.2f} MB per process: training the whole model on one "
-          f"device needs {whole / 1e6:.2f} MB (parameters x 4 for Adam + activations), so it must be split")
+    print(f"      device memory capped at {memory / 1e6:.2f} MB per process: the parameters with their Adam state "
+          f"need {static / 1e6:.2f} MB, more than a process holds beside the activations, so the model must be "
+          f"split")
     print("[3/4] planning ...", flush=True)
     plan = dapple.plan(prof, cluster, cfg.global_batch, overlap=True)
     print(plan)
