@@ -10,7 +10,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dapple  # noqa: E402
 from dapple import Cluster, Plan, Profile  # noqa: E402
 from dapple.planner import Stage, evaluate, simulate  # noqa: E402
 from dapple.profiler import LayerProfile  # noqa: E402

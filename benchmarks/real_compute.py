@@ -16,13 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import dapple
+from _timing import timed_steps  # benchmarks/_timing.py
 from dapple.models import GPT, lm_loss, random_tokens
 from dapple.planner import Stage
 from dapple.profiler import trace_layers
@@ -59,21 +59,6 @@ def _gpt(args: argparse.Namespace) -> GPT:
     torch.manual_seed(0)
     return GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd,
                tie_weights=False)  # PiPPy cannot share a parameter between stages
-
-
-def _timed(step, steps: int) -> list[tuple[float, float]]:
-    """Per step: (wall ms until the slowest rank is done, CPU ms of all ranks together)."""
-    out = []
-    for _ in range(steps):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        dist.all_reduce(cpu)
-        out.append((1e3 * float(wall), 1e3 * float(cpu)))
-    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -116,11 +101,11 @@ def run(args: argparse.Namespace) -> dict:
         steps[name] = pippy_step
 
     for step in steps.values():  # warm up every engine (first-step shape inference, allocator)
-        _timed(step, args.warmup)
+        timed_steps(step, args.warmup)
     results: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in steps}  # per round, per step
     for _ in range(args.rounds):
         for name, step in steps.items():
-            results[name].append(_timed(step, args.steps))
+            results[name].append(timed_steps(step, args.steps))
     return results
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,24 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import dapple
+from _timing import timed_steps  # benchmarks/_timing.py
 from dapple.models import EmulatedNet
 from dapple.planner import Stage
 from dapple.profiler import trace_layers
 
 S = 4
-
-
-def _timed(step, steps: int) -> list[float]:
-    """Step durations in ms: all ranks start together; a step lasts until the slowest rank is done."""
-    out = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append(1e3 * float(t))
-    return out
 
 
 def _model(ms: float, width: int) -> EmulatedNet:
@@ -80,11 +67,11 @@ def run(args: argparse.Namespace) -> dict:
                 sched.step()
         steps[name] = step
     for step in steps.values():
-        _timed(step, args.warmup)
+        timed_steps(step, args.warmup)
     results: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, step in steps.items():
-            results[name] += _timed(step, args.steps)
+            results[name] += [w for w, _ in timed_steps(step, args.steps)]
     return results
 
 

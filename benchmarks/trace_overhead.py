@@ -26,11 +26,11 @@ import time
 import timeit
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import dapple
+from _timing import timed_steps  # benchmarks/_timing.py
 from dapple.profiler import trace_layers
 
 
@@ -46,22 +46,6 @@ class Blocks(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(x)
-
-
-def _timed(step, steps: int) -> list[tuple[float, float]]:
-    """Per step: (wall ms of the slowest rank, main-thread CPU ms averaged over ranks). CPU time is what a
-    recorder adds and is far less disturbed than wall time by other processes sharing the cores."""
-    out = []
-    for _ in range(steps):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        step()
-        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        cpu = torch.tensor([time.thread_time() - c0], dtype=torch.float64)
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        dist.all_reduce(cpu)
-        out.append((1e3 * float(wall), 1e3 * float(cpu) / dist.get_world_size()))
-    return out
 
 
 def _baseline(path: str):
@@ -92,12 +76,12 @@ def run(args: argparse.Namespace) -> dict:
         pipe = lib.pipeline(model, plan, F.cross_entropy, timeout=120, **kw)
         steps[name] = lambda pipe=pipe: pipe.train_step(x, y)
     for step in steps.values():
-        _timed(step, args.warmup)
+        timed_steps(step, args.warmup, time.thread_time, "mean")
     res: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     names = list(steps)
     for i in range(args.rounds * args.steps):  # step by step, each mode first in turn (no position bias)
         for name in names[i % len(names):] + names[:i % len(names)]:
-            res[name] += _timed(steps[name], 1)
+            res[name] += timed_steps(steps[name], 1, time.thread_time, "mean")
     return res
 
 
