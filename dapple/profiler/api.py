@@ -11,7 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
-from .export import retarget_devices
+from .exported import retarget_devices
 from .layers import LayerGraph, trace_layers
 from .measure import LayerMeasurement, LayerTimer, time_rounds
 from .profile import LayerProfile, Profile

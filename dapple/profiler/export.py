@@ -37,11 +37,9 @@ What the runtime must know to split and run an exported graph (split_module at t
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -49,10 +47,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .batch import as_tensors, resize
+from .exported import (_canonical_names, _caller_level, _is_dynamic, _module_paths, _rename_bodies,
+                       _views_as_reshapes)
 from .trace import LeafSpec, TraceError, _user_frame, symbolic_trace
-
-if TYPE_CHECKING:
-    from .layers import LayerGraph
 
 METHODS = ("auto", "fx", "export")
 
@@ -200,19 +197,6 @@ def _check_batch_dynamic(gm: fx.GraphModule, model: nn.Module, default: bool) ->
     return names
 
 
-def _caller_level() -> int:
-    """``stacklevel`` for a warning from the calling function that points at the first frame outside dapple."""
-    here, level, frame = os.path.dirname(os.path.dirname(__file__)), 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(here):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-def _is_dynamic(size: Any) -> bool:
-    """A symbolic size export kept symbolic (a SymInt whose expression is a plain number was specialised)."""
-    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
-
-
 def _warn_batch_guards(guards: list[str], names: list[str]) -> None:
     """Warn about guards on the batch size beyond a range (``x.size()[0] % 2 == 0``): some slices will fail."""
     batch = [g for g in guards if any(f"['{name}'].size()[0]" in g for name in names)
@@ -244,171 +228,3 @@ def _plain(x: Any) -> bool:
     if type(x) is dict:
         return all(_plain(v) for v in x.values())
     return isinstance(x, (fx.Node, type(None), bool, int, float, str))
-
-
-_GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")  # dynamo: getattr(L['self'].blocks, '0')
-_ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^'\"\]]+)['\"]?\]")  # ._modules['0'], ['x'], [0]
-_ROOT = re.compile(r"^(L\[['\"]self['\"]\]|L__self__|self)(?=$|[.\[])")
-
-
-def module_path(path: str) -> str:
-    """A module path as export/dynamo spell it (``L['self'].blocks[0]``, ``blocks.0``) -> ``blocks.0``."""
-    p = path.strip()
-    while (q := _GETATTR.sub(r"\1.\2", p)) != p:
-        p = q
-    p = _ROOT.sub("", p)
-    p = _ITEM.sub(r".\1", p)
-    return p.strip(".")
-
-
-def _module_paths(gm: fx.GraphModule) -> None:
-    """nn_module_stack values as (dotted path, type); export's placeholder entries for stackless nodes dropped."""
-    for n in gm.graph.nodes:
-        stack = n.meta.get("nn_module_stack")
-        if not stack:
-            continue
-        clean = {}
-        for key, value in stack.items():
-            if key.startswith("_empty_nn_module_stack"):
-                continue
-            path, kind = value if isinstance(value, tuple) else (key, "")
-            clean[key] = (module_path(path), kind)
-        n.meta["nn_module_stack"] = clean
-
-
-def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
-    """get_attr targets renamed to the model's first name for each tensor (tied weights); unused ones removed."""
-    first: dict[int, str] = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        first.setdefault(id(t), name)
-    tensors = dict(gm.named_parameters(remove_duplicate=False))
-    tensors.update(gm.named_buffers(remove_duplicate=False))
-    for n in list(gm.graph.nodes):
-        if n.op != "get_attr":
-            continue
-        if not n.users:
-            gm.graph.erase_node(n)
-            continue
-        t = tensors.get(n.target)  # None: a submodule (higher-order op body) or a constant
-        name = first.get(id(t)) if t is not None else None
-        if name is not None and name != n.target and _has_tensor(gm, name, t):
-            n.target = name
-
-
-def _has_tensor(gm: fx.GraphModule, name: str, t: torch.Tensor) -> bool:
-    """Whether ``gm`` holds ``t`` under ``name`` (export keeps every alias of a tied parameter)."""
-    module_name, _, attr = name.rpartition(".")
-    try:
-        return getattr(gm.get_submodule(module_name), attr, None) is t
-    except AttributeError:
-        return False
-
-
-def _rename_bodies(gm: fx.GraphModule) -> None:
-    """Higher-order op bodies export calls ``submod_<i>``, split_module's own names: moved to ``_export_body_<i>``."""
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and re.fullmatch(r"submod_\d+", n.target) and \
-                isinstance(getattr(gm, n.target, None), nn.Module):
-            new = "_export_body_" + n.target.removeprefix("submod_")
-            gm.add_submodule(new, getattr(gm, n.target))
-            delattr(gm, n.target)
-            n.target = new
-
-
-def _views_as_reshapes(gm: fx.GraphModule) -> int:
-    """``aten.view`` -> ``aten.reshape``: the same view wherever the view works, a copy where it would fail.
-
-    Export drops ``.contiguous()`` where it was a no-op on the tracing device (CPU attention returns a layout in
-    which ``y.transpose(1, 2)`` is already contiguous), so ``y.transpose(1, 2).contiguous().view(B, T, C)``
-    becomes a bare view that fails for another kernel's layout (meta device, CUDA). Returns how many changed.
-    """
-    views = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.view.default]
-    for n in views:
-        n.target = torch.ops.aten.reshape.default
-    return len(views)
-
-
-def retarget_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
-    """Point factory ops traced on one device (``arange(..., device='cpu')``) at ``device``; returns how many.
-
-    Export bakes the tracing device into ops that create tensors; fx graphs (no recorded device) are left alone.
-    """
-    traced = gm.meta.get("dapple_trace", {}).get("device")
-    device = torch.device(device)
-    changed = 0
-    for n in gm.graph.nodes:
-        if traced is not None and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] == traced:
-            n.update_kwarg("device", device)
-            changed += 1
-    if changed:
-        gm.meta["dapple_trace"]["device"] = device
-        gm.recompile()
-    return changed
-
-
-def _is_size_of_input(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target is torch.ops.aten.sym_size.int
-            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
-
-
-def localise_sizes(lg: "LayerGraph") -> int:
-    """Read each input size a layer uses off a tensor the layer already has; returns how many were moved.
-
-    ``sym_size(idx, 0)`` copied into ``blocks.3`` becomes ``sym_size(x, 0)`` with ``x`` the block's input
-    (same symbol, so the same value for every input export accepts): the stage then needs no model input.
-    """
-    graph = lg.gm.graph
-    order: dict[fx.Node, float] = {n: i for i, n in enumerate(graph.nodes)}
-    members: dict[int, list[fx.Node]] = {}
-    for n in graph.nodes:
-        if n in lg.layer_of:
-            members.setdefault(lg.layer_of[n], []).append(n)
-    moved = 0
-    for s in [n for n in graph.nodes if _is_size_of_input(n)]:
-        k = lg.layer_of.get(s)
-        if k is None or not s.users or any(u.op == "output" or lg.layer_of.get(u) != k for u in s.users):
-            continue
-        if any(lg.layer_of.get(u) == k and not _is_size_of_input(u) for u in s.args[0].users):
-            continue  # the layer reads the input anyway
-        user = min(s.users, key=order.__getitem__)
-        anchor = _anchor(members[k], lg.layer_of, k, s.meta.get("val"), order, order[user])
-        if anchor is None:
-            continue
-        with graph.inserting_before(user):
-            new = graph.call_function(torch.ops.aten.sym_size.int, anchor)
-        new.meta = {**s.meta, "val": anchor[0].meta["val"].shape[anchor[1]]}
-        order[new], lg.layer_of[new] = order[user] - 0.5, k
-        s.replace_all_uses_with(new)
-        graph.erase_node(s)
-        del lg.layer_of[s]
-        moved += 1
-    if moved:
-        lg.gm.recompile()
-    return moved
-
-
-def _anchor(own: list[fx.Node], layer_of: dict[fx.Node, int], k: int, size: Any, order: dict[fx.Node, float],
-            before: float) -> tuple[fx.Node, int] | None:
-    """(tensor, dim): a tensor that layer ``k`` reads from earlier layers or makes, before position ``before``,
-    whose dim ``dim`` is the symbolic ``size``; None if there is none."""
-    if not _is_dynamic(size):
-        return None
-    inputs = [a for n in own for a in n.all_input_nodes if layer_of.get(a, k) < k and order[a] < before]
-    for t in inputs + [n for n in own if order[n] < before]:
-        val = t.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            for d, s in enumerate(val.shape):
-                if _is_dynamic(s) and s.node.expr == size.node.expr:
-                    return t, d
-    return None
-
-
-def check_cuts(lg: "LayerGraph") -> None:
-    """Warn about non-tensor values (symbolic ints) crossing a cut: a stage would have to send a Python int."""
-    bad = sorted({n.name for k in range(lg.num_layers - 1) for n in lg.crossing(k)
-                  if "val" in n.meta and not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(n.meta["val"]))
-                  })
-    if bad:
-        warnings.warn(f"non-tensor values cross layer cuts in the exported graph: {bad}; a pipeline split there "
-                      "has to send them (compute sizes from tensors inside the layer that uses them)",
-                      stacklevel=_caller_level())

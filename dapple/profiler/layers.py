@@ -8,7 +8,8 @@ from typing import Any, Iterable
 import torch.fx as fx
 from torch import nn
 
-from .export import check_cuts, localise_sizes, trace_graph
+from .export import trace_graph
+from .exported import check_cuts, localise_sizes
 from .trace import LeafSpec
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

@@ -15,7 +15,7 @@ from torch import nn
 from ..planner.plan import Plan
 from ..planner.schedule import Op
 from ..planner.slices import routes, slice_bounds
-from ..profiler.export import retarget_devices
+from ..profiler.exported import retarget_devices
 from ..profiler.layers import trace_layers
 from ..profiler.trace import LeafSpec
 from .comm import P2P, PipelineError

@@ -12,7 +12,7 @@ from torch.fx.passes.split_module import split_module
 
 import dapple
 from dapple.profiler import TraceError, trace_layers
-from dapple.profiler.export import module_path, retarget_devices
+from dapple.profiler.exported import module_path, retarget_devices
 from dapple.profiler.record import layer_module
 
 from tests.nanogpt import BLOCK, EMBD, VOCAB, NanoGPT  # noqa: F401
