@@ -9,18 +9,30 @@ import torch.fx
 from torch import nn
 
 
+SPIN = 2e-4  # seconds of busy-wait at the end of a hold: a bare sleep wakes up 0.1-0.2 ms late, a kernel does not
+
+
+def hold(seconds: float) -> None:
+    """Hold the calling thread for ``seconds``: sleep (CPU free) until ``SPIN`` before the end, then busy-wait."""
+    end = time.perf_counter() + seconds
+    if seconds > SPIN:
+        time.sleep(seconds - SPIN)
+    while time.perf_counter() < end:
+        pass
+
+
 class _Sleep(torch.autograd.Function):
     """Identity whose forward sleeps ``rows * ms_per_row`` and backward twice that, like a GPU kernel."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, ms_per_row: float) -> torch.Tensor:  # type: ignore[override]
         ctx.ms_per_row = ms_per_row
-        time.sleep(x.shape[0] * ms_per_row / 1e3)
+        hold(x.shape[0] * ms_per_row / 1e3)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        time.sleep(2 * grad.shape[0] * ctx.ms_per_row / 1e3)
+        hold(2 * grad.shape[0] * ctx.ms_per_row / 1e3)
         return grad.clone(), None
 
 

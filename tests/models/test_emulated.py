@@ -1,0 +1,31 @@
+"""Emulated-accelerator layers hold for their set time (forward rows x ms, backward twice that)."""
+
+import time
+
+import torch
+
+from dapple.models import EmulatedLayer
+from dapple.models.emulated import hold
+
+
+def _elapsed_ms(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
+
+
+def test_hold_is_never_short_and_rarely_late():
+    took = sorted(_elapsed_ms(lambda: hold(0.003)) for _ in range(9))
+    assert took[0] >= 3.0  # never returns early: the busy-wait ends on the deadline
+    assert took[4] < 3.0 + 5.0  # median: generous for a loaded CI machine
+
+
+def test_layer_forward_and_backward_times_scale_with_rows():
+    torch.manual_seed(0)
+    layer = EmulatedLayer(4, ms_per_row=0.5)
+    x = torch.randn(6, 4)  # 6 rows: forward 3 ms, backward 6 ms
+    out = {}
+    fwd = _elapsed_ms(lambda: out.setdefault("y", layer(x)))
+    bwd = _elapsed_ms(lambda: out["y"].sum().backward())
+    assert fwd >= 3.0 and bwd >= 6.0
+    assert layer.linear.weight.grad is not None  # the Linear before the hold still gets its gradient
