@@ -17,10 +17,16 @@ DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
 
 def fit_line(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of seconds = latency + nbytes / bandwidth; returns (latency s, bandwidth B/s)."""
+    """Least-squares fit of seconds = latency + nbytes / bandwidth; returns (latency s, bandwidth B/s).
+
+    Residuals are relative (weights 1 / seconds), so each size counts alike: the small sizes set the latency and
+    the large ones the bandwidth. (Unweighted, the intercept is whatever the noise of the largest transfers
+    leaves: 0.09 to 0.7 ms between runs of the same probe on a loaded machine, for a 0.2 ms small message.)
+    """
     if len(nbytes) < 2 or len(set(nbytes)) < 2:
         raise ValueError(f"need at least two distinct sizes to fit latency and bandwidth, got {list(nbytes)}")
-    slope, intercept = np.polyfit(np.asarray(nbytes, float), np.asarray(seconds, float), 1)
+    y = np.asarray(seconds, float)
+    slope, intercept = np.polyfit(np.asarray(nbytes, float), y, 1, w=1.0 / np.maximum(np.abs(y), 1e-12))
     if slope <= 0:
         raise ValueError(f"transfer time does not grow with size (times {list(seconds)} s for sizes "
                          f"{list(nbytes)} B): too noisy to fit; probe larger sizes or more repeats")
@@ -87,7 +93,8 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
 
     Servers are told apart by host name; ranks must be laid out server by server (torchrun's order). Returns
     the fits on every rank: ``{"servers", "devices_per_server", "intra": (lat, bw), "inter": (lat, bw) or None,
-    "allreduce": (lat, bw) per ring step, "hosts"}``.
+    "allreduce": (lat, bw) per ring step, "allreduce_by_size": {r: (lat, bw)} inside server 0 for r = 2, 4, 8 ...
+    below its device count and for all of it, "hosts"}``.
     """
     world = dist.get_world_size()
     if world < 2:
@@ -112,6 +119,16 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
         server0 = dist.new_group(list(range(per)))  # every rank creates it, only server 0 uses it
         if dist.get_rank() < per:
             result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, group=server0), per)
+    if per > 1:  # smaller groups inside server 0: the cost per byte may depend on the group size
+        by_size = {per: result.get("allreduce_intra") if len(names) > 1 else result["allreduce"]}  # rank 0's
+        r = 2
+        while r < per:
+            group = dist.new_group(list(range(r)))  # every rank creates it, ranks 0..r-1 use it
+            if dist.get_rank() < r:
+                by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group=group), r)
+            dist.barrier()
+            r *= 2
+        result["allreduce_by_size"] = dict(sorted(by_size.items()))
     fits = [result]
     dist.broadcast_object_list(fits, src=0)  # rank 0 timed the ping-pongs: everyone gets its numbers
     return fits[0]
