@@ -1,16 +1,26 @@
 """Planner estimate vs measured step time on 4 local ranks (gloo), per plan shape, emulated accelerator.
 
 A model of emulated-accelerator layers (each holds its rank ``ms_per_row`` per row forward and twice that
-backward, releasing the CPU like a GPU kernel; some also hold an MLP of MBs of parameters, so the gradient
-AllReduce matters) is profiled with ``dapple.profile`` on this machine and planned for ``Cluster.local(4)``
-(P2P and AllReduce latency/bandwidth measured with gloo): the planner's own choice (``dapple.plan``) and forced
-shapes (pure DP on 4, straight 4 stages, hybrids 2->1->1 and 2:2) at two micro-batch counts. Each plan then
-runs on 4 ranks; the median ``train_step`` time (all ranks start after a barrier, a step lasts until the
-slowest rank returns; no optimizer step) is compared with the planner's estimate (refined and paper models,
-``dapple.evaluate``) and the event simulator's prediction (``dapple.simulate``).
+backward, releasing the CPU like a GPU kernel; five also hold an MLP of 0.6 to 4.3 MB of parameters, so the
+gradient AllReduce matters) is profiled with ``dapple.profile`` on this machine and planned for
+``Cluster.local(4)`` (P2P and AllReduce latency/bandwidth measured with gloo): the planner's own choice
+(``dapple.plan``) and forced shapes (pure DP on 4, straight 4 stages, hybrids 2->1->1 and 2:2, cut where the
+profile balances them) at two micro-batch counts. Each plan runs on 4 ranks; the median ``train_step`` time
+(all ranks start after a barrier, a step lasts until the slowest rank returns; gradients dropped between steps,
+no optimizer step) is compared with the planner's estimate (``dapple.evaluate``, refined and paper models) and
+the event simulator's prediction (``dapple.simulate``). Plans run in interleaved rounds, each first in turn.
 
-    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py                 # a few minutes, prints a table
-    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --traces out/   # also one traced step per plan
+Then, from traced steps of every plan (``pipe.trace()``), where the time went against the model: per-op
+forward/backward vs the profile, the gradient AllReduce (from the last replica's launch to completion) and the
+replicas' skew before it vs the cost model, P2P delivery (isend posted to the waiting receiver done) vs the
+cluster fit, and the runtime's time between ops (posting receives and sends). ``--pictures DIR`` draws a
+measured step above the simulated one for the chosen plans (same colours; ``dapple show trace.json --png``
+draws the measured one alone).
+
+    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --json run1.json      # ~3.5 minutes
+    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --aggregate run1.json run2.json run3.json
+    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --pictures docs/ --traces traces/
+    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --contention   # the layers' real compute, 1 vs 4 ranks
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +50,7 @@ WIDTH = 128  # boundary width: activations are WIDTH * 4 bytes per row
 MS_PER_ROW = [1.5, 4.0, 2.0, 3.0, 1.5, 4.0, 2.5, 2.0]  # forward ms per row of each layer (backward 2x)
 HIDDEN = [0, 4096, 512, 2048, 0, 4096, 1024, 2048]  # MLP width of each layer (0: none); 4096: 4.2 MB
 CLASSES = 4
+PROFILE_BATCHES = (1, 2, 4, 8)
 
 
 class Block(nn.Module):
@@ -57,7 +69,7 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Blocks then a linear head: x (B, WIDTH) -> (B, CLASSES)."""
+    """Blocks then a linear head: x (B, WIDTH) -> (B, CLASSES). Layers: layers.0 .. layers.7, head."""
 
     def __init__(self):
         super().__init__()
@@ -81,35 +93,24 @@ def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- plans ---------------------------------------------------------------------------------------------
-def shapes(n: int) -> dict[str, list[tuple]]:
-    """Forced plan shapes over ``n`` layers on 4 devices, cut where the profile's compute balances."""
-    return {"DP x4": [(0, n, [0, 1, 2, 3])],
-            "straight 4": [(0, 3, [0]), (3, 5, [1]), (5, 7, [2]), (7, n, [3])],
-            "hybrid 2->1->1": [(0, 4, [0, 1]), (4, 7, [2]), (7, n, [3])],
-            "hybrid 2:2": [(0, 5, [0, 1]), (5, n, [2, 3])]}
+def _cuts(weights: list[float], shares: list[float]) -> list[int]:
+    """Cut points splitting ``weights`` into len(shares) non-empty ranges with sums close to ``shares``."""
+    total, out, acc, k, target = sum(weights), [], 0.0, 0, 0.0
+    for share in shares[:-1]:
+        target += share * total
+        while k < len(weights) and acc + weights[k] / 2 < target:
+            acc += weights[k]
+            k += 1
+        out.append(max(k, out[-1] + 1 if out else 1))
+    return out
 
 
-def balanced_shapes(prof: dapple.Profile, rows: int) -> dict[str, list[tuple]]:
-    """The forced shapes with cuts that balance forward+backward per device at ``rows`` rows per micro-batch."""
-    n = prof.num_layers
-    c = prof.costs(rows)
+def forced_shapes(prof: dapple.Profile, rows: int) -> dict[str, list[tuple]]:
+    """Pure DP, straight and hybrid stages on 4 devices, cut where forward+backward per device balances at
+    ``rows`` rows per replica."""
+    n, c = prof.num_layers, prof.costs(rows)
     w = [f + b for f, b in zip(c.forward_ms, c.backward_ms)]
-
-    def cuts(weights: list[float], parts: list[float]) -> list[int]:
-        """Cut points splitting ``weights`` into len(parts) ranges with shares close to ``parts``."""
-        total, out, acc, k = sum(weights), [], 0.0, 0
-        target = 0.0
-        for share in parts[:-1]:
-            target += share * total
-            while k < len(weights) and acc + weights[k] / 2 < target:
-                acc += weights[k]
-                k += 1
-            out.append(max(k, (out[-1] + 1) if out else 1))
-        return out
-
-    s4 = cuts(w, [0.25] * 4)
-    h211 = cuts(w, [0.5, 0.25, 0.25])
-    h22 = cuts(w, [0.5, 0.5])
+    s4, h211, h22 = _cuts(w, [0.25] * 4), _cuts(w, [0.5, 0.25, 0.25]), _cuts(w, [0.5, 0.5])
     return {"DP x4": [(0, n, [0, 1, 2, 3])],
             "straight 4": [(0, s4[0], [0]), (s4[0], s4[1], [1]), (s4[1], s4[2], [2]), (s4[2], n, [3])],
             "hybrid 2->1->1": [(0, h211[0], [0, 1]), (h211[0], h211[1], [2]), (h211[1], n, [3])],
@@ -118,18 +119,25 @@ def balanced_shapes(prof: dapple.Profile, rows: int) -> dict[str, list[tuple]]:
 
 def make_plans(prof: dapple.Profile, cluster: dapple.Cluster, g: int, micros: list[int], overlap: bool
                ) -> list[tuple[str, dapple.Plan]]:
+    """Per micro-batch size: dapple.plan's choice, then the forced shapes (warmup K_i as the planner sets it)."""
     out = []
     for b in micros:
         chosen = dapple.plan(prof, cluster, g, micro_batch_size=b, overlap=overlap)
-        out.append((f"planner's (M={g // b})", chosen))
-        for name, st in balanced_shapes(prof, b // 2).items():
+        out.append((f"planner (M={g // b})", chosen))
+        for name, st in forced_shapes(prof, max(1, b // 2)).items():
             est = dapple.evaluate(prof, cluster, st, g, b, model="refined", overlap=overlap)
             stages = [Stage((a, c), ds, k["warmup"]) for (a, c, ds), k in zip(st, est.details["stages"])]
             out.append((f"{name} (M={g // b})", dapple.Plan(g, b, stages, layer_names=list(prof.layer_names))))
     return out
 
 
-# ---- measuring -------------------------------------------------------------------------------------------
+def describe(plan: dapple.Plan) -> str:
+    """``0-4x2 4-9x2 K3,1``: layer ranges x replicas, then the warmup K_i."""
+    return (" ".join(f"{s.layers[0]}-{s.layers[1]}x{s.replicas}" for s in plan.stages)
+            + " K" + ",".join(str(k) for k in plan.warmup))
+
+
+# ---- measuring (every rank) ------------------------------------------------------------------------------
 def _timed(pipe: dapple.Pipeline, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
     """Step durations in ms: all ranks start after a barrier; a step lasts until the slowest rank is done.
     Gradients are dropped before each step (as ``optimizer.zero_grad()`` does), outside the timing."""
@@ -146,78 +154,261 @@ def _timed(pipe: dapple.Pipeline, x: torch.Tensor, y: torch.Tensor, steps: int) 
     return out
 
 
-def run(plans: list[tuple[str, dapple.Plan]], args: argparse.Namespace) -> dict:
-    """On every rank: build each plan's pipeline, warm up, trace one step, then time interleaved rounds."""
+def run(plans: list[tuple[str, dapple.Plan]], args: argparse.Namespace, trace_dir: str) -> dict:
+    """On every rank: build each plan's pipeline, warm up, time interleaved rounds, then trace a few steps."""
     torch.set_num_threads(1)
     x, y = batch(args.global_batch)
     pipes = {name: dapple.pipeline(make_model(), plan, F.cross_entropy, timeout=120) for name, plan in plans}
     for pipe in pipes.values():
         _timed(pipe, x, y, args.warmup)
-    if args.traces:
-        for i, (name, pipe) in enumerate(pipes.items()):
-            dist.barrier()
-            with pipe.trace() as t:
-                _timed(pipe, x, y, args.trace_steps)
-            t.save(Path(args.traces) / f"plan{i}.json")
     results: dict[str, list[float]] = {name: [] for name in pipes}
     for r in range(args.rounds):
         order = list(pipes)
         order = order[r % len(order):] + order[:r % len(order)]  # each plan first in turn
         for name in order:
             results[name] += _timed(pipes[name], x, y, args.steps)
+    for i, pipe in enumerate(pipes.values()):
+        with pipe.trace() as t:
+            _timed(pipe, x, y, args.trace_steps)
+        t.save(Path(trace_dir) / f"plan{i}.json")
     return results
+
+
+# ---- where the time went (from the traces) ---------------------------------------------------------------
+def diagnose(plan: dapple.Plan, events: list, prof: dapple.Profile, cluster: dapple.Cluster) -> dict:
+    """Medians over the traced steps: per-op time / profile, AllReduce / model and replica skew before it,
+    P2P delivery vs the cluster fit, runtime time between ops, and the traced step."""
+    from dapple.planner.cost import CostModel, layout_of
+    from dapple.planner.slices import slice_bounds
+    from dapple.planner.timeline import lane_of
+
+    med = statistics.median
+    cm = CostModel(prof, cluster, plan.micro_batch_size)
+    steps = sorted({e.args.get("step") for e in events})
+    ratios, ar_meas, ar_model, skews, gaps = [], [], [], [], []
+    for i, st in enumerate(plan.stages):
+        for k, d in enumerate(st.devices):
+            lo, hi = slice_bounds(plan.micro_batch_size, st.replicas)[k]
+            f, b = cm.compute_rows(st.layers[0], st.layers[1], hi - lo)
+            ratios += [e.duration * 1e3 / (f if e.kind == "forward" else b) for e in events
+                       if e.rank == d and e.kind in ("forward", "backward")]
+        if st.replicas > 1:
+            for s in steps:
+                bucket = [e for e in events if e.rank in st.devices and e.args.get("step") == s
+                          and e.name.startswith("AR bucket")]
+                if bucket:
+                    last_launch = max(e.start for e in bucket)
+                    ar_meas.append((max(e.end for e in bucket) - last_launch) * 1e3)
+                    skews.append((last_launch - min(e.start for e in bucket)) * 1e3)
+                    ar_model.append(cm.allreduce(st.layers[0], st.layers[1], layout_of(cluster, st.devices)))
+    sends = {(e.rank, e.args["peer"], e.args["what"], e.micro_batch, e.args["step"], tuple(e.args["rows"])): e
+             for e in events if e.kind == "send"}
+    delivery = []
+    for e in events:  # receives whose rank was already waiting when the matching isend was posted
+        s = sends.get((e.args.get("peer"), e.rank, e.args.get("what"), e.micro_batch, e.args.get("step"),
+                       tuple(e.args.get("rows", ()))))
+        if e.kind == "recv" and s is not None and e.start < s.start:
+            delivery.append((e.end - s.start) * 1e3)
+    for r in {e.rank for e in events}:
+        for s in steps:
+            mine = sorted((e for e in events if e.rank == r and e.args.get("step") == s), key=lambda e: e.start)
+            comp = [e for e in mine if lane_of(e) == "compute"]
+            span = [e for e in mine if lane_of(e) == "step"]
+            ops = sum(1 for e in comp if e.kind in ("forward", "backward"))
+            if comp and span and ops:
+                covered = sum(e.duration for e in comp)  # compute-lane events never overlap
+                gaps.append((span[0].duration - covered) * 1e3 / ops)
+    step_ms = [(max(e.end for e in events if e.args.get("step") == s)
+                - min(e.start for e in events if e.args.get("step") == s)) * 1e3 for s in steps]
+    p2p_model = cm.route_ms(0, plan.micro_batch_size // plan.stages[0].replicas, 0, 0) if plan.num_stages > 1 else None
+    return {"op_over_profile": med(ratios), "allreduce_ms": med(ar_meas) if ar_meas else None,
+            "allreduce_model_ms": med(ar_model) if ar_model else None, "skew_ms": med(skews) if skews else None,
+            "delivery_ms": med(delivery) if delivery else None, "delivery_model_ms": p2p_model,
+            "gap_per_op_ms": med(gaps) if gaps else None, "traced_step_ms": med(step_ms)}
+
+
+# ---- pictures --------------------------------------------------------------------------------------------
+def sim_events(sim) -> list:
+    """A simulated iteration (``dapple.simulate``) as timeline Events, drawn like a measured trace."""
+    from dapple.planner.timeline import Event
+
+    kinds = {"F": "forward", "B": "backward", "AR": "allreduce"}
+    out = [Event(o.device, kinds[o.kind], f"{o.kind}{o.micro_batch}" if o.micro_batch is not None else "AR",
+                 o.start_ms / 1e3, o.end_ms / 1e3, o.micro_batch) for o in sim.ops]
+    out += [Event(o.device, "send", f"send→{o.peer}", o.start_ms / 1e3, o.end_ms / 1e3, o.micro_batch,
+                  {"peer": o.peer, "bytes": o.nbytes}) for o in sim.transfers]
+    return out
+
+
+def side_by_side(trace_path: Path, plan: dapple.Plan, prof: dapple.Profile, cluster: dapple.Cluster,
+                 out: Path, title: str) -> Path:
+    """One measured step (the trace's median-length one) above the simulated iteration, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from dapple.planner.gantt import draw_gantt
+    from dapple.planner.timeline import load_chrome_trace
+
+    events = load_chrome_trace(trace_path)
+    steps = sorted({e.args.get("step") for e in events})
+    length = {s: max(e.end for e in events if e.args.get("step") == s)
+              - min(e.start for e in events if e.args.get("step") == s) for s in steps}
+    step = sorted(steps, key=lambda s: length[s])[len(steps) // 2]
+    one = [e for e in events if e.args.get("step") == step]
+    sim = dapple.simulate(plan, prof, cluster)
+    labels = {d: f"rank {d} · stage {i}" for i, st in enumerate(plan.stages) for d in st.devices}
+    span = max(length[step] * 1e3, sim.latency_ms)  # one time scale for both
+    with tempfile.TemporaryDirectory() as tmp:
+        top = draw_gantt(one, Path(tmp) / "measured.png", rank_labels=labels, span_ms=span,
+                         title=f"{title}: measured step ({length[step] * 1e3:.0f} ms, traced)")
+        bottom = draw_gantt(sim_events(sim), Path(tmp) / "simulated.png", rank_labels=labels, span_ms=span,
+                            title=f"{title}: simulated ({sim.latency_ms:.0f} ms, dapple.simulate)")
+        a, b = plt.imread(top), plt.imread(bottom)
+    width = max(a.shape[1], b.shape[1])
+    pad = [np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0)), constant_values=1.0) for x in (a, b)]
+    plt.imsave(out, np.concatenate(pad, axis=0))
+    return out
+
+
+# ---- the layers' own real compute when ranks share cores ---------------------------------------------------
+def contention(rows_list: tuple[int, ...] = (1, 2, 4)) -> dict:
+    """On every rank: the whole model's forward/backward at ``rows`` rows with 1, 2, 3, 4 ranks at once."""
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    r, out = dist.get_rank(), {}
+    for rows in rows_list:
+        m, (x, y) = make_model(), batch(rows)
+        for k in range(1, WORLD + 1):
+            dist.barrier()
+            if r < k:
+                ts = []
+                for i in range(12):
+                    t0 = time.perf_counter()
+                    loss = F.cross_entropy(m(x), y)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    if i >= 2:
+                        ts.append((t1 - t0, time.perf_counter() - t1))
+                out[(rows, k)] = tuple(statistics.median(v[j] for v in ts) * 1e3 for j in (0, 1))
+            dist.barrier()
+    return out
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+def table(rows: list[dict]) -> str:
+    head = ("| plan | stages (layers x replicas, K_i) | measured ms | refined ms | paper ms | simulated ms "
+            "| err refined | err paper | err simulated |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    return head + "\n".join(
+        f"| {r['plan']} | {r['stages']} | {r['measured_ms']:.0f} | {r['refined_ms']:.0f} | {r['paper_ms']:.0f} | "
+        f"{r['simulated_ms']:.0f} | {r['err_refined']:+.1%} | {r['err_paper']:+.1%} | {r['err_simulated']:+.1%} |"
+        for r in rows)
+
+
+def diag_table(rows: list[dict]) -> str:
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+    head = ("| plan | op / profile | AllReduce ms (model) | replica skew ms | P2P delivery ms (model) "
+            "| runtime ms between ops | traced step ms |\n|---|---:|---:|---:|---:|---:|---:|\n")
+    return head + "\n".join(
+        f"| {r['plan']} | {f(d['op_over_profile'], '.3f')} | {f(d['allreduce_ms'])} ({f(d['allreduce_model_ms'])}) "
+        f"| {f(d['skew_ms'])} | {f(d['delivery_ms'], '.2f')} ({f(d['delivery_model_ms'], '.2f')}) "
+        f"| {f(d['gap_per_op_ms'], '.2f')} | {f(d['traced_step_ms'], '.0f')} |"
+        for r in rows for d in [r["diagnosis"]])
+
+
+def aggregate(paths: list[str]) -> None:
+    """Per plan, the median over runs of each figure (and of each error), as the tables."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    out = []
+    for i, r0 in enumerate(runs[0]["rows"]):
+        rs = [run["rows"][i] for run in runs]
+        row = {k: statistics.median(r[k] for r in rs) for k in r0 if isinstance(r0[k], float)}
+        row.update(plan=r0["plan"], stages=" / ".join(sorted({r["stages"] for r in rs})))
+        row["diagnosis"] = {k: (statistics.median(v) if (v := [r["diagnosis"][k] for r in rs
+                                                                if r["diagnosis"][k] is not None]) else None)
+                            for k in r0["diagnosis"]}
+        out.append(row)
+    print(f"medians over {len(runs)} runs (load averages {[run['load'] for run in runs]})\n")
+    print(table(out) + "\n\n" + diag_table(out))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro", type=int, nargs="+", default=[8, 4], help="micro-batch sizes (M = global / micro)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--trace-steps", type=int, default=3, help="traced steps per plan (diagnosis, pictures)")
     p.add_argument("--overlap", action="store_true", help="plan and estimate with overlapped AllReduce")
-    p.add_argument("--traces", help="directory for one traced step per plan (Chrome JSON) and the plans")
     p.add_argument("--only", help="run only the plans whose name contains this")
-    p.add_argument("--trace-steps", type=int, default=1, help="steps per traced plan")
-    p.add_argument("--json", help="also write all figures here")
+    p.add_argument("--traces", help="keep the traces (plan<i>.json), plans, profile and cluster here")
+    p.add_argument("--pictures", help="draw measured vs simulated Gantt PNGs of the planner's plans here")
+    p.add_argument("--json", help="write every figure here (for --aggregate)")
+    p.add_argument("--aggregate", nargs="+", metavar="JSON", help="only print the medians of earlier --json runs")
+    p.add_argument("--contention", action="store_true", help="only time the model's layers on 1..4 ranks at once")
     args = p.parse_args()
+    if args.aggregate:
+        return aggregate(args.aggregate)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if args.contention:
+        res = dapple.runtime.launch(contention, WORLD)[0]
+        print("whole-model forward / backward ms on rank 0 with k ranks computing at once (2 cores):")
+        for rows in sorted({r for r, _ in res}):
+            one = res[(rows, 1)]
+            print(f"  {rows} row(s): " + ", ".join(
+                f"k={k}: {res[(rows, k)][0]:.1f} / {res[(rows, k)][1]:.1f} (x{sum(res[(rows, k)]) / sum(one):.3f})"
+                for k in range(1, WORLD + 1)))
+        return None
     t0 = time.perf_counter()
-    x, y = batch(8)
-    prof = dapple.profile(make_model(), x, F.cross_entropy, batch_sizes=(1, 2, 4, 8), targets=y, name="Net")
+    x, y = batch(max(PROFILE_BATCHES))
+    prof = dapple.profile(make_model(), x, F.cross_entropy, batch_sizes=PROFILE_BATCHES, targets=y, name="Net")
     t_prof = time.perf_counter() - t0
     cluster = dapple.Cluster.local(WORLD)
-    t_cl = time.perf_counter() - t0 - t_prof
-    print(f"profiled in {t_prof:.1f}s, {cluster} (probe {t_cl:.1f}s); AllReduce bus "
-          f"{(cluster.intra_allreduce_bandwidth or 0) / 1e9:.3g} GB/s + "
-          f"{(cluster.intra_allreduce_latency or 0) * 1e6:.0f} us per ring step")
+    ar = cluster.intra_allreduce_by_size or {}
+    print(f"profiled in {t_prof:.0f}s; {cluster}; AllReduce (latency per ring step, bus bandwidth) by group size: "
+          + ", ".join(f"{r}: {v[0] * 1e6:.0f} us, {v[1] / 1e9:.2f} GB/s" for r, v in ar.items()))
     plans = make_plans(prof, cluster, args.global_batch, args.micro, args.overlap)
     if args.only:
-        plans = [(n, p) for n, p in plans if args.only in n]
-    if args.traces:
-        Path(args.traces).mkdir(parents=True, exist_ok=True)
-        prof.save(Path(args.traces) / "profile.yaml")
-        cluster.save(Path(args.traces) / "cluster.yaml")
-        for i, (name, plan) in enumerate(plans):
-            plan.save(Path(args.traces) / f"plan{i}.yaml")
-    measured = dapple.runtime.launch(run, WORLD, plans, args)[0]
+        plans = [(n, pl) for n, pl in plans if args.only in n]
+    trace_dir = Path(args.traces) if args.traces else Path(tempfile.mkdtemp(prefix="dapple_accuracy_"))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    prof.save(trace_dir / "profile.yaml")
+    cluster.save(trace_dir / "cluster.yaml")
+    for i, (_, plan) in enumerate(plans):
+        plan.save(trace_dir / f"plan{i}.yaml")
+    measured = dapple.runtime.launch(run, WORLD, plans, args, str(trace_dir))[0]
+    from dapple.planner.timeline import load_chrome_trace
     rows = []
-    print(f"\n{'plan':<24}{'stages':<34}{'measured':>9}{'refined':>9}{'paper':>9}{'sim':>9}"
-          f"{'err ref':>9}{'err pap':>9}{'err sim':>9}")
-    for name, plan in plans:
+    for i, (name, plan) in enumerate(plans):
         med = statistics.median(measured[name])
         ref = dapple.evaluate(prof, cluster, plan, model="refined", overlap=args.overlap).latency_ms
         pap = dapple.evaluate(prof, cluster, plan, model="paper", overlap=args.overlap).latency_ms
         sim = dapple.simulate(plan, prof, cluster, overlap=args.overlap).latency_ms
-        desc = " ".join(f"{s.layers[0]}-{s.layers[1]}x{s.replicas}" for s in plan.stages)
-        rows.append({"plan": name, "stages": desc, "measured_ms": med, "refined_ms": ref, "paper_ms": pap,
-                     "simulated_ms": sim, "all_ms": measured[name]})
-        print(f"{name:<24}{desc:<34}{med:>9.1f}{ref:>9.1f}{pap:>9.1f}{sim:>9.1f}"
-              f"{ref / med - 1:>+9.1%}{pap / med - 1:>+9.1%}{sim / med - 1:>+9.1%}")
-    print(f"total {time.perf_counter() - t0:.0f}s; load average {os.getloadavg()[0]:.2f}")
+        diag = diagnose(plan, load_chrome_trace(trace_dir / f"plan{i}.json"), prof, cluster)
+        rows.append({"plan": name, "stages": describe(plan), "measured_ms": med, "refined_ms": ref, "paper_ms": pap,
+                     "simulated_ms": sim, "err_refined": ref / med - 1, "err_paper": pap / med - 1,
+                     "err_simulated": sim / med - 1, "step_ms": measured[name], "diagnosis": diag})
+    load = round(os.getloadavg()[0], 2)
+    print(f"\n{len(plans)} plans x {args.rounds} rounds x {args.steps} steps (medians), load average {load}, "
+          f"{time.perf_counter() - t0:.0f}s in all\n")
+    print(table(rows) + "\n\n" + diag_table(rows))
+    if args.pictures:
+        Path(args.pictures).mkdir(parents=True, exist_ok=True)
+        for i, (name, plan) in enumerate(plans):
+            if name.startswith("planner"):
+                m = plan.num_micro_batches
+                out = side_by_side(trace_dir / f"plan{i}.json", plan, prof, cluster,
+                                   Path(args.pictures) / f"estimate_vs_measured_M{m}.png", f"{name} {describe(plan)}")
+                print(f"drew {out}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "load": load,
+                                               "cluster": cluster.to_dict(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
