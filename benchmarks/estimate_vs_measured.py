@@ -10,16 +10,14 @@ profile balances them) at two micro-batch counts. Each plan runs on 4 ranks; the
 no optimizer step) is compared with the planner's estimate (``dapple.evaluate``, refined and paper models) and
 the event simulator's prediction (``dapple.simulate``). Plans run in interleaved rounds, each first in turn.
 
-Then, from traced steps of every plan (``pipe.trace()``), where the time went against the model: per-op
-forward/backward vs the profile, the gradient AllReduce (from the last replica's launch to completion) and the
-replicas' skew before it vs the cost model, P2P delivery (isend posted to the waiting receiver done) vs the
-cluster fit, and the runtime's time between ops (posting receives and sends). ``--pictures DIR`` draws a
-measured step above the simulated one for the chosen plans (same colours; ``dapple show trace.json --png``
-draws the measured one alone).
+Then, from traced steps of every plan (``pipe.trace()``), where the time went against the model (helpers in
+``accuracy_traces.py``): per-op forward/backward vs the profile, the gradient AllReduce and the replicas' skew
+before it, P2P delivery vs the cluster fit, the runtime's time between ops. ``--pictures DIR`` draws a measured
+step above the simulated one (same colours, same time scale) for ``--picture-plans``.
 
     PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --json run1.json      # ~3.5 minutes
     PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --aggregate run1.json run2.json run3.json
-    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --pictures docs/ --traces traces/
+    PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --pictures docs/ --traces /tmp/traces
     PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --contention   # the layers' real compute, 1 vs 4 ranks
 """
 
@@ -44,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dapple  # noqa: E402
 from dapple.models import EmulatedLayer  # noqa: E402
 from dapple.planner import Stage  # noqa: E402
+from accuracy_traces import contention, diagnose, side_by_side  # noqa: E402  (benchmarks/, next to this script)
 
 WORLD = 4
 WIDTH = 128  # boundary width: activations are WIDTH * 4 bytes per row
@@ -174,130 +173,6 @@ def run(plans: list[tuple[str, dapple.Plan]], args: argparse.Namespace, trace_di
     return results
 
 
-# ---- where the time went (from the traces) ---------------------------------------------------------------
-def diagnose(plan: dapple.Plan, events: list, prof: dapple.Profile, cluster: dapple.Cluster) -> dict:
-    """Medians over the traced steps: per-op time / profile, AllReduce / model and replica skew before it,
-    P2P delivery vs the cluster fit, runtime time between ops, and the traced step."""
-    from dapple.planner.cost import CostModel, layout_of
-    from dapple.planner.slices import slice_bounds
-    from dapple.planner.timeline import lane_of
-
-    med = statistics.median
-    cm = CostModel(prof, cluster, plan.micro_batch_size)
-    steps = sorted({e.args.get("step") for e in events})
-    ratios, ar_meas, ar_model, skews, gaps = [], [], [], [], []
-    for i, st in enumerate(plan.stages):
-        for k, d in enumerate(st.devices):
-            lo, hi = slice_bounds(plan.micro_batch_size, st.replicas)[k]
-            f, b = cm.compute_rows(st.layers[0], st.layers[1], hi - lo)
-            ratios += [e.duration * 1e3 / (f if e.kind == "forward" else b) for e in events
-                       if e.rank == d and e.kind in ("forward", "backward")]
-        if st.replicas > 1:
-            for s in steps:
-                bucket = [e for e in events if e.rank in st.devices and e.args.get("step") == s
-                          and e.name.startswith("AR bucket")]
-                if bucket:
-                    last_launch = max(e.start for e in bucket)
-                    ar_meas.append((max(e.end for e in bucket) - last_launch) * 1e3)
-                    skews.append((last_launch - min(e.start for e in bucket)) * 1e3)
-                    ar_model.append(cm.allreduce(st.layers[0], st.layers[1], layout_of(cluster, st.devices)))
-    sends = {(e.rank, e.args["peer"], e.args["what"], e.micro_batch, e.args["step"], tuple(e.args["rows"])): e
-             for e in events if e.kind == "send"}
-    delivery = []
-    for e in events:  # receives whose rank was already waiting when the matching isend was posted
-        s = sends.get((e.args.get("peer"), e.rank, e.args.get("what"), e.micro_batch, e.args.get("step"),
-                       tuple(e.args.get("rows", ()))))
-        if e.kind == "recv" and s is not None and e.start < s.start:
-            delivery.append((e.end - s.start) * 1e3)
-    for r in {e.rank for e in events}:
-        for s in steps:
-            mine = sorted((e for e in events if e.rank == r and e.args.get("step") == s), key=lambda e: e.start)
-            comp = [e for e in mine if lane_of(e) == "compute"]
-            span = [e for e in mine if lane_of(e) == "step"]
-            ops = sum(1 for e in comp if e.kind in ("forward", "backward"))
-            if comp and span and ops:
-                covered = sum(e.duration for e in comp)  # compute-lane events never overlap
-                gaps.append((span[0].duration - covered) * 1e3 / ops)
-    step_ms = [(max(e.end for e in events if e.args.get("step") == s)
-                - min(e.start for e in events if e.args.get("step") == s)) * 1e3 for s in steps]
-    p2p_model = cm.route_ms(0, plan.micro_batch_size // plan.stages[0].replicas, 0, 0) if plan.num_stages > 1 else None
-    return {"op_over_profile": med(ratios), "allreduce_ms": med(ar_meas) if ar_meas else None,
-            "allreduce_model_ms": med(ar_model) if ar_model else None, "skew_ms": med(skews) if skews else None,
-            "delivery_ms": med(delivery) if delivery else None, "delivery_model_ms": p2p_model,
-            "gap_per_op_ms": med(gaps) if gaps else None, "traced_step_ms": med(step_ms)}
-
-
-# ---- pictures --------------------------------------------------------------------------------------------
-def sim_events(sim) -> list:
-    """A simulated iteration (``dapple.simulate``) as timeline Events, drawn like a measured trace."""
-    from dapple.planner.timeline import Event
-
-    kinds = {"F": "forward", "B": "backward", "AR": "allreduce"}
-    out = [Event(o.device, kinds[o.kind], f"{o.kind}{o.micro_batch}" if o.micro_batch is not None else "AR",
-                 o.start_ms / 1e3, o.end_ms / 1e3, o.micro_batch) for o in sim.ops]
-    out += [Event(o.device, "send", f"send→{o.peer}", o.start_ms / 1e3, o.end_ms / 1e3, o.micro_batch,
-                  {"peer": o.peer, "bytes": o.nbytes}) for o in sim.transfers]
-    return out
-
-
-def side_by_side(trace_path: Path, plan: dapple.Plan, prof: dapple.Profile, cluster: dapple.Cluster,
-                 out: Path, title: str) -> Path:
-    """One measured step (the trace's median-length one) above the simulated iteration, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from dapple.planner.gantt import draw_gantt
-    from dapple.planner.timeline import load_chrome_trace
-
-    events = load_chrome_trace(trace_path)
-    steps = sorted({e.args.get("step") for e in events})
-    length = {s: max(e.end for e in events if e.args.get("step") == s)
-              - min(e.start for e in events if e.args.get("step") == s) for s in steps}
-    step = sorted(steps, key=lambda s: length[s])[len(steps) // 2]
-    one = [e for e in events if e.args.get("step") == step]
-    sim = dapple.simulate(plan, prof, cluster)
-    labels = {d: f"rank {d} · stage {i}" for i, st in enumerate(plan.stages) for d in st.devices}
-    span = max(length[step] * 1e3, sim.latency_ms)  # one time scale for both
-    with tempfile.TemporaryDirectory() as tmp:
-        top = draw_gantt(one, Path(tmp) / "measured.png", rank_labels=labels, span_ms=span,
-                         title=f"{title}: measured step ({length[step] * 1e3:.0f} ms, traced)")
-        bottom = draw_gantt(sim_events(sim), Path(tmp) / "simulated.png", rank_labels=labels, span_ms=span,
-                            title=f"{title}: simulated ({sim.latency_ms:.0f} ms, dapple.simulate)")
-        a, b = plt.imread(top), plt.imread(bottom)
-    width = max(a.shape[1], b.shape[1])
-    pad = [np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0)), constant_values=1.0) for x in (a, b)]
-    plt.imsave(out, np.concatenate(pad, axis=0))
-    return out
-
-
-# ---- the layers' own real compute when ranks share cores ---------------------------------------------------
-def contention(rows_list: tuple[int, ...] = (1, 2, 4)) -> dict:
-    """On every rank: the whole model's forward/backward at ``rows`` rows with 1, 2, 3, 4 ranks at once."""
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    r, out = dist.get_rank(), {}
-    for rows in rows_list:
-        m, (x, y) = make_model(), batch(rows)
-        for k in range(1, WORLD + 1):
-            dist.barrier()
-            if r < k:
-                ts = []
-                for i in range(12):
-                    t0 = time.perf_counter()
-                    loss = F.cross_entropy(m(x), y)
-                    t1 = time.perf_counter()
-                    loss.backward()
-                    if i >= 2:
-                        ts.append((t1 - t0, time.perf_counter() - t1))
-                out[(rows, k)] = tuple(statistics.median(v[j] for v in ts) * 1e3 for j in (0, 1))
-            dist.barrier()
-    return out
-
-
 # ---- main ------------------------------------------------------------------------------------------------
 def table(rows: list[dict]) -> str:
     head = ("| plan | stages (layers x replicas, K_i) | measured ms | refined ms | paper ms | simulated ms "
@@ -347,7 +222,8 @@ def main() -> None:
     p.add_argument("--overlap", action="store_true", help="plan and estimate with overlapped AllReduce")
     p.add_argument("--only", help="run only the plans whose name contains this")
     p.add_argument("--traces", help="keep the traces (plan<i>.json), plans, profile and cluster here")
-    p.add_argument("--pictures", help="draw measured vs simulated Gantt PNGs of the planner's plans here")
+    p.add_argument("--pictures", help="draw measured vs simulated Gantt PNGs of --picture-plans here")
+    p.add_argument("--picture-plans", nargs="+", default=["hybrid 2:2 (M=8)"], help="plan names to draw")
     p.add_argument("--json", help="write every figure here (for --aggregate)")
     p.add_argument("--aggregate", nargs="+", metavar="JSON", help="only print the medians of earlier --json runs")
     p.add_argument("--contention", action="store_true", help="only time the model's layers on 1..4 ranks at once")
@@ -357,7 +233,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if args.contention:
-        res = dapple.runtime.launch(contention, WORLD)[0]
+        res = dapple.runtime.launch(contention, WORLD, make_model, batch, WORLD)[0]
         print("whole-model forward / backward ms on rank 0 with k ranks computing at once (2 cores):")
         for rows in sorted({r for r, _ in res}):
             one = res[(rows, 1)]
@@ -401,10 +277,10 @@ def main() -> None:
     if args.pictures:
         Path(args.pictures).mkdir(parents=True, exist_ok=True)
         for i, (name, plan) in enumerate(plans):
-            if name.startswith("planner"):
-                m = plan.num_micro_batches
+            if name in args.picture_plans:
+                slug = "".join(c if c.isalnum() else "_" for c in name).strip("_").replace("__", "_")
                 out = side_by_side(trace_dir / f"plan{i}.json", plan, prof, cluster,
-                                   Path(args.pictures) / f"estimate_vs_measured_M{m}.png", f"{name} {describe(plan)}")
+                                   Path(args.pictures) / f"estimate_vs_measured_{slug}.png", f"{name} {describe(plan)}")
                 print(f"drew {out}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "load": load,
