@@ -65,6 +65,39 @@ def test_probe_groups_ranks_into_servers_by_host():
     assert c.intra_allreduce_bandwidth == f["allreduce_intra"][1]
 
 
+def _logged_rounds() -> tuple[list[int], list[int]]:
+    import torch.distributed as dist
+
+    from dapple.profiler import bandwidth
+    dist.init_process_group("gloo")
+    log: dict[str, list[int]] = {"ar": [], "p2p": []}
+    real_ar, real_send = dist.all_reduce, dist.send
+
+    def all_reduce(t, *a, **k):
+        log["ar"].append(t.numel() * 4)
+        return real_ar(t, *a, **k)
+
+    def send(t, *a, **k):
+        log["p2p"].append(t.numel() * 4)
+        return real_send(t, *a, **k)
+
+    dist.all_reduce, dist.send = all_reduce, send
+    times = bandwidth.allreduce_times(sizes=(1024, 4096, 16384), repeats=2)
+    one_way = bandwidth.ping_pong(0, 1, sizes=(1024, 4096, 16384), repeats=2)
+    assert sorted(times) == [1024, 4096, 16384] and all(t > 0 for t in times.values())
+    assert sorted(one_way) == ([1024, 4096, 16384] if dist.get_rank() == 0 else [])
+    return log["ar"], log["p2p"]
+
+
+def test_probe_rounds_time_every_size_once():
+    # a burst of load lasting a few transfers must not slow every repeat of one size (the fit bends)
+    from tests.runtime._spawn import run_ranks
+
+    ar, p2p = run_ranks(_logged_rounds, 2, timeout=120)[0]
+    assert ar == [1024, 4096, 16384] * 3  # the connection round, then 2 timed rounds
+    assert p2p == [1024, 4096, 16384] * 3
+
+
 def test_cli_probe_writes_a_cluster(tmp_path):
     from dapple.cli import main
 
