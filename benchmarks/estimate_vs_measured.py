@@ -19,6 +19,7 @@ step above the simulated one (same colours, same time scale) for ``--picture-pla
     PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --aggregate run1.json run2.json run3.json
     PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --pictures docs/ --traces /tmp/traces
     PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --contention   # the layers' real compute, 1 vs 4 ranks
+    ACCURACY_NO_MLP=1 PYTHONPATH=$PWD python benchmarks/estimate_vs_measured.py --only DP   # without the MLPs
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ WORLD = 4
 WIDTH = 128  # boundary width: activations are WIDTH * 4 bytes per row
 MS_PER_ROW = [1.5, 4.0, 2.0, 3.0, 1.5, 4.0, 2.5, 2.0]  # forward ms per row of each layer (backward 2x)
 HIDDEN = [0, 4096, 512, 2048, 0, 4096, 1024, 2048]  # MLP width of each layer (0: none); 4096: 4.2 MB
+if os.environ.get("ACCURACY_NO_MLP"):  # diagnosis: no MLPs, so almost no real compute (and tiny AllReduces)
+    HIDDEN = [0] * len(HIDDEN)
 CLASSES = 4
 PROFILE_BATCHES = (1, 2, 4, 8)
 
