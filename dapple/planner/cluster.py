@@ -37,6 +37,10 @@ class Cluster:
     intra_allreduce_latency: float | None = None
     inter_allreduce_bandwidth: float | None = None
     inter_allreduce_latency: float | None = None
+    # Measured ring-AllReduce numbers by group size inside one server: {r: [latency per ring step s, bus B/s]}.
+    # A collective's cost per byte can depend on how many ranks take part (gloo on a shared CPU: 4 ranks on 2
+    # cores reduce at half the bus bandwidth of 2); sizes between measured ones are interpolated.
+    intra_allreduce_by_size: dict | None = None
 
     def __post_init__(self) -> None:
         for key in ("servers", "devices_per_server"):
@@ -56,6 +60,8 @@ class Cluster:
             v = getattr(self, key)
             if v is not None and (not isinstance(v, (int, float)) or v < 0 or (v == 0 and "bandwidth" in key)):
                 raise ValueError(f"Cluster.{key}: expected None or a positive number, got {v!r}")
+        if self.intra_allreduce_by_size is not None:
+            self.intra_allreduce_by_size = _by_size(self.intra_allreduce_by_size)
 
     # ---- topology ------------------------------------------------------------------------------
     @property
@@ -82,15 +88,21 @@ class Cluster:
             return self.inter_bandwidth, self.inter_latency
         return self.intra_bandwidth, self.intra_latency
 
-    def allreduce_link(self, devices: Iterable[int] | None = None, *, spans_servers: bool | None = None
-                       ) -> tuple[float, float]:
-        """(bus bandwidth, latency per ring step) of a ring AllReduce over ``devices`` (or, without them,
-        one that does or does not span servers): the measured AllReduce numbers where known, else the
-        slowest link's."""
+    def allreduce_link(self, devices: Iterable[int] | None = None, *, spans_servers: bool | None = None,
+                       replicas: int | None = None) -> tuple[float, float]:
+        """(bus bandwidth, latency per ring step) of a ring AllReduce over ``devices`` (or, without them, over
+        ``replicas`` devices that do or do not span servers): the measured AllReduce numbers where known (inside
+        a server, those measured for the group's size, interpolated between measured sizes), else the slowest
+        link's."""
+        if devices is not None:
+            devices = list(devices)
+            replicas = len(devices) if replicas is None else replicas
         inter = len(self.servers_of(devices)) > 1 if spans_servers is None else spans_servers
         if inter:
             return (self.inter_allreduce_bandwidth or self.inter_bandwidth,
                     self.inter_latency if self.inter_allreduce_latency is None else self.inter_allreduce_latency)
+        if self.intra_allreduce_by_size and replicas is not None and replicas > 1:
+            return _interpolate(self.intra_allreduce_by_size, replicas)
         return (self.intra_allreduce_bandwidth or self.intra_bandwidth,
                 self.intra_latency if self.intra_allreduce_latency is None else self.intra_allreduce_latency)
 
@@ -169,6 +181,7 @@ class Cluster:
         ar = fits.get("allreduce")
         ar_intra = fits.get("allreduce_intra") or (ar if fits["servers"] == 1 else None)
         ar_inter = ar if fits["servers"] > 1 else None
+        by_size = {int(r): [float(f[0]), float(f[1])] for r, f in (fits.get("allreduce_by_size") or {}).items()}
         return cls(servers=int(fits["servers"]), devices_per_server=int(fits["devices_per_server"]),
                    intra_bandwidth=float(intra[1]), intra_latency=float(intra[0]), inter_bandwidth=float(inter[1]),
                    inter_latency=float(inter[0]), device_memory=float(device_memory),
@@ -176,6 +189,7 @@ class Cluster:
                    intra_allreduce_latency=float(ar_intra[0]) if ar_intra else None,
                    inter_allreduce_bandwidth=float(ar_inter[1]) if ar_inter else None,
                    inter_allreduce_latency=float(ar_inter[0]) if ar_inter else None,
+                   intra_allreduce_by_size=by_size or None,
                    meta={"measured": "dapple probe (P2P ping-pong, ring AllReduce; least squares)",
                          "hosts": list(fits.get("hosts", []))})
 
@@ -202,7 +216,8 @@ class Cluster:
                        meta=dict(doc.get("meta") or {}),
                        **{k: f.number(k) for k in ("intra_allreduce_bandwidth", "intra_allreduce_latency",
                                                    "inter_allreduce_bandwidth", "inter_allreduce_latency")
-                          if doc.get(k) is not None})
+                          if doc.get(k) is not None},
+                       intra_allreduce_by_size=doc.get("intra_allreduce_by_size"))
         except _io.DocumentError:
             raise
         except ValueError as e:
@@ -218,3 +233,38 @@ class Cluster:
                 f"intra {self.intra_bandwidth / gb:.3g} GB/s + {self.intra_latency * 1e6:.3g} us, "
                 f"inter {self.inter_bandwidth / gb:.3g} GB/s + {self.inter_latency * 1e6:.3g} us, "
                 f"{self.device_memory / gb:.3g} GB per device")
+
+
+def _by_size(table: object) -> dict[int, list[float]]:
+    """``{r: [latency per ring step s, bus bandwidth B/s]}`` checked and normalised (sorted int keys)."""
+    where = "Cluster.intra_allreduce_by_size"
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{where}: expected a non-empty mapping {{group size: [latency s, bandwidth B/s]}}, "
+                         f"got {table!r:.120}")
+    out = {}
+    for r, fit in table.items():
+        if isinstance(r, bool) or not isinstance(r, (int, str)) or not str(r).isdigit() or int(r) < 2:
+            raise ValueError(f"{where}: group sizes must be integers >= 2, got {r!r}")
+        if (not isinstance(fit, (list, tuple)) or len(fit) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in fit)
+                or fit[0] < 0 or fit[1] <= 0):
+            raise ValueError(f"{where}[{r}]: expected [latency s >= 0, bandwidth B/s > 0], got {fit!r}")
+        out[int(r)] = [float(fit[0]), float(fit[1])]
+    return dict(sorted(out.items()))
+
+
+def _interpolate(table: dict[int, list[float]], r: int) -> tuple[float, float]:
+    """(bus bandwidth, latency per ring step) for a group of ``r``: the measured size's, linear in r (latency
+    and seconds per byte) between measured sizes, the nearest measured size's outside them."""
+    sizes = list(table)
+    if r <= sizes[0] or r >= sizes[-1]:
+        lat, bw = table[sizes[0] if r <= sizes[0] else sizes[-1]]
+        return bw, lat
+    hi = next(s for s in sizes if s >= r)
+    lo = max(s for s in sizes if s <= r)
+    if hi == lo:
+        return table[lo][1], table[lo][0]
+    t = (r - lo) / (hi - lo)
+    lat = (1 - t) * table[lo][0] + t * table[hi][0]
+    inv = (1 - t) / table[lo][1] + t / table[hi][1]
+    return 1.0 / inv, lat

@@ -186,7 +186,7 @@ class CostModel:
         r = len(layout)
         if r <= 1 or nbytes <= 0:
             return 0.0
-        bw, lat = self.cluster.allreduce_link(spans_servers=len(set(layout)) > 1)
+        bw, lat = self.cluster.allreduce_link(spans_servers=len(set(layout)) > 1, replicas=r)
         return (2 * (r - 1) / r * nbytes / bw + 2 * (r - 1) * lat) * 1e3
 
     def allreduce(self, a: int, c: int, layout: Layout) -> float:

@@ -32,13 +32,15 @@ def _label(e: Event) -> str | None:
     return None
 
 
-def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_labels: dict | None = None) -> Path:
+def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_labels: dict | None = None,
+               span_ms: float | None = None) -> Path:
     """Draw ``events`` to a PNG: one row per rank, computation on top, transfers in a thin lane below.
 
     Forward blue, backward green (as in the paper), idle grey hatched, AllReduce red; in the transfer lane
     sends orange, receive waits yellow and AllReduce buckets in flight red (events too short to see are drawn
     a hair wide, so every transfer shows). Micro-batch ids are written in the cells wide enough to hold them;
-    with several steps, dashed lines mark where each starts.
+    with several steps, dashed lines mark where each starts. ``span_ms``: the time axis length (at least the
+    events'), so two charts drawn with the same value share a scale.
     """
     import matplotlib
 
@@ -51,7 +53,7 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
     if not drawn:
         raise ValueError("draw_gantt: no events with a positive duration to draw")
     t0 = min(e.start for e in drawn)
-    span_ms = (max(e.end for e in drawn) - t0) * 1e3
+    span_ms = max((max(e.end for e in drawn) - t0) * 1e3, span_ms or 0.0)
     ranks = sorted({e.rank for e in drawn})
     row = {r: len(ranks) - 1 - i for i, r in enumerate(ranks)}  # rank 0 on top
     fig, ax = plt.subplots(figsize=(12, 1.1 + 0.62 * len(ranks)), dpi=120)

@@ -34,7 +34,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     example's). With ``loss_fn``, ``loss_fn(model_output, *targets)`` (the runtime's convention) is part of the last layer (forward and
     backward), and ``targets`` (same batch size as the inputs) are required; without it, backward starts from a
     gradient of ones on every output. Times are medians of ``repeats`` runs after ``warmup`` runs of each layer
-    on its own, from inputs recorded in one run of the whole model; the model is profiled in training mode on
+    on its own, from inputs recorded in one run of the whole model (per batch size; all are held at once, as
+    each round runs every layer at every batch size, so a burst of load spreads over all of them); the model is profiled in training mode on
     ``device`` (default: cuda if available, else cpu; the model is moved there and back) in its own dtype,
     and its flags, buffers (BatchNorm statistics), gradients and the RNG are left as they were.
     ``concrete_args`` / ``leaf_modules`` go to torch.fx (see :class:`~dapple.profiler.TraceError`). ``tracer``:
@@ -77,7 +78,6 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     dtype = model_dtype(model)
     per_batch: list[list[LayerMeasurement]] = []
     boundary: list[list[int]] = []
-    steps: list[float] = []
     with on_device(model, dev), untouched(model, dev):
         lg.gm.to(dev)  # tensor constants fx lifted into the traced module
         retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
@@ -87,7 +87,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         bar = tqdm(total=len(sizes) * lg.num_layers * (1 + warmup + repeats), unit="layer", leave=False,
                    desc=f"profiling {name or type(model).__name__}", disable=not show)
         try:
-            for b in sizes:
+            groups, wholes = [], []
+            for b in sizes:  # recorded inputs of every batch size stay alive: the rounds interleave them
                 x = tuple(to_model(resize(t, b), dev, dtype) for t in inputs)
                 ys = tuple(to_model(resize(t, b), dev, dtype) for t in target_list)
                 values = record_inputs(lg, layers, x)
@@ -97,11 +98,11 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                           for lm in layers]
                 per_batch.append([t.measure_sizes() for t in timers])
                 bar.update(len(timers))
-                step = time_rounds(timers, warmup, repeats, bar, f"batch {b}",
-                                   whole=(model, x, ys, loss_fn) if check_step else None, device=dev)
-                if step is not None:
-                    steps.append(step)
-                del values, timers
+                groups.append(timers)
+                wholes.append((model, x, ys, loss_fn))
+                del values
+            steps = time_rounds(groups, warmup, repeats, bar, wholes=wholes if check_step else None, device=dev)
+            del groups, wholes
         finally:
             bar.close()
     saved = [_saved_once(lg, measured) for measured in per_batch]

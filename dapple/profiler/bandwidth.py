@@ -17,10 +17,16 @@ DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
 
 def fit_line(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of seconds = latency + nbytes / bandwidth; returns (latency s, bandwidth B/s)."""
+    """Least-squares fit of seconds = latency + nbytes / bandwidth; returns (latency s, bandwidth B/s).
+
+    Residuals are relative (weights 1 / seconds), so each size counts alike: the small sizes set the latency and
+    the large ones the bandwidth. (Unweighted, the intercept is whatever the noise of the largest transfers
+    leaves: 0.09 to 0.7 ms between runs of the same probe on a loaded machine, for a 0.2 ms small message.)
+    """
     if len(nbytes) < 2 or len(set(nbytes)) < 2:
         raise ValueError(f"need at least two distinct sizes to fit latency and bandwidth, got {list(nbytes)}")
-    slope, intercept = np.polyfit(np.asarray(nbytes, float), np.asarray(seconds, float), 1)
+    y = np.asarray(seconds, float)
+    slope, intercept = np.polyfit(np.asarray(nbytes, float), y, 1, w=1.0 / np.maximum(np.abs(y), 1e-12))
     if slope <= 0:
         raise ValueError(f"transfer time does not grow with size (times {list(seconds)} s for sizes "
                          f"{list(nbytes)} B): too noisy to fit; probe larger sizes or more repeats")
@@ -39,13 +45,14 @@ def _sync(device: torch.device) -> None:
 
 
 def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict[int, float]:
-    """One-way transfer seconds (median of half round trips) between two ranks; every rank must call it."""
+    """One-way transfer seconds (median of half round trips) between two ranks; every rank must call it.
+    Each round times every size once (see :func:`allreduce_times`)."""
     rank, device = dist.get_rank(), _device()
-    out: dict[int, float] = {}
-    for n in sizes:
-        buf = torch.empty(max(1, n // 4), dtype=torch.float32, device=device)  # n bytes
-        times = []
-        for i in range(repeats + 1):
+    bufs = {n: torch.empty(max(1, n // 4), dtype=torch.float32, device=device) for n in sizes}  # n bytes
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for i in range(repeats + 1):
+        for n in sizes:
+            buf = bufs[n]
             dist.barrier()
             if rank == peer_a:
                 _sync(device)
@@ -53,33 +60,33 @@ def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, re
                 dist.send(buf, peer_b)
                 dist.recv(buf, peer_b)
                 _sync(device)
-                if i:  # the first round trip sets up the connection
-                    times.append((time.perf_counter() - t0) / 2)
+                if i:  # the first round trips set up the connection
+                    times[n].append((time.perf_counter() - t0) / 2)
             elif rank == peer_b:
                 dist.recv(buf, peer_a)
                 dist.send(buf, peer_a)
-        if rank == peer_a:
-            out[n] = statistics.median(times)
-    return out
+    return {n: statistics.median(t) for n, t in times.items()} if rank == peer_a else {}
 
 
 def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, group=None) -> dict[int, float]:
-    """Median seconds of an all_reduce(sum) of each size over ``group`` (default: all); its ranks call it."""
+    """Median seconds of an all_reduce(sum) of each size over ``group`` (default: all); its ranks call it.
+
+    Each round times every size once, so a burst of load on a shared machine spreads over all sizes instead of
+    slowing every repeat of one (which bends the latency + bytes / bandwidth fit: a 4-rank bus bandwidth of 0.5
+    to 1.3 GB/s between probes a minute apart, sizes timed one after another)."""
     device = _device()
-    out: dict[int, float] = {}
-    for n in sizes:
-        buf = torch.ones(max(1, n // 4), dtype=torch.float32, device=device)
-        times = []
-        for i in range(repeats + 1):
+    bufs = {n: torch.ones(max(1, n // 4), dtype=torch.float32, device=device) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for i in range(repeats + 1):
+        for n in sizes:
             dist.barrier(group=group)
             _sync(device)
             t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
+            dist.all_reduce(bufs[n], group=group)
             _sync(device)
-            if i:
-                times.append(time.perf_counter() - t0)
-        out[n] = statistics.median(times)
-    return out
+            if i:  # the first round sets up the connections
+                times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
@@ -87,7 +94,8 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
 
     Servers are told apart by host name; ranks must be laid out server by server (torchrun's order). Returns
     the fits on every rank: ``{"servers", "devices_per_server", "intra": (lat, bw), "inter": (lat, bw) or None,
-    "allreduce": (lat, bw) per ring step, "hosts"}``.
+    "allreduce": (lat, bw) per ring step, "allreduce_by_size": {r: (lat, bw)} inside server 0 for r = 2, 4, 8 ...
+    below its device count and for all of it, "hosts"}``.
     """
     world = dist.get_world_size()
     if world < 2:
@@ -112,6 +120,16 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
         server0 = dist.new_group(list(range(per)))  # every rank creates it, only server 0 uses it
         if dist.get_rank() < per:
             result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, group=server0), per)
+    if per > 1:  # smaller groups inside server 0: the cost per byte may depend on the group size
+        by_size = {per: result.get("allreduce_intra") if len(names) > 1 else result["allreduce"]}  # rank 0's
+        r = 2
+        while r < per:
+            group = dist.new_group(list(range(r)))  # every rank creates it, ranks 0..r-1 use it
+            if dist.get_rank() < r:
+                by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group=group), r)
+            dist.barrier()
+            r *= 2
+        result["allreduce_by_size"] = dict(sorted(by_size.items()))
     fits = [result]
     dist.broadcast_object_list(fits, src=0)  # rank 0 timed the ping-pongs: everyone gets its numbers
     return fits[0]

@@ -128,27 +128,33 @@ def step_seconds(model: torch.nn.Module, inputs: tuple[Tensor, ...], *, loss_fn:
     return time.perf_counter() - t0
 
 
-def time_rounds(timers: list[LayerTimer], warmup: int, repeats: int, bar: Any, label: str, *,
-                whole: tuple | None, device: torch.device) -> float | None:
-    """Warm-up rounds, then timed rounds; each round runs every layer once (in model order), so a burst of load
-    on a shared machine spreads over all layers instead of inflating a few. With ``whole`` = (model, inputs,
-    targets, loss_fn), each timed round also times a whole-model step; returns its median in seconds."""
-    steps = []
+def time_rounds(groups: list[list[LayerTimer]], warmup: int, repeats: int, bar: Any, *,
+                wholes: list[tuple] | None, device: torch.device) -> list[float]:
+    """Warm-up rounds, then timed rounds; each round runs every layer once at every batch size (``groups``: the
+    timers of one batch size each, in model order; the first batch size rotates from round to round), so a
+    burst of load on a shared machine spreads over all layers and batch sizes instead of inflating a few: the
+    medians drop it. (Batch sizes timed one after another, a burst of a few seconds inflated one batch size of
+    every layer: 3 to 6 ms on 1 to 10 ms forwards, 10% off the plan's estimate.) With ``wholes`` (per batch
+    size: model, inputs, targets, loss_fn), each timed round also times a whole-model step per batch size;
+    returns their medians in seconds, one per batch size (empty without ``wholes``)."""
+    steps: list[list[float]] = [[] for _ in groups]
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collector pauses inside a timed run
     try:
         for r in range(warmup + repeats):
             keep = r >= warmup
-            bar.set_postfix_str(f"{label}, {'round' if keep else 'warm-up'} {r + 1 - warmup * keep}", refresh=False)
-            for t in timers:
-                t.run(keep=keep)
-                bar.update()
-            if whole is not None and r >= warmup - 1:  # the step gets one warm-up run of its own
-                model, x, y, loss_fn = whole
-                s = step_seconds(model, x, loss_fn=loss_fn, targets=y, sync=synchronizer(device))
-                if keep:
-                    steps.append(s)
+            bar.set_postfix_str(f"{'round' if keep else 'warm-up'} {r + 1 - warmup * keep}", refresh=False)
+            for g in range(len(groups)):
+                i = (g + r) % len(groups)
+                for t in groups[i]:
+                    t.run(keep=keep)
+                    bar.update()
+                if wholes is not None and r >= warmup - 1:  # the step gets one warm-up run of its own
+                    model, x, y, loss_fn = wholes[i]
+                    s = step_seconds(model, x, loss_fn=loss_fn, targets=y, sync=synchronizer(device))
+                    if keep:
+                        steps[i].append(s)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return statistics.median(steps) if steps else None
+    return [statistics.median(s) for s in steps] if wholes is not None else []

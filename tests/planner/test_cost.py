@@ -48,6 +48,14 @@ def test_ring_allreduce_over_the_slowest_link():
     assert cm.allreduce(0, 2, (1,)) == 0.0
 
 
+def test_allreduce_uses_the_numbers_measured_for_the_group_size():
+    c = cluster(1, 4)
+    c.intra_allreduce_by_size = {2: [1e-5, 4e9], 4: [1e-4, 1e9]}
+    cm = CostModel(linear_profile([1.0, 1.0], params=[1e9, 0.0]), c, 8)
+    assert cm.allreduce(0, 2, (0, 0)) == pytest.approx(1e3 * (1e9 / 4e9 + 2 * 1e-5))
+    assert cm.allreduce(0, 2, (0, 0, 0, 0)) == pytest.approx(1e3 * (1.5 * 1e9 / 1e9 + 6 * 1e-4))
+
+
 def test_buckets_and_overlapped_ending():
     mb = 2**20
     prof = linear_profile([1.0, 1.0, 1.0, 1.0], params=[30 * mb, 0, 10 * mb, 10 * mb])

@@ -87,6 +87,26 @@ def test_measured_allreduce_numbers_override_the_links():
         Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, intra_allreduce_bandwidth=0)
 
 
+def test_allreduce_numbers_by_group_size(tmp_path):
+    fits = {"servers": 1, "devices_per_server": 4, "intra": (1e-4, 2e9), "allreduce": (1e-3, 1e9),
+            "allreduce_by_size": {2: (1e-4, 2e9), 4: (1e-3, 1e9)}, "hosts": ["a"]}
+    c = Cluster.from_probe(fits)
+    assert c.intra_allreduce_by_size == {2: [1e-4, 2e9], 4: [1e-3, 1e9]}
+    assert c.allreduce_link([0, 1]) == (2e9, 1e-4) and c.allreduce_link(range(4)) == (1e9, 1e-3)
+    bw, lat = c.allreduce_link([0, 1, 2])  # halfway: latency and seconds per byte interpolated
+    assert lat == pytest.approx(5.5e-4) and 1 / bw == pytest.approx(0.5 / 2e9 + 0.5 / 1e9)
+    assert c.allreduce_link(spans_servers=False, replicas=8) == (1e9, 1e-3)  # past the largest measured size
+    assert c.allreduce_link(spans_servers=False) == (1e9, 1e-3)  # no size given: the whole-server numbers
+    c.save(tmp_path / "c.yaml")
+    assert Cluster.load(tmp_path / "c.yaml") == c
+    with pytest.raises(ValueError, match=r"intra_allreduce_by_size: group sizes must be integers >= 2, got 1"):
+        Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1,
+                intra_allreduce_by_size={1: [0.0, 1e9]})
+    with pytest.raises(ValueError, match=r"intra_allreduce_by_size\[2\]: expected \[latency s >= 0, bandwidth"):
+        Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1,
+                intra_allreduce_by_size={2: [0.0, 0.0]})
+
+
 def test_yaml_numbers_in_scientific_notation_without_a_dot(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("dapple_cluster: 1\nservers: 2\ndevices_per_server: 8\nintra_bandwidth: 130e9\n"

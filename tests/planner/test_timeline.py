@@ -50,6 +50,17 @@ def test_gantt_png(tmp_path):
         draw_gantt([], tmp_path / "h.png")
 
 
+def test_gantt_span_sets_a_common_time_scale(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+    limits = []
+    set_xlim = Axes.set_xlim
+    monkeypatch.setattr(Axes, "set_xlim", lambda ax, *a, **k: (limits.append(a), set_xlim(ax, *a, **k))[1])
+    draw_gantt(_events(), tmp_path / "a.png")  # the events span 14 ms
+    draw_gantt(_events(), tmp_path / "b.png", span_ms=20.0)
+    draw_gantt(_events(), tmp_path / "c.png", span_ms=5.0)  # never shorter than the events
+    assert [round(a[1] / 1.005, 6) for a in limits if len(a) == 2 and a[0] == 0] == [14.0, 20.0, 14.0]
+
+
 def test_to_chrome_trace_times_are_relative_microseconds():
     doc = to_chrome_trace(_events())
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,6 +128,32 @@ def test_emulated_layer_times_land_on_their_layers():
     for b, f, bw in zip((2, 4), slow.forward_ms, slow.backward_ms):
         assert f >= b * ms and bw >= 2 * b * ms
     assert prof.layers[0].forward_ms[1] < 4 * ms  # the fast layer is not charged the slow one's sleep
+
+
+class RowLog(nn.Module):
+    """Identity that logs the rows of every forward call (the order the profiler runs batch sizes in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[int] = []
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.rows.append(x.shape[0])
+        return self.lin(x)
+
+
+def test_timed_rounds_interleave_batch_sizes():
+    # a burst of load lasting a few runs must not inflate every run of one batch size (the median's majority)
+    m = RowLog()
+    dapple.profile(nn.Sequential(m, nn.Tanh()), torch.randn(4, 4), batch_sizes=(1, 2, 4), repeats=6, warmup=1,
+                   progress=False, leaf_modules=(RowLog,))
+    timed = m.rows[-3 * 6:]  # the last calls are the timed runs: 6 rounds x 3 batch sizes
+    assert sorted(timed) == sorted([1, 2, 4] * 6)
+    longest = max(len(list(g)) for _, g in itertools.groupby(timed))
+    assert longest <= 2, f"batch sizes ran in blocks: {timed}"  # a round is every size once (rotated)
+    for k in range(0, len(timed), 3):
+        assert sorted(timed[k:k + 3]) == [1, 2, 4]
 
 
 def test_real_profile_yaml_round_trip(tmp_path):

@@ -46,6 +46,13 @@ def test_gradient_allreduce_overlaps_the_last_backward(results):
 
 
 @pytest.mark.slow
+def test_gradient_buckets_reuse_one_flat_buffer_across_steps(results):
+    for rank, per_step in enumerate(r["pure_dp_4"] for r in results):
+        first, second = (res["flat"] for res in per_step)
+        assert first and None not in first and first == second, rank  # allocated once, kept for later steps
+
+
+@pytest.mark.slow
 def test_activation_memory_bounded_by_warmup_not_micro_batches(results):
     """Saved-for-backward bytes per rank (straight 4 stages, policy A: K = 4, 3, 2, 1) at M = 4 and 8."""
     for rank, peaks in enumerate(r["memory"] for r in results):

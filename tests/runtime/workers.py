@@ -97,6 +97,7 @@ def case_chain(stages, gbs, mbs, steps: int = 1, accumulate: bool = False, **kw)
             pipe.train_step(x, y)
         out.append(_compare(pipe, loss, ref_loss, ref, 2.0 if accumulate else 1.0))
         out[-1]["buckets"] = (len(pipe._reducer.buckets), sum(launches))
+        out[-1]["flat"] = [f.data_ptr() if f is not None else None for f in pipe._reducer._flat]
         launches.clear()
         for n, p in ref_model.named_parameters():
             p.grad = ref[n].clone()
