@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dapple  # noqa: E402
 from dapple.models import EmulatedLayer  # noqa: E402
 from dapple.planner import Stage  # noqa: E402
+from _timing import timed_steps  # noqa: E402  (benchmarks/, next to this script)
 from accuracy_traces import contention, diagnose, side_by_side  # noqa: E402  (benchmarks/, next to this script)
 
 WORLD = 4
@@ -141,19 +141,11 @@ def describe(plan: dapple.Plan) -> str:
 
 # ---- measuring (every rank) ------------------------------------------------------------------------------
 def _timed(pipe: dapple.Pipeline, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
-    """Step durations in ms: all ranks start after a barrier; a step lasts until the slowest rank is done.
-    Gradients are dropped before each step (as ``optimizer.zero_grad()`` does), outside the timing."""
-    out = []
-    for _ in range(steps):
+    """Step durations in ms (the slowest rank's); gradients dropped before each step, outside the timing."""
+    def drop_grads() -> None:
         for p in pipe.parameters():
             p.grad = None
-        dist.barrier()
-        t0 = time.perf_counter()
-        pipe.train_step(x, y)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append(1e3 * float(t))
-    return out
+    return [w for w, _ in timed_steps(lambda: pipe.train_step(x, y), steps, before=drop_grads)]
 
 
 def run(plans: list[tuple[str, dapple.Plan]], args: argparse.Namespace, trace_dir: str) -> dict:
