@@ -2,7 +2,7 @@
 
 What is measured: the bytes of the tensors autograd saves for backward and holds at once (the activations
 a stage keeps alive between a micro-batch's forward and its backward), via
-``torch.autograd.graph.saved_tensors_hooks`` around ``train_step``; parameters are excluded, a view counts
+``dapple.runtime.ActivationMeter`` (saved-tensor hooks) around ``train_step``; parameters are excluded, a view counts
 its own bytes, a tensor saved twice counts once. The CPU allocator has no peak statistics, and this is the
 quantity early backward bounds (paper Table 5: dapple's peak stays flat in M, gpipe's grows with M).
 
@@ -26,45 +26,6 @@ from dapple.profiler import trace_layers
 S = 4
 
 
-class SavedBytes:
-    """Peak bytes of distinct tensors saved for backward (parameters excluded)."""
-
-    def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.alive: dict[tuple, list[int]] = {}  # view -> [holders, bytes]
-        self.now = self.peak = 0
-
-    def pack(self, t: torch.Tensor):
-        if t.device.type == "meta" or t.untyped_storage().data_ptr() in self.params:
-            return t
-        key = (t.data_ptr(), tuple(t.shape), t.stride())
-        entry = self.alive.setdefault(key, [0, t.numel() * t.element_size()])
-        if entry[0] == 0:
-            self.now += entry[1]
-            self.peak = max(self.peak, self.now)
-        entry[0] += 1
-        return _Held(self, key, t)
-
-    @staticmethod
-    def unpack(h):
-        return h.t if isinstance(h, _Held) else h
-
-    def release(self, key: tuple) -> None:
-        entry = self.alive[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.now -= entry[1]
-            del self.alive[key]
-
-
-class _Held:
-    def __init__(self, meter: SavedBytes, key: tuple, t: torch.Tensor):
-        self.meter, self.key, self.t = meter, key, t
-
-    def __del__(self):
-        self.meter.release(self.key)
-
-
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     out: dict[str, int] = {}
@@ -82,8 +43,7 @@ def run(args: argparse.Namespace) -> dict:
             pipe = dapple.pipeline(model, plan, lm_loss, timeout=300)
             x, y = random_tokens(g, args.seq, args.vocab, generator=torch.Generator().manual_seed(0))
             pipe.train_step(x, y)  # first step: shapes, buffers
-            meter = SavedBytes(pipe.parameters())
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, SavedBytes.unpack):
+            with dapple.runtime.ActivationMeter(pipe.parameters()) as meter:
                 pipe.train_step(x, y)
             out[f"{schedule}/{m}"] = meter.peak
             dist.barrier()

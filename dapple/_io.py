@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,6 +37,20 @@ def dump(doc: Mapping[str, Any], path: PathLike | None = None) -> str:
     return text
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``25e9`` and ``1E-5`` as floats (YAML 1.1 wants ``25.0e+9``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
 def load(path: PathLike, kind: str, version: int) -> dict[str, Any]:
     """Load a document whose header key ``kind`` (e.g. ``dapple_plan``) must equal ``version``."""
     try:
@@ -43,7 +58,7 @@ def load(path: PathLike, kind: str, version: int) -> dict[str, Any]:
     except OSError as e:
         raise DocumentError(f"{path}: cannot read {kind} document: {e}") from e
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         raise DocumentError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(doc, dict):

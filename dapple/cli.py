@@ -12,7 +12,13 @@ Adder = Callable[["argparse._SubParsersAction"], None]
 def _add_show(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("show", help="print a Profile, Cluster or Plan YAML document, or summarise a trace JSON")
     p.add_argument("path", help="a dapple YAML document, or a Chrome-trace .json written by a traced pipeline")
-    p.add_argument("--png", default=None, metavar="PNG", help="trace: draw its timeline (ranks x time) here")
+    p.add_argument("--png", default=None, metavar="PNG",
+                   help="draw the timeline (ranks x time) here: a trace's measured one, or a plan's simulated one")
+    p.add_argument("--profile", default=None, help="plan --png: the profile it was made for (YAML or PipeDream .txt)")
+    p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
+    p.add_argument("--cluster", default=None, help="plan --png: preset A, B or C, or a cluster YAML")
+    p.add_argument("--overlap", action="store_true", help="plan --png: AllReduce overlapped with the last backward")
+    p.add_argument("--json", default=None, metavar="JSON", help="plan: also write the simulated Chrome trace here")
     p.set_defaults(run=_run_show)
 
 
@@ -28,11 +34,36 @@ def _run_show(args: argparse.Namespace) -> int:
     kinds = {"dapple_plan": Plan, "dapple_profile": Profile, "dapple_cluster": Cluster}
     for key, cls in kinds.items():
         if isinstance(head, dict) and key in head:
+            doc = cls.load(args.path)
+            print(doc)
+            if key == "dapple_plan" and (args.png or args.json):
+                return _show_simulated(doc, args)
             if args.png:
-                raise SystemExit(f"dapple show: --png draws a trace (.json); {args.path} is a {key[7:]} document")
-            print(cls.load(args.path))
+                raise SystemExit(f"dapple show: --png draws a trace (.json) or a plan; {args.path} is a "
+                                 f"{key[7:]} document")
             return 0
     raise SystemExit(f"dapple show: {args.path} is not a dapple document (expected one of {sorted(kinds)})")
+
+
+def _show_simulated(plan, args: argparse.Namespace) -> int:
+    """Draw (and/or save as a Chrome trace) the simulated schedule of ``plan`` on its profile and cluster."""
+    from .planner import draw_plan, simulate
+    from .planner.gantt import device_labels
+    from .planner.timeline import from_simulation, save_chrome_trace
+
+    if not args.profile or not args.cluster:
+        raise SystemExit(f"dapple show: drawing the simulated schedule of {args.path} needs the --profile it was "
+                         f"made for and the --cluster it runs on")
+    prof, cluster = _load_profile(args.profile, args.profile_batch), _load_cluster(args.cluster)
+    if args.png:
+        sim = draw_plan(plan, prof, cluster, args.png, overlap=args.overlap)
+        print(f"{sim}\nwrote {args.png}")
+    if args.json:
+        sim = simulate(plan, prof, cluster, overlap=args.overlap)
+        save_chrome_trace(from_simulation(sim), args.json, metadata={"simulated": True, "plan": plan.to_dict()},
+                          process_names=device_labels(sim))
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _show_trace(path: str, png: str | None) -> int:
@@ -249,7 +280,76 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Adder] = [_add_show, _add_profile, _add_plan, _add_simulate]
+def _add_demo(sub: "argparse._SubParsersAction") -> None:
+    from .demo import DemoConfig
+
+    d = DemoConfig()
+    p = sub.add_parser("demo", help="profile the built-in GPT, plan it for local processes, train it pipelined")
+    p.add_argument("--nproc", type=int, default=d.nproc, help=f"local processes (default {d.nproc})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument("--global-batch", type=int, default=d.global_batch, help=f"default {d.global_batch}")
+    p.add_argument("--n-layer", type=int, default=d.n_layer, help=f"GPT blocks (default {d.n_layer})")
+    p.add_argument("--n-embd", type=int, default=d.n_embd, help=f"GPT width (default {d.n_embd})")
+    p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
+                   help="device memory per process: this share of the parameters with Adam state, plus room for "
+                        f"activations (default {d.memory_fraction}: the model does not fit one process)")
+    p.add_argument("--trace", default=None, metavar="JSON", help="write a Chrome trace of the last step here")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run
+
+    run(DemoConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch, n_layer=args.n_layer,
+                   n_embd=args.n_embd, memory_fraction=args.memory_fraction, trace=args.trace))
+    return 0
+
+
+def _add_probe(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("probe", help="measure link and AllReduce bandwidth/latency into a Cluster YAML "
+                                     "(under torchrun: the real cluster; else --nproc local processes)")
+    p.add_argument("-o", "--output", default="cluster.yaml", help="Cluster YAML to write (default cluster.yaml)")
+    p.add_argument("--nproc", type=int, default=2, help="local processes when not under torchrun (default 2)")
+    p.add_argument("--repeats", type=int, default=7, help="timed transfers per size (median; default 7)")
+    p.add_argument("--device-memory", type=float, default=None,
+                   help="bytes per device (default: the GPU's memory, or RAM / processes per server)")
+    p.set_defaults(run=_run_probe)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    import os
+
+    from . import Cluster
+    from .profiler.bandwidth import DEFAULT_SIZES, measure, probe_local
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: every rank measures
+        import torch
+        import torch.distributed as dist
+
+        from .runtime.distributed import init_distributed
+
+        ctx = init_distributed(timeout=300.0)
+        fits = measure(DEFAULT_SIZES, args.repeats)
+        memory = args.device_memory
+        if memory is None:
+            memory = (torch.cuda.get_device_properties(ctx.device).total_memory if ctx.device.type == "cuda" else
+                      os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / fits["devices_per_server"])
+        if ctx.rank == 0:
+            cluster = Cluster.from_probe(fits, device_memory=float(memory))
+            cluster.save(args.output)
+            print(f"{cluster}\nwrote {args.output}")
+        dist.destroy_process_group()
+        return 0
+    fits = probe_local(args.nproc, DEFAULT_SIZES, args.repeats)
+    memory = args.device_memory or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / args.nproc
+    cluster = Cluster.from_probe(fits, device_memory=float(memory))
+    cluster.name = "local"
+    cluster.save(args.output)
+    print(f"{cluster}\nwrote {args.output}")
+    return 0
+
+
+COMMANDS: list[Adder] = [_add_show, _add_profile, _add_plan, _add_simulate, _add_probe, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

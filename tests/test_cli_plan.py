@@ -31,3 +31,24 @@ def test_plan_then_simulate(tmp_path, capsys):
 def test_pipedream_profile_needs_its_batch_size():
     with pytest.raises(SystemExit, match="--profile-batch"):
         main(["plan", str(pipedream_path("vgg19")), "--cluster", "A", "--global-batch", "64"])
+
+
+def test_show_plan_draws_the_simulated_schedule(tmp_path, capsys):
+    profile = str(pipedream_path("bert_48"))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", profile, "--profile-batch", "2", "--cluster", "A", "--global-batch", "64",
+                 "-o", str(out)]) == 0
+    png, js = tmp_path / "sim.png", tmp_path / "sim.json"
+    with pytest.raises(SystemExit, match="needs the --profile"):
+        main(["show", str(out), "--png", str(png)])
+    assert main(["show", str(out), "--png", str(png), "--json", str(js), "--profile", profile,
+                 "--profile-batch", "2", "--cluster", "A"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and "simulated dapple iteration" in capsys.readouterr().out
+    from dapple.planner.timeline import load_chrome_trace
+    events = load_chrome_trace(js)
+    plan = Plan.load(out)
+    assert {e.rank for e in events} == set(range(plan.num_devices))
+    m = plan.num_micro_batches
+    for d in range(plan.num_devices):  # each device runs every forward and backward once
+        names = sorted(e.name for e in events if e.rank == d and e.kind in ("forward", "backward"))
+        assert names == sorted([f"F{j}" for j in range(m)] + [f"B{j}" for j in range(m)])

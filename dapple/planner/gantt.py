@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from .timeline import Event, lane_of
+
+if TYPE_CHECKING:
+    from ..profiler.profile import Profile
+    from .cluster import Cluster
+    from .plan import Plan
+    from .simulator import SimResult
 
 COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "send": "#DD8452", "recv": "#C9A227",
            "allreduce": "#C44E52", "idle": "#DDDDDD", "other": "#8172B3"}
@@ -97,3 +103,23 @@ def _first_per_step(events: list[Event]) -> list[float]:
             key = e.args.get("step", e.name)
             first[key] = min(first.get(key, e.start), e.start)
     return sorted(first.values())[1:]
+
+
+def draw_plan(plan: "Plan", profile: "Profile", cluster: "Cluster", path: str | Path, *, overlap: bool = False,
+              title: str | None = None) -> "SimResult":
+    """Simulate ``plan`` on ``profile`` and ``cluster`` and draw its schedule to a PNG like a measured trace
+    (one row per device); returns the simulation (its ``latency_ms``, timeline, ...)."""
+    from .simulator import simulate
+    from .timeline import from_simulation
+
+    sim = simulate(plan, profile, cluster, overlap=overlap)
+    if title is None:
+        title = (f"{plan.schedule} schedule, simulated: {plan.num_stages} stage{'s' if plan.num_stages != 1 else ''}"
+                 f", M={plan.num_micro_batches} micro-batches of {plan.micro_batch_size} rows, "
+                 f"{sim.latency_ms:.1f} ms")
+    draw_gantt(from_simulation(sim), path, title=title, rank_labels=device_labels(sim))
+    return sim
+
+
+def device_labels(sim: "SimResult") -> dict[int, str]:
+    return {d: f"device {d} · stage {s}" for d, s in sim.stage_of_device.items()}

@@ -92,8 +92,8 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
     world = dist.get_world_size()
     if world < 2:
         raise ValueError(f"the bandwidth probe needs at least 2 ranks, the world has {world}")
-    hosts: list = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts: list = [None] * world  # DAPPLE_PROBE_HOST overrides the host name (e.g. to test several servers)
+    dist.all_gather_object(hosts, os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname())
     names = list(dict.fromkeys(hosts))
     per = hosts.count(names[0])
     expect = [h for h in names for _ in range(per)]

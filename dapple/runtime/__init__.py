@@ -3,6 +3,7 @@
 from .comm import PipelineError
 from .engine import Pipeline, pipeline
 from .launch import launch
+from .memory import ActivationMeter
 from .tracing import Trace
 
-__all__ = ["Pipeline", "PipelineError", "Trace", "launch", "pipeline"]
+__all__ = ["ActivationMeter", "Pipeline", "PipelineError", "Trace", "launch", "pipeline"]

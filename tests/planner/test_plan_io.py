@@ -85,3 +85,11 @@ def test_measured_allreduce_numbers_override_the_links():
     assert plain.allreduce_link([0, 4]) == (1e9, plain.inter_latency)
     with pytest.raises(ValueError, match="intra_allreduce_bandwidth: expected None or a positive number, got 0"):
         Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, intra_allreduce_bandwidth=0)
+
+
+def test_yaml_numbers_in_scientific_notation_without_a_dot(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("dapple_cluster: 1\nservers: 2\ndevices_per_server: 8\nintra_bandwidth: 130e9\n"
+                    "inter_bandwidth: 3.125E9\ninter_latency: 30e-6\n")
+    c = Cluster.load(path)
+    assert (c.intra_bandwidth, c.inter_bandwidth, c.inter_latency) == (130e9, 3.125e9, 30e-6)

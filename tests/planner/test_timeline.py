@@ -7,8 +7,14 @@ import json
 import pytest
 
 from dapple.planner.gantt import draw_gantt
-from dapple.planner.timeline import (Event, lane_of, load_chrome_trace, save_chrome_trace, summarize,
-                                     to_chrome_trace)
+from dapple.planner.timeline import (
+    Event,
+    lane_of,
+    load_chrome_trace,
+    save_chrome_trace,
+    summarize,
+    to_chrome_trace,
+)
 
 
 def _events():
@@ -74,3 +80,27 @@ def test_summarize_counts_the_compute_lane_within_steps():
     assert s[0]["backward_ms"] == pytest.approx(4) and s[0]["idle_ms"] == pytest.approx(7)
     assert s[0]["allreduce_ms"] == pytest.approx(1) and s[0]["busy"] == pytest.approx(0.3)
     assert s[1]["span_ms"] == pytest.approx(6.5) and s[1]["forward_ms"] == pytest.approx(2)  # no step: first..last
+
+
+def test_simulated_timeline_as_events():
+    from dapple import Cluster
+    from dapple.planner import Plan, Stage, simulate
+    from dapple.planner.timeline import from_simulation
+
+    from .helpers import linear_profile
+
+    prof = linear_profile([1.0, 1.0, 1.0, 1.0], params=1e6, boundary=1e5)
+    plan = Plan(global_batch_size=8, micro_batch_size=2, stages=[Stage((0, 2), [0, 1]), Stage((2, 4), [2])])
+    cluster = Cluster(servers=1, devices_per_server=3, intra_bandwidth=1e9, inter_bandwidth=1e9)
+    sim = simulate(plan, prof, cluster)
+    events = from_simulation(sim)
+    compute = [e for e in events if e.kind in ("forward", "backward", "idle", "allreduce")]
+    for d in range(3):  # the compute lane of each device tiles [0, its end] without overlaps
+        mine = sorted((e for e in compute if e.rank == d), key=lambda e: e.start)
+        assert mine[0].start == 0.0
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(mine, mine[1:]))
+    sends = [e for e in events if e.kind == "send"]
+    recvs = [e for e in events if e.kind == "recv"]
+    assert len(sends) == len(recvs) == len(sim.transfers) > 0
+    assert {e.rank for e in events if e.kind == "allreduce"} == {0, 1}  # the replicated stage reduces
+    assert max(e.end for e in events) * 1e3 == pytest.approx(sim.latency_ms)

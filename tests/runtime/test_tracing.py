@@ -154,8 +154,13 @@ def test_show_rejects_png_for_yaml_and_bad_json(tmp_path):
     plan = tmp_path / "p.yaml"
     plan.write_text("dapple_plan: 1\nglobal_batch_size: 4\nmicro_batch_size: 2\nstages:\n"
                     "  - {layers: [0, 1], devices: [0]}\n")
-    with pytest.raises(SystemExit, match="--png draws a trace"):
-        cli(["show", str(plan), "--png", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit, match="needs the --profile it was made for and the --cluster"):
+        cli(["show", str(plan), "--png", str(tmp_path / "x.png")])  # a plan is drawn from its simulation
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("dapple_cluster: 1\nservers: 1\ndevices_per_server: 2\nintra_bandwidth: 1e9\n"
+                       "inter_bandwidth: 1e9\n")
+    with pytest.raises(SystemExit, match=r"--png draws a trace \(\.json\) or a plan"):
+        cli(["show", str(cluster), "--png", str(tmp_path / "x.png")])
     bad = tmp_path / "t.json"
     bad.write_text("[1, 2")
     with pytest.raises(SystemExit, match="cannot read a Chrome-trace JSON"):

@@ -169,47 +169,6 @@ def case_resnet(stages, gbs, mbs) -> list[dict]:
     return [_compare(pipe, pipe.train_step(x, y), ref_loss, ref)]
 
 
-class SavedBytes:
-    """Bytes of the distinct tensors autograd holds for backward (parameters excluded); tracks the peak.
-
-    A view counts its own bytes (an input slice is not charged the whole batch it is cut from).
-    """
-
-    def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.alive: dict[tuple, list[int]] = {}  # view -> [holders, bytes]
-        self.now = self.peak = 0
-
-    def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() in self.params:
-            return t
-        key = (t.data_ptr(), tuple(t.shape), t.stride())
-        entry = self.alive.setdefault(key, [0, t.numel() * t.element_size()])
-        if entry[0] == 0:
-            self.now += entry[1]
-            self.peak = max(self.peak, self.now)
-        entry[0] += 1
-        return _Held(self, key, t)
-
-    def unpack(self, h):
-        return h.t if isinstance(h, _Held) else h
-
-    def release(self, key: tuple) -> None:
-        entry = self.alive[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.now -= entry[1]
-            del self.alive[key]
-
-
-class _Held:
-    def __init__(self, meter: SavedBytes, key: tuple, t: torch.Tensor):
-        self.meter, self.key, self.t = meter, key, t
-
-    def __del__(self):
-        self.meter.release(self.key)
-
-
 def case_memory(m_values=(4, 8)) -> dict[str, int]:
     """Peak saved-activation bytes of this rank per (schedule, M) at a fixed micro-batch size (straight 4)."""
     out = {}
@@ -222,8 +181,7 @@ def case_memory(m_values=(4, 8)) -> dict[str, int]:
             pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
             x = torch.randn(4 * m, 64, dtype=torch.float64)
             y = torch.randint(0, 3, (4 * m,))
-            meter = SavedBytes(pipe.parameters())
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            with dapple.runtime.ActivationMeter(pipe.parameters()) as meter:
                 pipe.train_step(x, y)
             out[f"{schedule}/{m}"] = meter.peak
     return out
