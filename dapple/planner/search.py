@@ -7,12 +7,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from .bounds import rest_bound
 from .cost import CostModel, Layout
 from .evaluate import pipeline_costs
 from .latency import paper_latency
 from .memory import max_in_flight
 from .placement import placements
 from .refined import refined_latencies
+from .seeds import even_seeds
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
@@ -67,12 +69,15 @@ def _arrange(take: Sequence[int], prev: Layout | None) -> Layout:
 
 
 def _canonical(free: Sequence[int], last: Layout) -> tuple[tuple, list[int]]:
-    """State key and relabelling: servers sorted by (free devices, positions of the last stage's replicas).
-    Servers with equal descriptors are interchangeable for every later decision and cost."""
-    pos: dict = {}
-    for k, x in enumerate(last):
-        pos.setdefault(x, []).append(k)
-    desc = [(free[s], tuple(pos.get(s, ()))) for s in range(len(free))]
+    """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it). The
+    paper memoises on the devices used (formula 4's (j, m, g)); up to server symmetry that is the multiset of
+    free counts. The last stage's replica counts per server are added because they decide the split-concat
+    routes to the next stage (where on a server the replicas sit in the stage's order is left out: merging
+    those keeps the DP exact on every brute-force instance, tests/planner/test_search.py)."""
+    count: dict = {}
+    for x in last:
+        count[x] = count.get(x, 0) + 1
+    desc = [(free[s], count.get(s, 0)) for s in range(len(free))]
     order = sorted(range(len(free)), key=desc.__getitem__)
     perm = [0] * len(free)
     for new, old in enumerate(order):
@@ -98,6 +103,7 @@ class _DP:
         self.states = self.transitions = 0
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
+        self.width: int | None = None  # prefixes expanded per j (None: all, the exact DP)
         self._tail: dict = {}
         self._options: dict = {}
         # rho[j]: least per-micro-batch work (ms x devices) any stage split can give layers [0, j)
@@ -106,11 +112,12 @@ class _DP:
             rho.append(rho[-1] + min(r * sum(self.cm.compute(layer, layer + 1, r))
                                      for r in range(1, min(self.b, self.G) + 1)))
         self.rho = rho
-        # rt[j]: least one-micro-batch forward + backward of layers [0, j) under any replication (refined bound)
-        rt = [0.0]
-        for layer in range(self.N):
-            rt.append(rt[-1] + min(sum(self.cm.compute(layer, layer + 1, r)) for r in range(1, min(self.b, self.G) + 1)))
-        self.rt = rt
+        # Q[j][R]: least that layers [j, N) on R devices add to L under any split (bounds.rest_bound);
+        # Qcol[R][j] = -Q[j][R], increasing in j, for bisect
+        q = rest_bound(self.cm, self.M, self.G, fill=self.refined)
+        self.Q = q.tolist()
+        self.Qcol = (-q.T).tolist()
+        self.fill = 1.0 if self.refined else 0.0
 
     # ---- helpers -------------------------------------------------------------------------------
     def comm_lb(self, f: float, b: float) -> float:
@@ -167,34 +174,16 @@ class _DP:
 
     # ---- seeds: a few simple complete plans give the bound something to prune with ------------------
     def seed(self) -> None:
-        N, G = self.N, self.G
-        for S in range(1, min(N, G, self.max_stages or N) + 1):
-            reps = [G // S + (1 if i < G % S else 0) for i in range(S)]
-            if max(reps) > self.b:
-                continue
-            lays, d = [], 0
-            for r in reps:
-                lays.append(tuple((d + k) // self.dps for k in range(r)))
-                d += r
-            # cut layers so that each stage's work per replica is about even (prefix sums of rho)
-            cuts, a = [], 0
-            for i in range(S - 1):
-                target = self.rho[N] * sum(reps[: i + 1]) / G
-                c = a + 1
-                while c < N - (S - 1 - i) and self.rho[c] < target:
-                    c += 1
-                cuts.append(c)
-                a = c
-            bounds = [0] + cuts + [N]
-            spans = tuple((bounds[i], bounds[i + 1], lays[i]) for i in range(S))
+        for spans in even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages):
             res = self.evaluate_spans(spans)
             if res is not None:
-                self.record(res[0], spans, ("even",) * S, res[1])
+                self.record(res[0], spans, ("even",) * len(spans), res[1])
 
     # ---- the DP ----------------------------------------------------------------------------------------
     def run(self) -> None:
         N, M, b, ns, dps, cm, rho = self.N, self.M, self.b, self.ns, self.dps, self.cm, self.rho
         states: list[dict] = [dict() for _ in range(N + 1)]
+        self.table = states  # the memo: states[j][key] = [best prefixes] (kept for inspection)
         all_free = tuple([dps] * ns)
         lay0 = tuple(s for s in range(ns) for _ in range(dps))
         if self.G <= b:  # j = 0: pure data parallelism, the whole model as one stage on every device
@@ -204,7 +193,7 @@ class _DP:
                 self.record(lat, ((0, N, lay0),), ("fresh",), pol)
         root = _Prefix((), (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0)
         for j in range(N):
-            for pre in ([root] if j == 0 else [p for bucket in states[j].values() for p in bucket]):
+            for pre in ([root] if j == 0 else self.frontier(states[j])):
                 self.states += 1
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     self.complete = False
@@ -213,8 +202,7 @@ class _DP:
                 R = sum(free)
                 if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.best[0]:
                     continue
-                if self.refined and max(pre.W + M * (rho[N] - rho[j]) / R + pre.Bsum,
-                                        pre.W + pre.Bsum + self.rt[N] - self.rt[j]) >= self.best[0]:
+                if pre.W + pre.Bsum + self.Q[j][R] >= self.best[0]:
                     continue
                 if self.max_stages is not None and len(pre.spans) + 2 > self.max_stages:
                     continue
@@ -222,12 +210,23 @@ class _DP:
                 bound = self.best[0]
                 for m in range(1, min(R - 1, b) + 1):
                     # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m
-                    # devices: M rho(j2, N) / (R-m) < bound. Skip m when no j2 satisfies both.
+                    # devices: M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
                     lo = bisect.bisect_right(rho, rho[N] - bound * (R - m) / M, j + 1)
+                    lo = max(lo, bisect.bisect_right(self.Qcol[R - m], pre.W + pre.Bsum - bound, j + 1))
                     if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
                         continue
                     for option in self.options(free, prev, m):
                         self.expand(states, pre, j, m, option, prev, lo)
+
+    def frontier(self, layer_states: dict) -> list:
+        """The prefixes to expand at one j: all of them, or with ``width`` the best ``width`` by formula 5's L
+        (a width-limited pass is a heuristic: ``complete`` becomes False when it drops any)."""
+        pres = [p for bucket in layer_states.values() for p in bucket]
+        if self.width is not None and len(pres) > self.width:
+            pres.sort(key=lambda p: p.latency)
+            del pres[self.width:]
+            self.complete = False
+        return pres
 
     def options(self, free: tuple, prev: Layout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
@@ -257,7 +256,7 @@ class _DP:
 
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
-        N, M, b, ns, cm, rho = self.N, self.M, self.b, self.ns, self.cm, self.rho
+        N, M, ns, cm = self.N, self.M, self.ns, self.cm
         name, new, free2, tail, tail_eval, wide, key, perm = option
         refined = self.refined
         if prev is not None:
@@ -284,9 +283,8 @@ class _DP:
             W1 = Bsum1 = 0.0
         if not refined:
             W1 = Bsum1 = 0.0  # formula 2 has no fill/drain bound (pivot 0 hides both)
-        rt = self.rt
+        Q, fill, n_rest = self.Q, self.fill, len(tail)
         mem, static, saved = self.mem, cm.static_bytes, cm.saved_bytes
-        rest_per_device = M / len(tail)
         for j2 in range(lo, N):
             f, bb = cm.compute(j, j2, m)
             lb = max(base, W1 + M * (f + bb) + Bsum1)
@@ -295,11 +293,8 @@ class _DP:
             dn = max_in_flight(static(j, j2), saved(j, j2, m), mem)
             if dn < 1:
                 break  # and only bigger
-            if refined:  # the rest: some stage gets >= its share of the work; one micro-batch goes there and back
-                if max((rho[N] - rho[j2]) * rest_per_device + W1 + f + bb + Bsum1,
-                       W1 + f + bb + Bsum1 + rt[N] - rt[j2]) >= self.best[0]:
-                    continue
-            elif (rho[N] - rho[j2]) * rest_per_device >= self.best[0]:
+            # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
+            if W1 + Bsum1 + fill * (f + bb) + Q[j2][n_rest] >= self.best[0]:
                 continue
             busy2, out2, in2, servers2, chain2 = cm.comm_links(j2 - 1, new, tail_eval)
             t_f, t_b, t_ar, t_e, t_d = self.tail(j2, tail_eval)
