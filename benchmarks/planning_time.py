@@ -63,7 +63,10 @@ def main() -> None:
               f"{result.num_stages} stages {[len(s.devices) for s in result.stages]}, micro-batch "
               f"{result.micro_batch_size}, {result.meta['dp_states']} DP states, "
               f"{result.meta['dp_transitions']} transitions, estimate {result.estimate.latency_ms:.1f} ms, "
-              f"search {'complete' if result.meta['search_complete'] else 'stopped at the time limit'}", flush=True)
+              f"search {'complete' if result.meta['search_complete'] else 'stopped at the time limit'}"
+              + (f" (no plan below {result.meta['latency_lower_bound_ms']:.1f} ms: at most "
+                 f"{result.estimate.latency_ms / result.meta['latency_lower_bound_ms'] - 1:.1%} off the optimum)"
+                 if "latency_lower_bound_ms" in result.meta else ""), flush=True)
 
 
 if __name__ == "__main__":

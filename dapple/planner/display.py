@@ -72,4 +72,8 @@ def format_plan(plan: "Plan") -> str:
                      + (f"; placement {', '.join(plan.meta['placement'])}" if plan.meta.get("placement") else "")
                      + ("; search stopped at its time limit: the best plan found so far"
                         if plan.meta.get("search_complete") is False else ""))
+        bound = plan.meta.get("latency_lower_bound_ms")
+        if bound and plan.estimate is not None:
+            lines.append(f"  no plan is modelled below {bound:.1f} ms: this one is within "
+                         f"{plan.estimate.latency_ms / bound - 1:.1%} of the best possible")
     return "\n".join(lines)

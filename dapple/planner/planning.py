@@ -124,12 +124,21 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             "latency_model": model, "overlap": overlap, "placement": list(policies),
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
             "dp_transitions": found.transitions, "search_complete": complete}
+    if not complete:  # what an unfinished search still proves: no plan's modelled L is below this
+        meta["latency_lower_bound_ms"] = round(lower_bound(dps, found.latency), 4)
     if simulated is not None:
         meta["simulated_ms"] = round(simulated, 4)
         meta["candidates_simulated"] = n_sim
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=g, micro_batch_size=b, stages=stages, schedule=schedule, warmup_policy=policy,
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
+
+
+def lower_bound(dps: Sequence[_DP], best: float) -> float:
+    """A lower bound on the modelled L of every plan, after the searches ``dps`` (one per micro-batch size;
+    the others fit no device) ran: a finished search found all plans below ``best``; an unfinished one
+    contributes its root bound Q[0][G] (bounds.rest_bound: the least max-stage work of any split)."""
+    return min([best] + [dp.Q[0][dp.G] for dp in dps if not dp.complete])
 
 
 def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,

@@ -148,3 +148,14 @@ def test_planner_modules_do_not_import_torch():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
+
+
+def test_a_stopped_search_returns_its_best_plan_and_a_true_lower_bound():
+    prof, c = random_profile(random.Random(1), 16), cluster(2, 4)
+    full = dapple.plan(prof, c, 32, 4)  # about 0.5 s: completes
+    assert full.meta["search_complete"] and "latency_lower_bound_ms" not in full.meta
+    stopped = dapple.plan(prof, c, 32, 4, time_limit=0.0)  # stops at once: a seed plan
+    assert stopped.meta["search_complete"] is False
+    bound = stopped.meta["latency_lower_bound_ms"]
+    assert 0 < bound <= full.estimate.latency_ms <= stopped.estimate.latency_ms
+    assert f"no plan is modelled below {bound:.1f} ms" in str(stopped)
