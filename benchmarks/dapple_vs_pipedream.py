@@ -24,15 +24,6 @@ PAPER = {"vgg19": ("14:2", "8:6:1:1"), "bert_large": ("8:8", "2:6:2:2:2:2"), "xl
          "amoebanet_36": ("8:8", "straight")}  # (DAPPLE, PipeDream) as replicas per stage
 
 
-def describe(p) -> str:
-    """The paper's notation: DP, straight, or replicas per stage P:Q:..."""
-    if p.num_stages == 1:
-        return "DP"
-    if all(len(s.devices) == 1 for s in p.stages):
-        return f"straight{p.num_stages}"
-    return ":".join(str(len(s.devices)) for s in p.stages)
-
-
 def cluster_of(name: str) -> Cluster:
     """'A' (2x8), 'A4' (4x8, Fig. 13's second cluster), 'B', 'C' (16x1)."""
     return Cluster.preset("A", servers=4) if name == "A4" else Cluster.preset(name)
@@ -64,7 +55,7 @@ def main() -> None:
                     (cluster.devices_per_server, args.pipedream_intra), (cluster.servers, cluster.inter_bandwidth)]
                 pd = pipedream_plan(prof, cluster, gbs, levels=levels)
             except ValueError as e:  # gnmt_16: > 512 antichain states; PipeDream's DP is cubic in them
-                print(f"{name:<13} {gbs:>5} {cfg:>3}  {describe(ours):<12} PipeDream: {str(e)[15:95]}...", flush=True)
+                print(f"{name:<13} {gbs:>5} {cfg:>3}  {ours.shape:<12} PipeDream: {str(e)[15:95]}...", flush=True)
                 continue
             t_pd = simulate(pd, prof, cluster, overlap=args.overlap).latency_ms
             try:  # pure data parallelism (the paper's speedup baseline), its micro-batch size searched too
@@ -72,9 +63,9 @@ def main() -> None:
                 t_dp = simulate(dp, prof, cluster, overlap=args.overlap).latency_ms
             except ValueError:  # the whole model does not fit on one device
                 t_dp = float("nan")
-            pd_desc = describe(pd) + f" b{pd.micro_batch_size}"
+            pd_desc = pd.shape + f" b{pd.micro_batch_size}"
             flag = "" if ours.meta["search_complete"] else "*"
-            print(f"{name:<13} {gbs:>5} {cfg:>3}  {describe(ours) + flag:<12} {pd_desc:<22} {t_dp:8.1f} "
+            print(f"{name:<13} {gbs:>5} {cfg:>3}  {ours.shape + flag:<12} {pd_desc:<22} {t_dp:8.1f} "
                   f"{t_ours:9.1f} {t_pd:9.1f} {t_dp / t_ours:9.2f} {t_dp / t_pd:6.2f} {t_pd / t_ours:6.2f}x "
                   f"{dt:6.1f}  {' | '.join(PAPER.get(name, ('-', '-')))}", flush=True)
     print("speedup = PipeDream's simulated iteration time / DAPPLE's (same simulator, same cluster, same profile);"

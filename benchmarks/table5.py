@@ -17,14 +17,6 @@ MODELS = {  # profile batch size, global batch sizes of Table V / VII
     "xlnet_36": (1, [128]), "amoebanet_36": (1, [128])}
 
 
-def describe(p) -> str:
-    if p.num_stages == 1:
-        return "DP"
-    if all(len(s.devices) == 1 for s in p.stages):
-        return f"straight ({p.num_stages})"
-    return ":".join(str(len(s.devices)) for s in p.stages)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", default=",".join(MODELS))
@@ -59,7 +51,7 @@ def main() -> None:
                 except ValueError:
                     dps = f"{'OOM':>9}"
                 split = " | ".join(f"{s.layers[0]}-{s.layers[1]}" for s in p.stages) if p.num_stages <= 3 else "..."
-                print(f"{name:<13} {gbs:>5} {cfg:>3}  {describe(p):<14} {split:<22} {p.micro_batch_size:>5} "
+                print(f"{name:<13} {gbs:>5} {cfg:>3}  {p.shape:<14} {split:<22} {p.micro_batch_size:>5} "
                       f"{p.warmup_policy:>3} {p.estimate.latency_ms:9.1f} {sim:9.1f} {dps} {dt:6.2f}"
                       + ("" if p.meta["search_complete"] else " (time limit)"), flush=True)
 

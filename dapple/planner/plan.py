@@ -95,6 +95,15 @@ class Plan:
     def warmup(self) -> list[int]:
         return [int(s.warmup) for s in self.stages]  # type: ignore[arg-type]
 
+    @property
+    def shape(self) -> str:
+        """The paper's notation (Tables V-VII): "DP", "straight<S>", or replicas per stage, e.g. "14:2"."""
+        if self.num_stages == 1:
+            return "DP"
+        if all(len(s.devices) == 1 for s in self.stages):
+            return f"straight{self.num_stages}"
+        return ":".join(str(len(s.devices)) for s in self.stages)
+
     def stage_of_device(self, device: int) -> int:
         for i, s in enumerate(self.stages):
             if device in s.devices:

@@ -27,6 +27,12 @@ def test_plan_defaults_and_round_trip(tmp_path):
     assert "[0, 3) a .. c" in text and "0-1 (x2)" in text and "pivot stage Q = 1" in text
 
 
+def test_plan_shape_in_the_papers_notation():
+    assert _plan().shape == "2:1"
+    assert _plan(stages=[Stage((0, 5), [0, 1, 2])]).shape == "DP"
+    assert _plan(stages=[Stage((0, 1), [0]), Stage((1, 3), [1]), Stage((3, 5), [2])]).shape == "straight3"
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(micro_batch_size=5), "not divisible by micro_batch_size 5"),
     (dict(stages=[Stage((0, 2), [0]), Stage((3, 5), [1])]), "starting at layer 2"),
