@@ -14,6 +14,13 @@ import torch.nn.functional as F
 import dapple
 
 
+def step_lengths_ms(events: list) -> dict:
+    """Per traced step: ms from its first event's start to its last event's end, over all ranks."""
+    steps = sorted({e.args.get("step") for e in events})
+    return {s: (max(e.end for e in events if e.args.get("step") == s)
+                - min(e.start for e in events if e.args.get("step") == s)) * 1e3 for s in steps}
+
+
 # ---- where the time went (from the traces) ---------------------------------------------------------------
 def diagnose(plan: dapple.Plan, events: list, prof: dapple.Profile, cluster: dapple.Cluster) -> dict:
     """Medians over the traced steps: per-op time / profile, AllReduce / model and replica skew before it,
@@ -58,8 +65,7 @@ def diagnose(plan: dapple.Plan, events: list, prof: dapple.Profile, cluster: dap
             if comp and span and ops:
                 covered = sum(e.duration for e in comp)  # compute-lane events never overlap
                 gaps.append((span[0].duration - covered) * 1e3 / ops)
-    step_ms = [(max(e.end for e in events if e.args.get("step") == s)
-                - min(e.start for e in events if e.args.get("step") == s)) * 1e3 for s in steps]
+    step_ms = list(step_lengths_ms(events).values())
     p2p_model = cm.route_ms(0, plan.micro_batch_size // plan.stages[0].replicas, 0, 0) if plan.num_stages > 1 else None
     return {"op_over_profile": med(ratios), "allreduce_ms": med(ar_meas) if ar_meas else None,
             "allreduce_model_ms": med(ar_model) if ar_model else None, "skew_ms": med(skews) if skews else None,
@@ -81,17 +87,15 @@ def side_by_side(trace_path: Path, plan: dapple.Plan, prof: dapple.Profile, clus
     from dapple.planner.timeline import from_simulation, load_chrome_trace
 
     events = load_chrome_trace(trace_path)
-    steps = sorted({e.args.get("step") for e in events})
-    length = {s: max(e.end for e in events if e.args.get("step") == s)
-              - min(e.start for e in events if e.args.get("step") == s) for s in steps}
-    step = sorted(steps, key=lambda s: length[s])[len(steps) // 2]
+    length = step_lengths_ms(events)  # ms
+    step = sorted(length, key=length.__getitem__)[len(length) // 2]
     one = [e for e in events if e.args.get("step") == step]
     sim = dapple.simulate(plan, prof, cluster)
     labels = {d: f"rank {d} · stage {i}" for i, st in enumerate(plan.stages) for d in st.devices}
-    span = max(length[step] * 1e3, sim.latency_ms)  # one time scale for both
+    span = max(length[step], sim.latency_ms)  # one time scale for both
     with tempfile.TemporaryDirectory() as tmp:
         top = draw_gantt(one, Path(tmp) / "measured.png", rank_labels=labels, span_ms=span,
-                         title=f"{title}: measured step ({length[step] * 1e3:.0f} ms, traced)")
+                         title=f"{title}: measured step ({length[step]:.0f} ms, traced)")
         bottom = draw_gantt(from_simulation(sim), Path(tmp) / "simulated.png", rank_labels=labels, span_ms=span,
                             title=f"{title}: simulated ({sim.latency_ms:.0f} ms, dapple.simulate)")
         a, b = plt.imread(top), plt.imread(bottom)

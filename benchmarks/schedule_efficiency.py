@@ -88,8 +88,8 @@ def _op_durations(pipe, step, steps: int) -> dict | None:
         return None
     out: dict = {}
     for e in gathered[0]:
-        if e.name[:1] in ("F", "B") and e.name[1:].isdigit():
-            out.setdefault(e.rank, {}).setdefault(e.name[0], []).append(1e3 * (e.end - e.start))
+        if e.kind in ("forward", "backward"):
+            out.setdefault(e.rank, {}).setdefault(e.kind[0].upper(), []).append(1e3 * e.duration)
     return {r: {k: statistics.median(v) for k, v in d.items()} for r, d in sorted(out.items())}
 
 
