@@ -24,45 +24,70 @@ def efficient_replicas(micro: int, most: int) -> list[int]:
     return out
 
 
-def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, check_memory: bool = True) -> np.ndarray:
+def allreduce_floor(cm: "CostModel", replicas: int, params: np.ndarray) -> np.ndarray:
+    """The least ring AllReduce ms of ``params`` bytes (array) over ``replicas`` devices anywhere on the cluster:
+    inside one server or across servers, whichever is cheaper (only across when more than a server's worth)."""
+    cl = cm.cluster
+    if replicas <= 1:
+        return np.zeros_like(params)
+    where = (True,) if replicas > cl.devices_per_server else ((False, True) if cl.servers > 1 else (False,))
+    best = None
+    for spans in where:
+        bw, lat = cl.allreduce_link(spans_servers=spans, replicas=replicas)
+        t = (2 * (replicas - 1) / replicas * params / bw + 2 * (replicas - 1) * lat) * 1e3
+        best = t if best is None else np.minimum(best, t)
+    return np.where(params > 0, best, 0.0)
+
+
+def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, check_memory: bool = True,
+               allreduce: bool = False) -> np.ndarray:
     """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every
     split into stages of at most ``cm.micro`` replicas (a stage of r replicas takes T = F + B of its slice of
-    ceil(micro / r) rows, communication and AllReduce taken as 0).
+    ceil(micro / r) rows, communication taken as 0).
 
     Both latency models satisfy L >= M (F_s + B_s) for every stage s; the refined model also L >= (the
-    first micro-batch's forwards before s) + M (F_s + B_s) + (the last gradient's backwards before s)
-    (``fill``). The min over splits of the max over stages is a DP from the last layer backwards:
-    Q[j, R] = min over the first stage [j, c) on r replicas of max(M T, fill T + Q[c, R - r]), Q[N, .] = 0.
-    Stages whose parameters x optimizer factor + one saved slice exceed device memory are excluded.
-    Computed with numpy over all (c, R) at once per (j, r): about N x sqrt(micro) vector operations.
+    first micro-batch's forwards before s) + M (F_s + B_s) + max(the last gradient's backwards before s,
+    AR_s) (``refined.refined_latencies``: a stage's chain ends with the longer of its AllReduce and the way
+    down). Without ``allreduce`` the bound takes the backwards (``fill``: T of every earlier stage, AllReduce
+    0); with it the AllReduce (at least :func:`allreduce_floor`; F of every earlier stage, no backwards):
+    two valid bounds, whose larger one the search uses. The min over splits of the max over stages is a DP
+    from the last layer backwards: Q[j, R] = min over the first stage [j, c) on r replicas of
+    max(M T + AR, offset + Q[c, R - r]), Q[N, .] = 0. Stages whose parameters x optimizer factor + one
+    saved slice exceed device memory are excluded. Computed with numpy over all (c, R) at once per (j, r):
+    about N x sqrt(micro) vector operations.
     """
     N, b = cm.num_layers, cm.micro
     G = devices
     Q = np.full((N + 1, G + 1), INF)
     Q[N, :] = 0.0
     reps = efficient_replicas(b, G)
-    fb = {}  # prefix sums of F + B per slice size; memory: static and saved bytes prefix sums
+    fb = {}  # prefix sums of F + B and of F per slice size; memory: static and saved bytes prefix sums
     for r in reps:
         rows = cm.rows(r)
         f, bk, sv = cm._sums(rows)
-        fb[r] = (np.asarray(f) + np.asarray(bk), np.asarray(sv))
-    static = np.asarray(cm._pre_params) * cm.optimizer_factor
+        fb[r] = (np.asarray(f) + np.asarray(bk), np.asarray(f), np.asarray(sv))
+    params = np.asarray(cm._pre_params)
+    static = params * cm.optimizer_factor
     mem = cm.cluster.device_memory
     for j in range(N - 1, -1, -1):
         best = np.full(G + 1, INF)
         for r in reps:
             if r > G:
                 break
-            pre, sv = fb[r]
+            pre, fpre, sv = fb[r]
             T = pre[j + 1:] - pre[j]  # (N - j,): F + B of [j, c) for c = j+1..N
             if check_memory:
                 ok = (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]) <= mem
                 if not ok.any():
                     continue
                 T = np.where(ok, T, INF)
-            # cand[c, R] = max(M T_c, fill T_c + Q[c, R - r]) for R = r..G
+            # cand[c, R] = max(M T_c (+ AR_c), offset_c + Q[c, R - r]) for R = r..G
             rest = Q[j + 1:, : G + 1 - r]
-            cand = np.maximum(M * T[:, None], T[:, None] + rest if fill else rest)
+            if allreduce:
+                own = M * T + allreduce_floor(cm, r, params[j + 1:] - params[j])
+                cand = np.maximum(own[:, None], (fpre[j + 1:] - fpre[j])[:, None] + rest)
+            else:
+                cand = np.maximum(M * T[:, None], T[:, None] + rest if fill else rest)
             np.minimum(best[r:], cand.min(axis=0), out=best[r:])
         Q[j] = best
     return Q  # non-increasing in R (Q[N] = 0 lets a split leave devices unused)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from .slices import routes
 
 if TYPE_CHECKING:
@@ -40,9 +42,11 @@ class CostModel:
         self.param_bytes = list(params)
         self._pre_params = _prefix(params)
         self._prefix: dict[int, tuple[list[float], list[float], list[float]]] = {}
-        self._comm: dict[tuple, tuple[float, float]] = {}
+        self._comm: dict = {}  # (src, dst) -> comm_pair, filled on use
+        self._comm_canon: dict[tuple, tuple] = {}  # the same for servers relabelled 0, 1, ...
         self._loads: dict[tuple, list] = {}
         self._bbytes: dict[int, list[float]] = {}
+        self._bbytes_np: dict[int, np.ndarray] = {}
         self._ar: dict[tuple, float] = {}
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -103,36 +107,80 @@ class CostModel:
         landed first send their gradients back while later routes are still busy, so only the part of the
         backward transfers not overlapped with the forward ones counts: max(longest route, B - (last - first
         receiver's arrival)); a concat (one receiver) gets no overlap."""
-        key = (layer, src, dst)
-        hit = self._comm.get(key)
+        return self.comm_pair(src, dst)(layer)
+
+    def comm_pair(self, src: Layout, dst: Layout):
+        """``layer -> comm_links(layer, src, dst)`` (memoised per pair: the search asks one pair at many cuts)."""
+        pair = self._comm.get((src, dst))
+        if pair is None:  # costs see servers only as same-or-not: compute once per relabelling (first use order)
+            label: dict = {}
+            for s in src + dst:
+                label.setdefault(s, len(label))
+            key = (tuple(label[s] for s in src), tuple(label[s] for s in dst))
+            canon = self._comm_canon.get(key)
+            if canon is None:
+                canon = self._comm_canon[key] = self._comm_all_layers(*key)
+            bz, o, i, ud, ch = canon
+            server = list(label)
+            ud = [(server[s], x) for s, x in ud]
+            cache = [None] * self.num_layers
+
+            def pair(layer: int) -> tuple:
+                hit = cache[layer]
+                if hit is None:
+                    hit = cache[layer] = (bz[layer], o[layer], i[layer], tuple([(s, x[layer]) for s, x in ud]),
+                                          ch[layer])
+                return hit
+
+            self._comm[(src, dst)] = pair
+        return pair
+
+    def _comm_all_layers(self, src: Layout, dst: Layout) -> tuple:
+        """:meth:`comm_links` at every cut of the model at once (numpy over layers: the routes and links of
+        two layouts are the same at every cut, only the bytes differ): (busiest, out, in, ((server, up + down),
+        ...), chain), each a list over cuts."""
+        N = self.num_layers
+        groups = self._link_loads(src, dst)
+        cl = self.cluster
+        zero = np.zeros(N)
+
+        def ms(load: tuple) -> np.ndarray:  # (N,): one link's load at each cut
+            acc = zero
+            for n, rows, bw, lat in load:
+                acc = acc + n * (lat + self._boundary_np(rows) / bw)
+            return 1e3 * acc
+
+        def most(loads) -> np.ndarray:
+            return np.maximum.reduce([ms(x) for x in loads]) if loads else zero
+
+        out, inc = most(groups["out"]), most(groups["in"])
+        servers = [(s, ms(up), ms(down)) for s, up, down in groups["server"]]
+        busiest = np.maximum.reduce([out, inc] + [np.maximum(u, d) for _, u, d in servers])
+        # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
+        # start when its last route lands. Its gradients can start back before the others' data is in.
+        free: dict = {}
+        done: dict = {}
+        longest = zero
+        for r in routes(self.micro, len(src), len(dst)):
+            a, b = src[r.src], dst[r.dst]
+            links = route_links(r.src, r.dst, a, b)
+            bw, lat = ((cl.intra_bandwidth, cl.intra_latency) if a == b else (cl.inter_bandwidth, cl.inter_latency))
+            t = (lat + self._boundary_np(r.rows) / bw) * 1e3
+            longest = np.maximum(longest, t)
+            end = np.maximum.reduce([free.get(x, zero) for x in links]) + t
+            for x in links:
+                free[x] = end
+            done[r.dst] = np.maximum(done.get(r.dst, zero), end)
+        first = np.minimum.reduce(list(done.values())) if done else zero
+        last = np.maximum.reduce(list(done.values())) if done else zero
+        chain = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
+        ud = [(s, (u + d).tolist()) for s, u, d in servers]
+        return busiest.tolist(), out.tolist(), inc.tolist(), ud, chain.tolist()
+
+    def _boundary_np(self, rows: int) -> np.ndarray:
+        hit = self._bbytes_np.get(rows)
         if hit is None:
-            bb = self._boundary
-            groups = self._link_loads(src, dst)
-
-            def ms(load: tuple) -> float:
-                return 1e3 * sum(n * (lat + bb(rows)[layer] / bw) for n, rows, bw, lat in load)
-
-            out = max((ms(x) for x in groups["out"]), default=0.0)
-            inc = max((ms(x) for x in groups["in"]), default=0.0)
-            servers = tuple((s, ms(up), ms(down)) for s, up, down in groups["server"])
-            busiest = max([out, inc] + [max(u, d) for _, u, d in servers])
-            # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
-            # start when its last route lands. Its gradients can start back before the others' data is in.
-            free: dict = {}
-            done: dict = {}
-            longest = 0.0
-            for r in routes(self.micro, len(src), len(dst)):
-                a, b = src[r.src], dst[r.dst]
-                links = route_links(r.src, r.dst, a, b)
-                t = self.route_ms(layer, r.rows, a, b)
-                longest = max(longest, t)
-                end = max([free.get(x, 0.0) for x in links]) + t
-                for x in links:
-                    free[x] = end
-                done[r.dst] = max(done.get(r.dst, 0.0), end)
-            first = min(done.values(), default=0.0)
-            chain = max(longest, busiest - (max(busiest, max(done.values(), default=0.0)) - first))
-            hit = self._comm[key] = (busiest, out, inc, tuple((s, u + d) for s, u, d in servers), chain)
+            hit = self._bbytes_np[rows] = np.asarray(self._boundary(rows), dtype=float)
         return hit
 
     def _boundary(self, rows: int) -> list[float]:
@@ -191,9 +239,14 @@ class CostModel:
 
     def allreduce(self, a: int, c: int, layout: Layout) -> float:
         """AR(P_s, g_s) of formula 2: the gradients of layers [a, c) over the stage's replicas."""
-        key = (a, c, len(layout), len(set(layout)) > 1)
+        return self.allreduce_of(a, c, len(layout), len(set(layout)) > 1)
+
+    def allreduce_of(self, a: int, c: int, replicas: int, spans_servers: bool) -> float:
+        """:meth:`allreduce` for ``replicas`` devices that do or do not span servers."""
+        key = (a, c, replicas, spans_servers)
         hit = self._ar.get(key)
         if hit is None:
+            layout = tuple(range(replicas)) if spans_servers else (0,) * replicas
             hit = self._ar[key] = self.ring_allreduce_ms(self.params(a, c), layout)
         return hit
 

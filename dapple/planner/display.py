@@ -70,6 +70,8 @@ def format_plan(plan: "Plan") -> str:
     if plan.meta.get("planning_time_s") is not None:
         lines.append(f"planned by {plan.meta.get('planner', '?')} in {plan.meta['planning_time_s']:.3f} s"
                      + (f"; placement {', '.join(plan.meta['placement'])}" if plan.meta.get("placement") else "")
+                     + ("; compact search (partly used servers kept alike)"
+                        if plan.meta.get("search") == "compact" else "")
                      + ("; search stopped at its time limit: the best plan found so far"
                         if plan.meta.get("search_complete") is False else ""))
         bound = plan.meta.get("latency_lower_bound_ms")

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .cluster import Cluster
 
 SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
+SEARCHES = ("auto", "full", "compact")
+COMPACT_ABOVE = 4  # search="auto": servers above which the compact search is used
 
 
 def devices_of(spans: Sequence[tuple[int, int, Layout]], cluster: "Cluster") -> list[list[int]]:
@@ -39,7 +41,8 @@ def divisors(n: int) -> list[int]:
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
          model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
-         max_stages: int | None = None, time_limit: float | None = None, verify: int = 6) -> Plan:
+         max_stages: int | None = None, search: str = "auto", time_limit: float | None = None,
+         verify: int = 6) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``.
 
     Searches stage splits, replication and Fresh/Append/Scatter placement by the DP of formulas 4-5
@@ -49,6 +52,11 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     gradient AllReduce with the last backward (DDP-style). ``max_stages`` limits the pipeline depth. The
     warmup policy (A or B) is the better one under the refined model unless given (A on ties: it holds fewer
     activations), and K_i is recorded per stage. ``beam``: prefixes kept per DP state (the paper keeps 1).
+    ``search``: "full" composes Fresh/Append/Scatter freely; "compact" keeps only placements after which all
+    partly used servers are alike (same free devices, same replicas of the new stage): one partly used server
+    (stages fill servers in turn, Append First's answer to fragmentation) or several used evenly (Scatter
+    First's stages spread over servers), which is what makes 8 x 8 and larger clusters plannable in seconds;
+    "auto" (default): full up to 4 servers, compact above (benchmarks/compact_vs_full.py: what it gives up).
     ``time_limit`` (seconds) makes the search anytime: when it runs out, the best plan found so far is
     returned and ``plan.meta["search_complete"]`` is False (large clusters: see benchmarks/planning_time.py).
     ``verify``: the final choice among the DP's plan and the even-split plans of the micro-batch sizes (the
@@ -64,6 +72,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if search not in SEARCHES:
+        raise ValueError(f"search: expected one of {SEARCHES}, got {search!r}")
+    if search == "auto":
+        search = "compact" if cluster.servers > COMPACT_ABOVE else "full"
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
     if micro_batch_size is not None:
@@ -82,7 +94,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     for b in sorted(candidates, reverse=True):  # larger micro-batches first: they win ties
         if g % b == 0 and cluster.num_devices <= profile.num_layers * b:
             dp = _DP(profile, cluster, g, b, model, overlap, warmup_policy if model == "refined" else None,
-                     optimizer_factor, beam, INF, max_stages)
+                     optimizer_factor, beam, INF, max_stages, 1 if search == "compact" else None)
             dp.seed()
             dps.append(dp)
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
@@ -123,9 +135,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     meta = {"model": profile.model, "cluster": cluster.name or "", "planner": "dapple",
             "latency_model": model, "overlap": overlap, "placement": list(policies),
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
-            "dp_transitions": found.transitions, "search_complete": complete}
-    if not complete:  # what an unfinished search still proves: no plan's modelled L is below this
-        meta["latency_lower_bound_ms"] = round(lower_bound(dps, found.latency), 4)
+            "dp_transitions": found.transitions, "search": search, "search_complete": complete}
+    if not complete or search == "compact":  # what a partial search still proves: no plan's modelled L is below
+        meta["latency_lower_bound_ms"] = round(lower_bound(dps, found.latency, exhaustive=search == "full"), 4)
     if simulated is not None:
         meta["simulated_ms"] = round(simulated, 4)
         meta["candidates_simulated"] = n_sim
@@ -134,11 +146,11 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
 
 
-def lower_bound(dps: Sequence[_DP], best: float) -> float:
+def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True) -> float:
     """A lower bound on the modelled L of every plan, after the searches ``dps`` (one per micro-batch size;
-    the others fit no device) ran: a finished search found all plans below ``best``; an unfinished one
-    contributes its root bound Q[0][G] (bounds.rest_bound: the least max-stage work of any split)."""
-    return min([best] + [dp.Q[0][dp.G] for dp in dps if not dp.complete])
+    the others fit no device) ran: a finished full search found all plans below ``best``; an unfinished or
+    compact one contributes its root bound Q[0][G] (bounds.rest_bound: the least max-stage work of any split)."""
+    return min([best] + [dp.Q[0][dp.G] for dp in dps if not (dp.complete and exhaustive)])
 
 
 def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,

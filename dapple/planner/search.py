@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from .bounds import rest_bound
 from .cost import CostModel, Layout
 from .evaluate import pipeline_costs
@@ -90,7 +92,7 @@ class _DP:
 
     def __init__(self, profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int,
                  model: str, overlap: bool, warmup_policy: str | None, optimizer_factor: float, beam: int,
-                 incumbent: float, max_stages: int | None = None):
+                 incumbent: float, max_stages: int | None = None, partial_kinds: int | None = None):
         self.N, self.G, self.b = profile.num_layers, cluster.num_devices, micro_batch_size
         self.M = global_batch_size // micro_batch_size
         self.dps, self.ns = cluster.devices_per_server, cluster.servers
@@ -99,6 +101,9 @@ class _DP:
         self.model, self.overlap, self.policy, self.beam = model, overlap, warmup_policy, beam
         self.refined = model == "refined"
         self.max_stages = max_stages
+        # search="compact": at most this many kinds (free devices, replicas of the new stage) of partly used server
+        # after each stage (None: any)
+        self.partial_kinds = partial_kinds
         self.best: tuple = (incumbent, None)
         self.states = self.transitions = 0
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
@@ -118,6 +123,13 @@ class _DP:
         self.Q = q.tolist()
         self.Qcol = (-q.T).tolist()
         self.fill = 1.0 if self.refined else 0.0
+        # Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model, no
+        # overlap: a stage's chain ends with its AllReduce); Qar is used after the first micro-batch's forwards
+        # W, Q after W + the backwards Bsum
+        self.ar_bound = self.refined and not overlap
+        qa = rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True) if self.ar_bound else np.zeros_like(q)
+        self.Qar = qa.tolist()
+        self.Qarcol = (-qa.T).tolist()
 
     # ---- helpers -------------------------------------------------------------------------------
     def comm_lb(self, f: float, b: float) -> float:
@@ -202,7 +214,7 @@ class _DP:
                 R = sum(free)
                 if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.best[0]:
                     continue
-                if pre.W + pre.Bsum + self.Q[j][R] >= self.best[0]:
+                if pre.W + max(pre.Bsum + self.Q[j][R], self.Qar[j][R]) >= self.best[0]:
                     continue
                 if self.max_stages is not None and len(pre.spans) + 2 > self.max_stages:
                     continue
@@ -212,7 +224,8 @@ class _DP:
                     # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m
                     # devices: M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
                     lo = bisect.bisect_right(rho, rho[N] - bound * (R - m) / M, j + 1)
-                    lo = max(lo, bisect.bisect_right(self.Qcol[R - m], pre.W + pre.Bsum - bound, j + 1))
+                    lo = max(lo, bisect.bisect_right(self.Qcol[R - m], pre.W + pre.Bsum - bound, j + 1),
+                             bisect.bisect_right(self.Qarcol[R - m], pre.W - bound, j + 1))
                     if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
                         continue
                     for option in self.options(free, prev, m):
@@ -241,6 +254,9 @@ class _DP:
             hit = []
             for name, take in placements(free, self.dps, m, order):
                 free2 = tuple(free[s] - take[s] for s in range(self.ns))
+                kinds = {(x, t) for x, t in zip(free2, take) if 0 < x < self.dps}
+                if self.partial_kinds is not None and len(kinds) > self.partial_kinds:
+                    continue
                 # replica order: like the previous stage (its slices meet theirs on the same server), or with
                 # the servers that keep the most free devices first (the larger first slices meet the next
                 # stage's there)
@@ -283,20 +299,24 @@ class _DP:
             W1 = Bsum1 = 0.0
         if not refined:
             W1 = Bsum1 = 0.0  # formula 2 has no fill/drain bound (pivot 0 hides both)
-        Q, fill, n_rest = self.Q, self.fill, len(tail)
-        mem, static, saved = self.mem, cm.static_bytes, cm.saved_bytes
+        Q, Qar, fill, n_rest = self.Q, self.Qar, self.fill, len(tail)
+        mem, static = self.mem, cm.static_bytes
+        fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the new stage's slice
+        comm_to_rest = cm.comm_pair(new, tail_eval)  # comm_links(layer, new, tail_eval) = comm_to_rest(layer)
+        multi = len(set(new)) > 1
         for j2 in range(lo, N):
-            f, bb = cm.compute(j, j2, m)
-            lb = max(base, W1 + M * (f + bb) + Bsum1)
+            f, bb = fpre[j2] - fpre[j], bpre[j2] - bpre[j]
+            ar = cm.allreduce_of(j, j2, m, multi)
+            lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar) if self.ar_bound else Bsum1))
             if lb >= self.best[0]:
                 break  # a longer new stage is only slower
-            dn = max_in_flight(static(j, j2), saved(j, j2, m), mem)
+            dn = max_in_flight(static(j, j2), spre[j2] - spre[j], mem)
             if dn < 1:
                 break  # and only bigger
             # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
-            if W1 + Bsum1 + fill * (f + bb) + Q[j2][n_rest] >= self.best[0]:
+            if W1 + max(Bsum1 + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= self.best[0]:
                 continue
-            busy2, out2, in2, servers2, chain2 = cm.comm_links(j2 - 1, new, tail_eval)
+            busy2, out2, in2, servers2, chain2 = comm_to_rest(j2 - 1)
             t_f, t_b, t_ar, t_e, t_d = self.tail(j2, tail_eval)
             skey = (len(pre.spans) + 1, key) if self.max_stages is not None else key  # stage count limits what follows
             bucket = states[j2].get(skey)
@@ -311,7 +331,6 @@ class _DP:
                 if quick >= self.best[0] and quick >= bucket[-1].latency:
                     continue
             self.transitions += 1
-            ar = cm.allreduce(j, j2, new)
             e = cm.overlapped_ending(j, j2, new) if self.overlap else bb
             F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
             period = 0.0
@@ -343,7 +362,7 @@ class _DP:
 def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
               model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
               optimizer_factor: float = 4.0, beam: int = 1, incumbent: float = INF,
-              seed: bool = True, max_stages: int | None = None,
+              seed: bool = True, max_stages: int | None = None, partial_kinds: int | None = None,
               time_limit: float | None = None) -> SearchResult | None:
     """Formulas 4-5 for one micro-batch size: T_PL(j', m+m', g+g') = L of (planned stages + a new stage
     [j, j') on m' devices placed by Fresh/Append/Scatter First + the rest as one stage on the free devices).
@@ -360,11 +379,12 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     ``seed`` plans, and every complete plan the DP meets): L >= M (F_s+B_s) for every stage under both models,
     and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) + (last gradient's way
     back), the remaining layers' least work over the free devices, and one micro-batch's round trip.
-    ``time_limit``: stop after that many seconds with the best plan so far (SearchResult via the seeds).
-    Returns None when nothing beats ``incumbent``.
+    ``partial_kinds``: only placements after which the partly used servers come in at most this many kinds
+    (free devices, replicas of the new stage): the compact search of :func:`dapple.plan` (1). ``time_limit``: stop after that many seconds with the best plan so far (SearchResult
+    via the seeds). Returns None when nothing beats ``incumbent``.
     """
     dp = _DP(profile, cluster, global_batch_size, micro_batch_size, model, overlap, warmup_policy,
-             optimizer_factor, beam, incumbent, max_stages)
+             optimizer_factor, beam, incumbent, max_stages, partial_kinds)
     if global_batch_size % micro_batch_size or dp.G > dp.N * dp.b:
         return None  # not enough layers to give every device a stage of at most b replicas
     if seed:

@@ -39,9 +39,13 @@ def routes(rows: int, senders: int, receivers: int) -> list[Route]:
     """
     src, dst = slice_bounds(rows, senders), slice_bounds(rows, receivers)
     out = []
+    first = 0  # the first receiver that can still overlap the current sender (both are sorted by rows)
     for i, (a0, a1) in enumerate(src):
-        for j, (b0, b1) in enumerate(dst):
-            lo, hi = max(a0, b0), min(a1, b1)
-            if lo < hi:
-                out.append(Route(i, j, lo, hi))
+        while first < len(dst) and dst[first][1] <= a0:
+            first += 1
+        for j in range(first, len(dst)):
+            b0, b1 = dst[j]
+            if b0 >= a1:
+                break
+            out.append(Route(i, j, max(a0, b0), min(a1, b1)))
     return out

@@ -159,3 +159,41 @@ def test_a_stopped_search_returns_its_best_plan_and_a_true_lower_bound():
     bound = stopped.meta["latency_lower_bound_ms"]
     assert 0 < bound <= full.estimate.latency_ms <= stopped.estimate.latency_ms
     assert f"no plan is modelled below {bound:.1f} ms" in str(stopped)
+
+
+def _partly_used_kinds(spans, servers: int, per_server: int) -> list[int]:
+    """After each stage of a plan: how many kinds (free devices, replicas of that stage) of partly used server."""
+    free, out = [per_server] * servers, []
+    for _, _, lay in spans:
+        for s in lay:
+            free[s] -= 1
+        out.append(len({(free[s], lay.count(s)) for s in range(servers) if 0 < free[s] < per_server}))
+    return out
+
+
+def test_compact_search_keeps_partly_used_servers_alike():
+    """search="compact": every prefix leaves its partly used servers alike; on these small clusters it is rarely
+    worse than the full search."""
+    rng = random.Random(5)
+    worse = 0
+    for _ in range(25):
+        prof = random_profile(rng, rng.randint(3, 6))
+        servers, per = rng.choice([(3, 2), (2, 3), (2, 4)])
+        c = cluster(servers, per, intra=5e10, inter=rng.choice([3e9, 3e8]), intra_lat=5e-6, inter_lat=3e-5)
+        full = dp_search(prof, c, 32, 8, model="refined", seed=False)
+        compact = dp_search(prof, c, 32, 8, model="refined", seed=False, partial_kinds=1)
+        assert compact is not None and full is not None
+        assert max(_partly_used_kinds(compact.spans, servers, per)) <= 1, compact.spans
+        worse += compact.latency > full.latency * (1 + 1e-9)
+    assert worse <= 3  # 1 of 25 here (7% slower)
+
+
+def test_search_auto_is_compact_above_four_servers():
+    prof = random_profile(random.Random(2), 12)
+    assert dapple.plan(prof, cluster(2, 2), 32, 8).meta["search"] == "full"
+    big = dapple.plan(prof, cluster(6, 2), 48, 8)
+    assert big.meta["search"] == "compact" and big.meta["search_complete"]
+    assert 0 < big.meta["latency_lower_bound_ms"] <= big.estimate.latency_ms
+    assert "compact search" in str(big)
+    with pytest.raises(ValueError, match="search: expected one of"):
+        dapple.plan(prof, cluster(2, 2), 32, 8, search="greedy")

@@ -1,0 +1,73 @@
+"""The DP's lower bounds (bounds.py) never exceed the brute-force optimum; the AllReduce floor is a floor."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from dapple.planner.bounds import allreduce_floor, rest_bound
+from dapple.planner.cost import CostModel
+from dapple.planner.exhaustive import exhaustive_search
+from dapple.planner.search import _DP
+
+from .helpers import cluster, random_profile
+
+
+def _instances(seed: int, n: int):
+    rng = random.Random(seed)
+    for _ in range(n):
+        prof = random_profile(rng, rng.randint(2, 5))
+        servers, per = rng.choice([(1, 4), (2, 2), (4, 1)])
+        c = cluster(servers, per, intra=rng.choice([5e10, 1e10]), inter=rng.choice([3e9, 1e8]), intra_lat=5e-6,
+                    inter_lat=3e-5, memory=rng.choice([16e9, 3e9]))
+        yield prof, c, rng.choice([16, 32]), rng.choice([2, 4, 8])
+
+
+def test_root_bounds_are_below_every_plan():
+    """Q (backwards before each stage) and Qar (each stage's least AllReduce) bound the refined model's L of
+    every plan: here, the optimum over all splits x device assignments."""
+    checked = 0
+    for prof, c, g, b in _instances(11, 30):
+        best = exhaustive_search(prof, c, g, b, model="refined")[0]
+        if best == float("inf"):
+            continue
+        dp = _DP(prof, c, g, b, "refined", False, None, 4.0, 1, float("inf"))
+        assert dp.Q[0][dp.G] <= best * (1 + 1e-9)
+        assert dp.Qar[0][dp.G] <= best * (1 + 1e-9)
+        checked += 1
+    assert checked >= 20
+
+
+def test_the_allreduce_bound_sees_what_replication_costs():
+    """One layer of 1 GB on 2 devices: halving the slice looks cheaper to Q, but its AllReduce takes 1 s, which
+    Qar charges; both stay below the optimum."""
+    prof = random_profile(random.Random(0), 1)
+    prof.layers[0].param_bytes = int(1e9)
+    c = cluster(1, 2, intra=1e9)
+    dp = _DP(prof, c, 64, 4, "refined", False, None, 1.0, 1, float("inf"))
+    best = exhaustive_search(prof, c, 64, 4, model="refined", optimizer_factor=1.0)[0]
+    assert dp.Q[0][dp.G] < dp.Qar[0][dp.G] <= best
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4, 6])
+def test_allreduce_floor_is_at_most_any_placement(replicas):
+    c = cluster(3, 2, intra=1e10, inter=1e9, intra_lat=5e-6, inter_lat=3e-5)
+    cm = CostModel(random_profile(random.Random(1), 3), c, 6)
+    params = np.array([0.0, 1e6, 3e8])
+    floor = allreduce_floor(cm, replicas, params)
+    assert floor[0] == 0.0
+    layouts = [tuple(d // 2 for d in range(replicas)), tuple(range(3))[:replicas] if replicas <= 3 else None]
+    for lay in filter(None, layouts):
+        for p, f in zip(params, floor):
+            assert f <= cm.ring_allreduce_ms(p, lay) * (1 + 1e-12)
+
+
+def test_rest_bound_is_monotone():
+    prof = random_profile(random.Random(3), 6)
+    cm = CostModel(prof, cluster(2, 2), 8)
+    for allreduce in (False, True):
+        q = rest_bound(cm, 4, 4, fill=True, allreduce=allreduce)
+        assert (np.diff(q[:, 1:], axis=0) <= 1e-9).all()  # fewer layers left: no larger
+        assert (np.diff(q, axis=1) <= 1e-9).all()  # more devices: no larger
