@@ -380,8 +380,9 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) + (last gradient's way
     back), the remaining layers' least work over the free devices, and one micro-batch's round trip.
     ``partial_kinds``: only placements after which the partly used servers come in at most this many kinds
-    (free devices, replicas of the new stage): the compact search of :func:`dapple.plan` (1). ``time_limit``: stop after that many seconds with the best plan so far (SearchResult
-    via the seeds). Returns None when nothing beats ``incumbent``.
+    (free devices, replicas of the new stage): the compact search of :func:`dapple.plan` (1). ``time_limit``:
+    stop after that many seconds with the best plan so far (SearchResult via the seeds). Returns None when
+    nothing beats ``incumbent``.
     """
     dp = _DP(profile, cluster, global_batch_size, micro_batch_size, model, overlap, warmup_policy,
              optimizer_factor, beam, incumbent, max_stages, partial_kinds)

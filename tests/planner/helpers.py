@@ -39,3 +39,17 @@ def random_profile(rng: random.Random, n: int) -> Profile:
 def cluster(servers: int, per_server: int, intra: float = 1e10, inter: float = 1e9, intra_lat: float = 0.0,
             inter_lat: float = 0.0, memory: float = 1e12) -> Cluster:
     return Cluster(servers, per_server, intra, inter, intra_lat, inter_lat, memory, name=f"{servers}x{per_server}")
+
+
+def small_instances(seed: int, n: int, max_layers: int = 6, inter: Sequence[float] = (3e9, 1e9),
+                    memory: Sequence[float] = (16e9, 8e9, 3e9), batches: Sequence[int] = (16, 32, 64),
+                    micro: Sequence[int] = (4, 8)):
+    """(profile, cluster, global batch, micro-batch) for brute-force comparisons: 2 to ``max_layers`` layers on 4
+    devices as 1x4, 2x2 or 4x1."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        prof = random_profile(rng, rng.randint(2, max_layers))
+        servers, per = rng.choice([(1, 4), (2, 2), (4, 1)])
+        c = cluster(servers, per, intra=rng.choice([5e10, 1e10]), inter=rng.choice(list(inter)), intra_lat=5e-6,
+                    inter_lat=3e-5, memory=rng.choice(list(memory)))
+        yield prof, c, rng.choice(list(batches)), rng.choice(list(micro))

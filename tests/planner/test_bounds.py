@@ -12,24 +12,16 @@ from dapple.planner.cost import CostModel
 from dapple.planner.exhaustive import exhaustive_search
 from dapple.planner.search import _DP
 
-from .helpers import cluster, random_profile
-
-
-def _instances(seed: int, n: int):
-    rng = random.Random(seed)
-    for _ in range(n):
-        prof = random_profile(rng, rng.randint(2, 5))
-        servers, per = rng.choice([(1, 4), (2, 2), (4, 1)])
-        c = cluster(servers, per, intra=rng.choice([5e10, 1e10]), inter=rng.choice([3e9, 1e8]), intra_lat=5e-6,
-                    inter_lat=3e-5, memory=rng.choice([16e9, 3e9]))
-        yield prof, c, rng.choice([16, 32]), rng.choice([2, 4, 8])
+from .helpers import cluster, random_profile, small_instances
 
 
 def test_root_bounds_are_below_every_plan():
     """Q (backwards before each stage) and Qar (each stage's least AllReduce) bound the refined model's L of
     every plan: here, the optimum over all splits x device assignments."""
     checked = 0
-    for prof, c, g, b in _instances(11, 30):
+    cases = small_instances(11, 30, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(16, 32),
+                            micro=(2, 4, 8))
+    for prof, c, g, b in cases:
         best = exhaustive_search(prof, c, g, b, model="refined")[0]
         if best == float("inf"):
             continue

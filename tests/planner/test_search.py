@@ -14,17 +14,7 @@ from dapple.planner.exhaustive import exhaustive_search
 from dapple.planner.schedule import warmup_counts
 from dapple.planner.search import dp_search
 
-from .helpers import cluster, linear_profile, random_profile
-
-
-def _instances(seed: int, n: int):
-    rng = random.Random(seed)
-    for _ in range(n):
-        prof = random_profile(rng, rng.randint(2, 6))
-        servers, per = rng.choice([(1, 4), (2, 2), (4, 1)])
-        c = cluster(servers, per, intra=rng.choice([5e10, 1e10]), inter=rng.choice([3e9, 1e9]), intra_lat=5e-6,
-                    inter_lat=3e-5, memory=rng.choice([16e9, 8e9, 3e9]))
-        yield prof, c, rng.choice([16, 32, 64]), rng.choice([4, 8])
+from .helpers import cluster, linear_profile, random_profile, small_instances
 
 
 @pytest.mark.parametrize("model, beam", [("refined", 1), ("paper", 2)])
@@ -35,7 +25,7 @@ def test_dp_finds_the_brute_force_optimum(model, beam):
     prefixes per state (beam 2): the paper's single prefix per (layers, devices) state is a heuristic, since
     a longer plan's L is not a function of the state (formula 2 is not even monotone, see test_latency)."""
     checked = 0
-    for prof, c, g, b in _instances(7, 45):
+    for prof, c, g, b in small_instances(7, 45):
         best, spans, _ = exhaustive_search(prof, c, g, b, model=model)
         dp = dp_search(prof, c, g, b, model=model, beam=beam, seed=False)
         if best == float("inf"):
@@ -48,7 +38,7 @@ def test_dp_finds_the_brute_force_optimum(model, beam):
 
 def test_the_papers_single_prefix_per_state_can_miss():
     misses = 0
-    for prof, c, g, b in _instances(2, 60):
+    for prof, c, g, b in small_instances(2, 60):
         best = exhaustive_search(prof, c, g, b, model="paper")[0]
         if best < float("inf"):
             dp1 = dp_search(prof, c, g, b, model="paper", beam=1, seed=False)
