@@ -231,10 +231,13 @@ class CostModel:
     # ---- AllReduce ---------------------------------------------------------------------------------
     def ring_allreduce_ms(self, nbytes: float, layout: Layout) -> float:
         """Ring AllReduce: 2(r-1)/r * P / bw + 2(r-1) * latency over the slowest link the set spans."""
-        r = len(layout)
+        return self._ring_ms(nbytes, len(layout), len(set(layout)) > 1)
+
+    def _ring_ms(self, nbytes: float, replicas: int, spans_servers: bool) -> float:
+        r = replicas
         if r <= 1 or nbytes <= 0:
             return 0.0
-        bw, lat = self.cluster.allreduce_link(spans_servers=len(set(layout)) > 1, replicas=r)
+        bw, lat = self.cluster.allreduce_link(spans_servers=spans_servers, replicas=r)
         return (2 * (r - 1) / r * nbytes / bw + 2 * (r - 1) * lat) * 1e3
 
     def allreduce(self, a: int, c: int, layout: Layout) -> float:
@@ -242,12 +245,11 @@ class CostModel:
         return self.allreduce_of(a, c, len(layout), len(set(layout)) > 1)
 
     def allreduce_of(self, a: int, c: int, replicas: int, spans_servers: bool) -> float:
-        """:meth:`allreduce` for ``replicas`` devices that do or do not span servers."""
+        """:meth:`allreduce` for ``replicas`` devices that do or do not span servers (memoised)."""
         key = (a, c, replicas, spans_servers)
         hit = self._ar.get(key)
         if hit is None:
-            layout = tuple(range(replicas)) if spans_servers else (0,) * replicas
-            hit = self._ar[key] = self.ring_allreduce_ms(self.params(a, c), layout)
+            hit = self._ar[key] = self._ring_ms(self.params(a, c), replicas, spans_servers)
         return hit
 
     def buckets(self, a: int, c: int) -> list[tuple[int, float]]:
