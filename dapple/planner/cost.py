@@ -45,8 +45,8 @@ class CostModel:
         self._comm: dict = {}  # (src, dst) -> comm_pair, filled on use
         self._comm_canon: dict[tuple, tuple] = {}  # the same for servers relabelled 0, 1, ...
         self._loads: dict[tuple, list] = {}
-        self._bbytes: dict[int, list[float]] = {}
-        self._bbytes_np: dict[int, np.ndarray] = {}
+        self._bbytes: dict[int, np.ndarray] = {}
+        self._routes_ms: dict[tuple, np.ndarray] = {}
         self._ar: dict[tuple, float] = {}
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -81,11 +81,17 @@ class CostModel:
     # ---- communication stages ----------------------------------------------------------------------
     def route_ms(self, layer: int, rows: int, src_server: int, dst_server: int) -> float:
         """One split-concat transfer of ``rows`` rows of the tensors crossing a cut after ``layer``."""
-        nbytes = self.profile.costs(rows).boundary_bytes[layer]
-        cl = self.cluster
-        bw, lat = ((cl.intra_bandwidth, cl.intra_latency) if src_server == dst_server
-                   else (cl.inter_bandwidth, cl.inter_latency))
-        return (lat + nbytes / bw) * 1e3
+        return float(self._route_times(rows, src_server == dst_server)[layer])
+
+    def _route_times(self, rows: int, same_server: bool) -> np.ndarray:
+        """(N,): :meth:`route_ms` at every cut, within a server or between servers (memoised)."""
+        hit = self._routes_ms.get((rows, same_server))
+        if hit is None:
+            cl = self.cluster
+            bw, lat = ((cl.intra_bandwidth, cl.intra_latency) if same_server
+                       else (cl.inter_bandwidth, cl.inter_latency))
+            hit = self._routes_ms[(rows, same_server)] = (lat + self._boundary(rows) / bw) * 1e3
+        return hit
 
     def comm(self, layer: int, src: Layout, dst: Layout) -> tuple[float, float]:
         """(F, B) of the communication stage after ``layer`` between stages placed as ``src`` and ``dst``.
@@ -141,13 +147,12 @@ class CostModel:
         ...), chain), each a list over cuts."""
         N = self.num_layers
         groups = self._link_loads(src, dst)
-        cl = self.cluster
         zero = np.zeros(N)
 
         def ms(load: tuple) -> np.ndarray:  # (N,): one link's load at each cut
             acc = zero
             for n, rows, bw, lat in load:
-                acc = acc + n * (lat + self._boundary_np(rows) / bw)
+                acc = acc + n * (lat + self._boundary(rows) / bw)
             return 1e3 * acc
 
         def most(loads) -> np.ndarray:
@@ -164,8 +169,7 @@ class CostModel:
         for r in routes(self.micro, len(src), len(dst)):
             a, b = src[r.src], dst[r.dst]
             links = route_links(r.src, r.dst, a, b)
-            bw, lat = ((cl.intra_bandwidth, cl.intra_latency) if a == b else (cl.inter_bandwidth, cl.inter_latency))
-            t = (lat + self._boundary_np(r.rows) / bw) * 1e3
+            t = self._route_times(r.rows, a == b)
             longest = np.maximum(longest, t)
             end = np.maximum.reduce([free.get(x, zero) for x in links]) + t
             for x in links:
@@ -177,16 +181,11 @@ class CostModel:
         ud = [(s, (u + d).tolist()) for s, u, d in servers]
         return busiest.tolist(), out.tolist(), inc.tolist(), ud, chain.tolist()
 
-    def _boundary_np(self, rows: int) -> np.ndarray:
-        hit = self._bbytes_np.get(rows)
-        if hit is None:
-            hit = self._bbytes_np[rows] = np.asarray(self._boundary(rows), dtype=float)
-        return hit
-
-    def _boundary(self, rows: int) -> list[float]:
+    def _boundary(self, rows: int) -> np.ndarray:
+        """(N,): bytes crossing each cut for a slice of ``rows`` rows."""
         hit = self._bbytes.get(rows)
         if hit is None:
-            hit = self._bbytes[rows] = list(self.profile.costs(rows).boundary_bytes)
+            hit = self._bbytes[rows] = np.asarray(self.profile.costs(rows).boundary_bytes, dtype=float)
         return hit
 
     def _link_loads(self, src: Layout, dst: Layout) -> dict:
