@@ -44,7 +44,6 @@ class CostModel:
         self._prefix: dict[int, tuple[list[float], list[float], list[float]]] = {}
         self._comm: dict = {}  # (src, dst) -> comm_pair, filled on use
         self._comm_canon: dict[tuple, tuple] = {}  # the same for servers relabelled 0, 1, ...
-        self._loads: dict[tuple, list] = {}
         self._bbytes: dict[int, np.ndarray] = {}
         self._routes_ms: dict[tuple, np.ndarray] = {}
         self._ar: dict[tuple, float] = {}
@@ -123,17 +122,19 @@ class CostModel:
             for s in src + dst:
                 label.setdefault(s, len(label))
             key = (tuple(label[s] for s in src), tuple(label[s] for s in dst))
-            canon = self._comm_canon.get(key)
-            if canon is None:
-                canon = self._comm_canon[key] = self._comm_all_layers(*key)
-            bz, o, i, ud, ch = canon
             server = list(label)
-            ud = [(server[s], x) for s, x in ud]
             cache = [None] * self.num_layers
+            costs: list = []  # the canonical pair's costs, relabelled, on first use
 
             def pair(layer: int) -> tuple:
                 hit = cache[layer]
                 if hit is None:
+                    if not costs:
+                        canon = self._comm_canon.get(key)
+                        if canon is None:
+                            canon = self._comm_canon[key] = self._comm_all_layers(*key)
+                        costs.extend(canon[:3] + ([(server[s], x) for s, x in canon[3]], canon[4]))
+                    bz, o, i, ud, ch = costs
                     hit = cache[layer] = (bz[layer], o[layer], i[layer], tuple([(s, x[layer]) for s, x in ud]),
                                           ch[layer])
                 return hit
@@ -146,39 +147,55 @@ class CostModel:
         two layouts are the same at every cut, only the bytes differ): (busiest, out, in, ((server, up + down),
         ...), chain), each a list over cuts."""
         N = self.num_layers
-        groups = self._link_loads(src, dst)
+        rs = routes(self.micro, len(src), len(dst))
+        # each link's load is a count of route kinds (rows, same server): loads = counts @ times
+        kinds: dict = {}  # (rows, same server) -> row of `times`
+        links: dict = {}  # link -> {kind: routes}
+        for r in rs:
+            a, b = src[r.src], dst[r.dst]
+            kind = kinds.setdefault((r.rows, a == b), len(kinds))
+            for link in route_links(("send", r.src), ("recv", r.dst), a, b):
+                c = links.setdefault(link, {})
+                c[kind] = c.get(kind, 0) + 1
+        times = np.stack([self._route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
+        names = list(links)
+        counts = np.zeros((len(names), len(kinds)))
+        for x, link in enumerate(names):
+            for kind, n in links[link].items():
+                counts[x, kind] = n
+        loads = counts @ times  # (links, N): ms each link is busy per micro-batch at each cut
         zero = np.zeros(N)
 
-        def ms(load: tuple) -> np.ndarray:  # (N,): one link's load at each cut
-            acc = zero
-            for n, rows, bw, lat in load:
-                acc = acc + n * (lat + self._boundary(rows) / bw)
-            return 1e3 * acc
+        def most(which: tuple) -> np.ndarray:
+            rows = [x for x, (k, _) in enumerate(names) if k in which]
+            return loads[rows].max(axis=0) if rows else zero
 
-        def most(loads) -> np.ndarray:
-            return np.maximum.reduce([ms(x) for x in loads]) if loads else zero
-
-        out, inc = most(groups["out"]), most(groups["in"])
-        servers = [(s, ms(up), ms(down)) for s, up, down in groups["server"]]
-        busiest = np.maximum.reduce([out, inc] + [np.maximum(u, d) for _, u, d in servers])
+        out, inc = most(("out", "xout")), most(("in", "xin"))
+        row = {link: x for x, link in enumerate(names)}
+        servers = sorted({who for (k, who) in names if k in ("up", "down")})
+        ud = [(s, sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero).tolist()) for s in servers]
+        busiest = loads.max(axis=0)
         # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
         # start when its last route lands. Its gradients can start back before the others' data is in.
         free: dict = {}
         done: dict = {}
         longest = zero
-        for r in routes(self.micro, len(src), len(dst)):
+        for r in rs:
             a, b = src[r.src], dst[r.dst]
-            links = route_links(r.src, r.dst, a, b)
-            t = self._route_times(r.rows, a == b)
+            t = times[kinds[(r.rows, a == b)]]
             longest = np.maximum(longest, t)
-            end = np.maximum.reduce([free.get(x, zero) for x in links]) + t
-            for x in links:
+            end = zero
+            ls = route_links(r.src, r.dst, a, b)
+            for x in ls:
+                if x in free:
+                    end = np.maximum(end, free[x])
+            end = end + t
+            for x in ls:
                 free[x] = end
-            done[r.dst] = np.maximum(done.get(r.dst, zero), end)
+            done[r.dst] = np.maximum(done[r.dst], end) if r.dst in done else end
         first = np.minimum.reduce(list(done.values())) if done else zero
         last = np.maximum.reduce(list(done.values())) if done else zero
         chain = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
-        ud = [(s, (u + d).tolist()) for s, u, d in servers]
         return busiest.tolist(), out.tolist(), inc.tolist(), ud, chain.tolist()
 
     def _boundary(self, rows: int) -> np.ndarray:
@@ -186,31 +203,6 @@ class CostModel:
         hit = self._bbytes.get(rows)
         if hit is None:
             hit = self._bbytes[rows] = np.asarray(self.profile.costs(rows).boundary_bytes, dtype=float)
-        return hit
-
-    def _link_loads(self, src: Layout, dst: Layout) -> dict:
-        """What the routes between two layouts put on each link, as ((count, rows, bandwidth, latency), ...):
-        the distinct sender ("out") and receiver ("in") device link loads, and per server its up/downlink."""
-        key = (src, dst)
-        hit = self._loads.get(key)
-        if hit is None:
-            cl = self.cluster
-            per: dict = {}
-            for r in routes(self.micro, len(src), len(dst)):
-                a, b = src[r.src], dst[r.dst]
-                for link in route_links(("send", r.src), ("recv", r.dst), a, b):
-                    c = per.setdefault(link, {})
-                    c[(r.rows, a == b)] = c.get((r.rows, a == b), 0) + 1
-
-            def load(c: dict) -> tuple:
-                return tuple((n, rows, cl.intra_bandwidth if intra else cl.inter_bandwidth,
-                              cl.intra_latency if intra else cl.inter_latency) for (rows, intra), n in sorted(c.items()))
-
-            servers = sorted({who for (kind, who) in per if kind in ("up", "down")})
-            hit = self._loads[key] = {
-                "out": list({load(c) for (kind, _), c in per.items() if kind in ("out", "xout")}),
-                "in": list({load(c) for (kind, _), c in per.items() if kind in ("in", "xin")}),
-                "server": [(s, load(per.get(("up", s), {})), load(per.get(("down", s), {}))) for s in servers]}
         return hit
 
     def link_period(self, spans: Sequence[tuple[int, int, Layout]]) -> float:

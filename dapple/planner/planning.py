@@ -106,7 +106,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     for dp in dps:
         bound = found.latency if found else INF
         if dp.best[0] >= bound:
-            dp.best = (bound, None)
+            dp.set_best(bound, None)
         dp.deadline = deadline
         dp.run()
         complete = complete and dp.complete

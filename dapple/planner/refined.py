@@ -39,6 +39,14 @@ def refined_latencies(F: Sequence[float], B: Sequence[float], AR: Sequence[float
                       Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
                       chain: Sequence[float] | None = None) -> list[Latency]:
     """:func:`refined_latency` for several warmup choices ``Ks`` (e.g. policies A and B) sharing the work."""
+    return [Latency(*parts) for _, parts in refined_chains(F, B, AR, E, Ks, M, link_period, chain)]
+
+
+def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
+                   Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
+                   chain: Sequence[float] | None = None, limit: float = float("inf")) -> list[tuple]:
+    """Per warmup choice: (L, (Tw, Ts, Te, pivot)); once a stage's chain reaches ``limit`` the rest of that
+    choice's stages are skipped (L is then only known to be >= limit: what the search needs to reject it)."""
     n = (len(F) + 1) // 2
     S = len(F)
     Bc = B if chain is None else chain  # the gradients' way back through each stage, for round trips and endings
@@ -73,6 +81,17 @@ def refined_latencies(F: Sequence[float], B: Sequence[float], AR: Sequence[float
         else:
             tail[i] = own - b
             below = own
+    warms, supplies = [0.0] * S, [0.0] * S  # sum of F before stage a; slowest forward up to a (how fast
+    acc = supply = 0.0  # forwards arrive while everyone warms up)
+    for a in range(S):
+        warms[a] = acc
+        if F[a] > supply:
+            supply = F[a]
+        supplies[a] = supply
+        acc += F[a]
+    # with a limit, the last stage first: its chain is nearly always the longest, so a plan the search rejects
+    # is rejected there (ties still go to the first stage in order, as without a limit)
+    order = range(S) if limit == float("inf") else [S - 1, *range(S - 1)]
     out = []
     for K in Ks:
         period = base
@@ -82,14 +101,11 @@ def refined_latencies(F: Sequence[float], B: Sequence[float], AR: Sequence[float
                 x = down[2 * i] / (k if k > 1 else 1)
                 if x > period:
                     period = x
-        best_total, best = -1.0, None
-        warm = 0.0  # sum of F before stage a
-        supply = 0.0  # slowest forward so far: how fast forwards arrive while everyone warms up
-        for a in range(S):
+        best_total, best = -1.0, (0.0, 0.0, 0.0, S)
+        for a in order:
             i = a >> 1
             f = F[a]
-            if f > supply:
-                supply = f
+            supply = supplies[a]
             if not a & 1:
                 b = B[a]
                 k = K[i] if K[i] < M else M
@@ -131,9 +147,11 @@ def refined_latencies(F: Sequence[float], B: Sequence[float], AR: Sequence[float
                 steady = (M - 1) * f if fwd >= bwd else bwd - d - Bc[a]
                 last = d + Bc[a]
                 end_tail = B[2 * i] + tail[i]  # then stage i's last backward and what follows below it
+            warm = warms[a]
             total = warm + first + steady + last + end_tail
-            if total > best_total:
+            if total > best_total or (total == best_total and a < best[3]):
                 best_total, best = total, (warm + first, steady, last + end_tail, a)
-            warm += f
-        out.append(Latency(*best))
+                if total >= limit:
+                    break
+        out.append((best_total, best))
     return out

@@ -15,7 +15,7 @@ from .evaluate import pipeline_costs
 from .latency import paper_latency
 from .memory import max_in_flight
 from .placement import placements
-from .refined import refined_latencies
+from .refined import refined_chains
 from .seeds import even_seeds
 
 if TYPE_CHECKING:
@@ -30,7 +30,11 @@ class _Prefix:
     """Stages planned so far (layers [0, j)), in canonical server labels, with their interleaved costs (the
     communication stage after the last one is not included: it depends on the next stage)."""
 
-    spans: tuple  # ((a, c, layout), ...)
+    parent: "_Prefix | None"  # the prefix this one extends by one stage (None: no stage yet)
+    span: tuple | None  # that stage, (a, c, layout) in the parent's server labels
+    perm: list | None  # the parent's server labels -> this prefix's
+    last: Layout | None  # the last stage's layout in this prefix's labels
+    depth: int  # stages planned
     policies: tuple  # placement policy of each stage
     F: list
     B: list
@@ -47,6 +51,13 @@ class _Prefix:
     last_in: float  # busiest receiving device link of the prefix's last communication stage
     W: float = 0.0  # sum of the prefix's F (compute and communication): when the first micro-batch leaves it
     Bsum: float = 0.0  # sum of the prefix's B (communication: its round-trip share): the last gradient's way back
+
+    def spans(self) -> tuple:
+        """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""
+        if self.parent is None:
+            return ()
+        perm = self.perm
+        return tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
 
 
 @dataclass
@@ -92,7 +103,8 @@ class _DP:
 
     def __init__(self, profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int,
                  model: str, overlap: bool, warmup_policy: str | None, optimizer_factor: float, beam: int,
-                 incumbent: float, max_stages: int | None = None, partial_kinds: int | None = None):
+                 incumbent: float, max_stages: int | None = None, partial_kinds: int | None = None,
+                 gap: float = 0.0):
         self.N, self.G, self.b = profile.num_layers, cluster.num_devices, micro_batch_size
         self.M = global_batch_size // micro_batch_size
         self.dps, self.ns = cluster.devices_per_server, cluster.servers
@@ -104,13 +116,16 @@ class _DP:
         # search="compact": at most this many kinds (free devices, replicas of the new stage) of partly used server
         # after each stage (None: any)
         self.partial_kinds = partial_kinds
-        self.best: tuple = (incumbent, None)
+        self.gap = gap
+        self.set_best(incumbent, None)
         self.states = self.transitions = 0
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
         self.width: int | None = None  # prefixes expanded per j (None: all, the exact DP)
         self._tail: dict = {}
         self._options: dict = {}
+        self._kid: dict = {}  # state key -> int id (states[j] is keyed by the id)
+        self._tails: dict = {}  # rest layout -> [tail(a, layout) for a in 0..N] (filled on use)
         # rho[j]: least per-micro-batch work (ms x devices) any stage split can give layers [0, j)
         rho = [0.0]
         for layer in range(self.N):
@@ -137,7 +152,8 @@ class _DP:
         M max(F, B) under the refined model (each direction is its own link)."""
         return self.M * (f + b) if not self.refined else self.M * max(f, b)
 
-    def latency(self, F, B, AR, E, C, D, link_period: float) -> tuple[float, str]:
+    def latency(self, F, B, AR, E, C, D, link_period: float, limit: float = INF) -> tuple[float, str]:
+        """The plan's L under the search's model and the better warmup policy; any value >= ``limit`` when L is."""
         M = self.M
         if not self.refined:
             return paper_latency(F, B, AR, M).total, self.policy or "A"
@@ -155,9 +171,17 @@ class _DP:
             Ks.append(K)
         if len(Ks) == 2 and Ks[0] == Ks[1]:
             Ks.pop()
-        lats = refined_latencies(F, B, AR, E if self.overlap else None, Ks, M, link_period, C)
-        best = min(range(len(lats)), key=lambda x: lats[x].total - (1e-9 if x == 0 else 0.0))
-        return lats[best].total, pols[best]
+        lats = refined_chains(F, B, AR, E if self.overlap else None, Ks, M, link_period, C, limit)
+        if len(lats) == 2 and lats[1][0] < lats[0][0] - 1e-9:
+            return lats[1][0], pols[1]
+        return lats[0][0], pols[0]
+
+    def tails(self, lay: Layout) -> list:
+        """``[tail(a, lay) for a in range(N)]``, each filled on first use (the search reads it by index)."""
+        hit = self._tails.get(lay)
+        if hit is None:
+            hit = self._tails[lay] = [None] * self.N
+        return hit
 
     def tail(self, a: int, lay: Layout) -> tuple:
         key = (a, lay)
@@ -172,7 +196,12 @@ class _DP:
 
     def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
         if latency < self.best[0]:
-            self.best = (latency, (spans, policies, pol))
+            self.set_best(latency, (spans, policies, pol))
+
+    def set_best(self, latency: float, found) -> None:
+        """The incumbent: prune what cannot beat it by more than ``gap`` (relative)."""
+        self.best = (latency, found)
+        self.cut = latency / (1.0 + self.gap)
 
     def evaluate_spans(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, str] | None:
         """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
@@ -195,7 +224,7 @@ class _DP:
     def run(self) -> None:
         N, M, b, ns, dps, cm, rho = self.N, self.M, self.b, self.ns, self.dps, self.cm, self.rho
         states: list[dict] = [dict() for _ in range(N + 1)]
-        self.table = states  # the memo: states[j][key] = [best prefixes] (kept for inspection)
+        self.table = states  # the memo: states[j][key id] = [best prefixes] (kept for inspection; ids: self._kid)
         all_free = tuple([dps] * ns)
         lay0 = tuple(s for s in range(ns) for _ in range(dps))
         if self.G <= b:  # j = 0: pure data parallelism, the whole model as one stage on every device
@@ -203,7 +232,7 @@ class _DP:
             if d >= 1:
                 lat, pol = self.latency([f], [bb], [ar], [e], [bb], [d], 0.0)
                 self.record(lat, ((0, N, lay0),), ("fresh",), pol)
-        root = _Prefix((), (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0)
+        root = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0)
         for j in range(N):
             for pre in ([root] if j == 0 else self.frontier(states[j])):
                 self.states += 1
@@ -212,14 +241,14 @@ class _DP:
                     return
                 free = pre.free
                 R = sum(free)
-                if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.best[0]:
+                if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.cut:
                     continue
-                if pre.W + max(pre.Bsum + self.Q[j][R], self.Qar[j][R]) >= self.best[0]:
+                if pre.W + max(pre.Bsum + self.Q[j][R], self.Qar[j][R]) >= self.cut:
                     continue
-                if self.max_stages is not None and len(pre.spans) + 2 > self.max_stages:
+                if self.max_stages is not None and pre.depth + 2 > self.max_stages:
                     continue
-                prev = pre.spans[-1][2] if pre.spans else None
-                bound = self.best[0]
+                prev = pre.last
+                bound = self.cut
                 for m in range(1, min(R - 1, b) + 1):
                     # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m
                     # devices: M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
@@ -266,7 +295,8 @@ class _DP:
                     tail = _arrange(free2, new)
                     wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
                     state_key, perm = _canonical(free2, new)
-                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, state_key, perm))
+                    kid = self._kid.setdefault(state_key, len(self._kid))  # an int: cheaper to hash than the key
+                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, kid, perm))
             self._options[key] = hit
         return hit
 
@@ -279,7 +309,7 @@ class _DP:
             busy1, out1, in1, servers1, chain1 = cm.comm_links(j - 1, prev, new)
             # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
             base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
-            if base >= self.best[0]:
+            if base >= self.cut:
                 return
             F0, B0, AR0, E0, C0 = pre.F + [busy1], pre.B + [busy1], pre.AR + [0.0], pre.E + [busy1], pre.C + [chain1]
             if refined:
@@ -304,21 +334,25 @@ class _DP:
         fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the new stage's slice
         comm_to_rest = cm.comm_pair(new, tail_eval)  # comm_links(layer, new, tail_eval) = comm_to_rest(layer)
         multi = len(set(new)) > 1
+        tails = self.tails(tail_eval)
         for j2 in range(lo, N):
             f, bb = fpre[j2] - fpre[j], bpre[j2] - bpre[j]
             ar = cm.allreduce_of(j, j2, m, multi)
             lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar) if self.ar_bound else Bsum1))
-            if lb >= self.best[0]:
+            if lb >= self.cut:
                 break  # a longer new stage is only slower
             dn = max_in_flight(static(j, j2), spre[j2] - spre[j], mem)
             if dn < 1:
                 break  # and only bigger
             # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
-            if W1 + max(Bsum1 + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= self.best[0]:
+            if W1 + max(Bsum1 + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= self.cut:
                 continue
             busy2, out2, in2, servers2, chain2 = comm_to_rest(j2 - 1)
-            t_f, t_b, t_ar, t_e, t_d = self.tail(j2, tail_eval)
-            skey = (len(pre.spans) + 1, key) if self.max_stages is not None else key  # stage count limits what follows
+            rest = tails[j2]
+            if rest is None:
+                rest = tails[j2] = self.tail(j2, tail_eval)
+            t_f, t_b, t_ar, t_e, t_d = rest
+            skey = (pre.depth + 1, key) if self.max_stages is not None else key  # stage count limits what follows
             bucket = states[j2].get(skey)
             if bucket is not None and len(bucket) >= self.beam:
                 # the rest-as-one-stage's chain bounds this complete plan's L from below (formula 2: M (F+B) of
@@ -328,7 +362,7 @@ class _DP:
                                                                       Bsum1 + bb + chain2)
                 else:
                     quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
-                if quick >= self.best[0] and quick >= bucket[-1].latency:
+                if quick >= self.cut and quick >= bucket[-1].latency:
                     continue
             self.transitions += 1
             e = cm.overlapped_ending(j, j2, new) if self.overlap else bb
@@ -337,23 +371,25 @@ class _DP:
             if refined:
                 period = max(dev1, out2 + last_in1, in2, srvmax1,
                              max((srv1.get(s, 0.0) + t for s, t in servers2), default=0.0))
+            full = bucket is not None and len(bucket) >= self.beam
+            # a plan at or above both the best and the bucket's worst is neither kept nor recorded: stop there
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
-                                    C + [chain2, t_b], D + [t_d], period)
-            spans = pre.spans + ((j, j2, new),)
+                                    C + [chain2, t_b], D + [t_d], period,
+                                    max(self.best[0], bucket[-1].latency) if full else INF)
             if not wide and t_d >= 1 and lat < self.best[0]:
-                self.record(lat, spans + ((j2, N, tail),), pre.policies + (name, "rest"), pol)
-            if bucket is not None and len(bucket) >= self.beam and bucket[-1].latency <= lat:
+                self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail)), pre.policies + (name, "rest"), pol)
+            if full and bucket[-1].latency <= lat:
                 continue
-            spans = tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in spans)
             relabelled = [0] * ns
             for s in range(ns):
                 relabelled[perm[s]] = free2[s]
-            nxt = _Prefix(spans, pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
+            nxt = _Prefix(pre, (j, j2, new), perm, tuple([perm[s] for s in new]), pre.depth + 1,
+                          pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
                           W1 + f, Bsum1 + bb)
             if bucket is None:
                 states[j2][skey] = [nxt]
-            elif all(p.spans != spans for p in bucket):
+            elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):
                 bucket.append(nxt)
                 bucket.sort(key=lambda p: p.latency)
                 del bucket[self.beam:]
