@@ -296,17 +296,49 @@ class _DP:
                     wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
                     state_key, perm = _canonical(free2, new)
                     kid = self._kid.setdefault(state_key, len(self._kid))  # an int: cheaper to hash than the key
-                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, kid, perm))
+                    rest = tail[: self.b] if wide else tail
+                    # the communication costs in and out of the new stage, per cut (CostModel.comm_pair)
+                    comm_in = self.cm.comm_pair(prev, new) if prev is not None else None
+                    hit.append((name, new, free2, tail, rest, wide, kid, perm, comm_in, self.cm.comm_pair(new, rest)))
             self._options[key] = hit
         return hit
+
+    def reach(self, pre: _Prefix, j: int, m: int, multi: bool, n_rest: int, lo: int, base: float, W: float,
+              Bsum: float) -> list:
+        """The ends j2 of a new stage [j, j2) on m replicas that pass the bounds, with the first micro-batch
+        reaching it after ``W`` and the last gradient leaving it ``Bsum`` before the end: [(j2, F, B, AR, D)]."""
+        N, M, cm, cut = self.N, self.M, self.cm, self.cut
+        Q, Qar, fill, mem, static = self.Q, self.Qar, self.fill, self.mem, cm.static_bytes
+        fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the new stage's slice
+        out = []
+        for j2 in range(lo, N):
+            f, bb = fpre[j2] - fpre[j], bpre[j2] - bpre[j]
+            ar = cm.allreduce_of(j, j2, m, multi)
+            if max(base, W + M * (f + bb) + (max(Bsum, ar) if self.ar_bound else Bsum)) >= cut:
+                break  # a longer new stage is only slower
+            dn = max_in_flight(static(j, j2), spre[j2] - spre[j], mem)
+            if dn < 1:
+                break  # and only bigger
+            # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
+            if W + max(Bsum + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= cut:
+                continue
+            out.append((j2, f, bb, ar, dn))
+        return out
 
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
         N, M, ns, cm = self.N, self.M, self.ns, self.cm
-        name, new, free2, tail, tail_eval, wide, key, perm = option
+        name, new, free2, tail, tail_eval, wide, key, perm, comm_in, comm_to_rest = option
         refined = self.refined
+        multi = len(set(new)) > 1
+        n_rest = len(tail)
+        W0, Bsum0 = (pre.W, pre.Bsum) if refined else (0.0, 0.0)  # formula 2: no fill/drain bound (pivot 0)
+        # first without the transfer into the new stage (>= 0): most placements end here, before its costs
+        ends = self.reach(pre, j, m, multi, n_rest, lo, pre.lb, W0, Bsum0)
+        if not ends:
+            return
         if prev is not None:
-            busy1, out1, in1, servers1, chain1 = cm.comm_links(j - 1, prev, new)
+            busy1, out1, in1, servers1, chain1 = comm_in(j - 1)
             # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
             base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
             if base >= self.cut:
@@ -318,33 +350,24 @@ class _DP:
                 for s, t in servers1:
                     srv1[s] = srv1.get(s, 0.0) + t
                 srvmax1 = max(srv1.values(), default=0.0)
+                W1, Bsum1 = pre.W + busy1, pre.Bsum + chain1
             else:
                 dev1, srv1, srvmax1 = 0.0, pre.servers, 0.0
+                W1 = Bsum1 = 0.0
             last_in1 = in1
-            W1, Bsum1 = pre.W + busy1, pre.Bsum + chain1
+            ends = self.reach(pre, j, m, multi, n_rest, ends[0][0], base, W1, Bsum1)
         else:
             base = pre.lb
             F0, B0, AR0, E0, C0 = [], [], [], [], []
             dev1, srv1, srvmax1, last_in1 = 0.0, {}, 0.0, 0.0
             W1 = Bsum1 = 0.0
-        if not refined:
-            W1 = Bsum1 = 0.0  # formula 2 has no fill/drain bound (pivot 0 hides both)
-        Q, Qar, fill, n_rest = self.Q, self.Qar, self.fill, len(tail)
-        mem, static = self.mem, cm.static_bytes
-        fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the new stage's slice
-        comm_to_rest = cm.comm_pair(new, tail_eval)  # comm_links(layer, new, tail_eval) = comm_to_rest(layer)
-        multi = len(set(new)) > 1
         tails = self.tails(tail_eval)
-        for j2 in range(lo, N):
-            f, bb = fpre[j2] - fpre[j], bpre[j2] - bpre[j]
-            ar = cm.allreduce_of(j, j2, m, multi)
+        Q, Qar, fill = self.Q, self.Qar, self.fill
+        for j2, f, bb, ar, dn in ends:
+            # reach's checks again: a plan recorded in this loop may have lowered the cut since
             lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar) if self.ar_bound else Bsum1))
             if lb >= self.cut:
-                break  # a longer new stage is only slower
-            dn = max_in_flight(static(j, j2), spre[j2] - spre[j], mem)
-            if dn < 1:
-                break  # and only bigger
-            # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
+                break
             if W1 + max(Bsum1 + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= self.cut:
                 continue
             busy2, out2, in2, servers2, chain2 = comm_to_rest(j2 - 1)
