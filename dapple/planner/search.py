@@ -51,6 +51,9 @@ class _Prefix:
     last_in: float  # busiest receiving device link of the prefix's last communication stage
     W: float = 0.0  # sum of the prefix's F (compute and communication): when the first micro-batch leaves it
     Bsum: float = 0.0  # sum of the prefix's B (communication: its round-trip share): the last gradient's way back
+    below: float | None = None  # refined_chains' `below` after the last stage: its ending and what follows it
+    fmax: float = 0.0  # slowest forward of the prefix (compute or communication)
+    tmax: float = 0.0  # slowest F + B of the prefix's compute stages
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""
@@ -193,6 +196,35 @@ class _DP:
             e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
             hit = self._tail[key] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
         return hit
+
+    def below(self, pre: _Prefix, chain1: float | bool, bb: float, ar: float, e: float) -> float:
+        """refined_chains' `below` after a new stage (B ``bb``, AllReduce ``ar``, overlapped ending ``e``) that
+        follows ``pre`` over a transfer whose gradients take ``chain1`` back (False: no stage before)."""
+        own = e if self.overlap else bb + ar
+        below = pre.below
+        if below is None or chain1 is False:
+            return own
+        below += chain1
+        return below + bb if below + bb > own else own
+
+    def rest_chain(self, pre: _Prefix, chain1: float | bool, f: float, bb: float, ar: float, busy1: float,
+                   busy2: float, chain2: float, W1: float, rest: tuple, e: float, link_period: float) -> float:
+        """A lower bound on L of prefix + new stage + the rest as one stage: the rest's chain in refined_chains
+        (a last stage has K = 1: warm + F + max((M-1)(F+B), arrive) + B + tail), with the arrival period and the
+        slowest supply taken from what is known without the window terms, and the new stage's K at most 3 (A: 2,
+        B: 3; arrive falls as K grows). Nearly every plan's pivot is its last stage (the search rejects most
+        plans here without evaluating them)."""
+        M = self.M
+        t_f, t_b, t_ar, t_e, _ = rest
+        below = self.below(pre, chain1, bb, ar, e) + chain2
+        own = t_e if self.overlap else t_b + t_ar
+        tail = below if below > own - t_b else own - t_b
+        supply = max(pre.fmax, busy1, f, busy2, t_f)
+        period = max(pre.tmax, f + bb, t_f + t_b, link_period)
+        up = 3 if M > 3 else M
+        arrive = min(min(M - 1, up - 1) * supply + (M - up) * period, (M - 1) * period)
+        steady = max((M - 1) * (t_f + t_b), arrive + t_f - t_f)
+        return W1 + f + busy2 + t_f + steady + t_b + tail
 
     def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
         if latency < self.best[0]:
@@ -361,8 +393,17 @@ class _DP:
             F0, B0, AR0, E0, C0 = [], [], [], [], []
             dev1, srv1, srvmax1, last_in1 = 0.0, {}, 0.0, 0.0
             W1 = Bsum1 = 0.0
+        if prev is None:
+            busy1 = 0.0
         tails = self.tails(tail_eval)
         Q, Qar, fill = self.Q, self.Qar, self.fill
+        bpre = cm._sums(cm.rows(m))[1]
+        e_of = (lambda c: cm.overlapped_ending(j, c, new)) if self.overlap else (lambda c: bpre[c] - bpre[j])
+
+        def link_period(servers2, out2, in2) -> float:  # CostModel.link_period of prefix + new + rest
+            return max(dev1, out2 + last_in1, in2, srvmax1,
+                       max((srv1.get(s, 0.0) + t for s, t in servers2), default=0.0))
+
         for j2, f, bb, ar, dn in ends:
             # reach's checks again: a plan recorded in this loop may have lowered the cut since
             lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar) if self.ar_bound else Bsum1))
@@ -380,20 +421,20 @@ class _DP:
             if bucket is not None and len(bucket) >= self.beam:
                 # the rest-as-one-stage's chain bounds this complete plan's L from below (formula 2: M (F+B) of
                 # any stage); skip evaluating a plan that can neither beat the best nor enter the bucket
-                if refined:
+                if refined:  # the rest's own chain (refined_chains with K = 1), its supply and period from below
                     quick = W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar,
-                                                                      Bsum1 + bb + chain2)
+                                                                      Bsum1 + bb + chain2)  # cheap, lower
+                    if quick < self.cut or quick < bucket[-1].latency:
+                        quick = self.rest_chain(pre, prev is not None and chain1, f, bb, ar, busy1, busy2, chain2, W1,
+                                                rest, e_of(j2), link_period(servers2, out2, in2))
                 else:
                     quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
                 if quick >= self.cut and quick >= bucket[-1].latency:
                     continue
             self.transitions += 1
-            e = cm.overlapped_ending(j, j2, new) if self.overlap else bb
+            e = e_of(j2)
             F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
-            period = 0.0
-            if refined:
-                period = max(dev1, out2 + last_in1, in2, srvmax1,
-                             max((srv1.get(s, 0.0) + t for s, t in servers2), default=0.0))
+            period = link_period(servers2, out2, in2) if refined else 0.0
             full = bucket is not None and len(bucket) >= self.beam
             # a plan at or above both the best and the bucket's worst is neither kept nor recorded: stop there
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
@@ -409,7 +450,8 @@ class _DP:
             nxt = _Prefix(pre, (j, j2, new), perm, tuple([perm[s] for s in new]), pre.depth + 1,
                           pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
-                          W1 + f, Bsum1 + bb)
+                          W1 + f, Bsum1 + bb, self.below(pre, prev is not None and chain1, bb, ar, e),
+                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb))
             if bucket is None:
                 states[j2][skey] = [nxt]
             elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):
