@@ -63,3 +63,33 @@ def test_rest_bound_is_monotone():
         q = rest_bound(cm, 4, 4, fill=True, allreduce=allreduce)
         assert (np.diff(q[:, 1:], axis=0) <= 1e-9).all()  # fewer layers left: no larger
         assert (np.diff(q, axis=1) <= 1e-9).all()  # more devices: no larger
+
+
+class _Checked(_DP):
+    """The DP with its rest-chain rejection turned into an assertion: every candidate that reaches the check is
+    evaluated in full, and its latency must not be below the bound that would have rejected it."""
+
+    def rest_chain(self, *args):
+        self.pending = super().rest_chain(*args)
+        self.checks = getattr(self, "checks", 0) + 1
+        return -float("inf")
+
+    def latency(self, F, B, AR, E, C, D, link_period, limit=float("inf")):
+        lat, pol = super().latency(F, B, AR, E, C, D, link_period)
+        bound, self.pending = getattr(self, "pending", None), None
+        if bound is not None:
+            assert bound <= lat * (1 + 1e-9), (bound, lat)
+        return lat, pol
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_rest_chain_bound_is_below_the_plans_latency(overlap):
+    checks = 0
+    rng = random.Random(3)
+    cases = [(random_profile(rng, rng.randint(6, 12)), cluster(s, d, inter=rng.choice([3e9, 1e8])), 32, 8)
+             for s, d in [(2, 4), (4, 2), (2, 3), (3, 2)] * 3]
+    for prof, c, g, b in cases:
+        dp = _Checked(prof, c, g, b, "refined", overlap, None, 4.0, 1, float("inf"))
+        dp.run()
+        checks += getattr(dp, "checks", 0)
+    assert checks >= 500

@@ -36,6 +36,18 @@ def test_dp_finds_the_brute_force_optimum(model, beam):
     assert checked >= 35
 
 
+def test_dp_finds_the_brute_force_optimum_with_overlapped_allreduce():
+    """The same with AllReduce overlapping the last backward (the bounds then use each stage's ending E)."""
+    checked = 0
+    for prof, c, g, b in small_instances(11, 25):
+        best, spans, _ = exhaustive_search(prof, c, g, b, model="refined", overlap=True)
+        dp = dp_search(prof, c, g, b, model="refined", overlap=True, seed=False)
+        if best < float("inf"):
+            checked += 1
+            assert dp is not None and dp.latency == pytest.approx(best, rel=1e-9), (c.name, g, b, dp, spans)
+    assert checked >= 18
+
+
 def test_the_papers_single_prefix_per_state_can_miss():
     misses = 0
     for prof, c, g, b in small_instances(2, 60):
