@@ -128,6 +128,7 @@ class _DP:
         self._tail: dict = {}
         self._options: dict = {}
         self._kid: dict = {}  # state key -> int id (states[j] is keyed by the id)
+        self._stage_costs: dict = {}  # (j, m, spans servers) -> stage_costs
         self._tails: dict = {}  # rest layout -> [tail(a, layout) for a in 0..N] (filled on use)
         # rho[j]: least per-micro-batch work (ms x devices) any stage split can give layers [0, j)
         rho = [0.0]
@@ -339,16 +340,15 @@ class _DP:
               Bsum: float) -> list:
         """The ends j2 of a new stage [j, j2) on m replicas that pass the bounds, with the first micro-batch
         reaching it after ``W`` and the last gradient leaving it ``Bsum`` before the end: [(j2, F, B, AR, D)]."""
-        N, M, cm, cut = self.N, self.M, self.cm, self.cut
-        Q, Qar, fill, mem, static = self.Q, self.Qar, self.fill, self.mem, cm.static_bytes
-        fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the new stage's slice
+        N, M, cut, Q, Qar, fill = self.N, self.M, self.cut, self.Q, self.Qar, self.fill
+        fs, bs, ars, ds = self.stage_costs(j, m, multi)
+        ar_bound = self.ar_bound
         out = []
         for j2 in range(lo, N):
-            f, bb = fpre[j2] - fpre[j], bpre[j2] - bpre[j]
-            ar = cm.allreduce_of(j, j2, m, multi)
-            if max(base, W + M * (f + bb) + (max(Bsum, ar) if self.ar_bound else Bsum)) >= cut:
+            f, bb, ar = fs[j2], bs[j2], ars[j2]
+            if max(base, W + M * (f + bb) + (max(Bsum, ar) if ar_bound else Bsum)) >= cut:
                 break  # a longer new stage is only slower
-            dn = max_in_flight(static(j, j2), spre[j2] - spre[j], mem)
+            dn = ds[j2]
             if dn < 1:
                 break  # and only bigger
             # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
@@ -356,6 +356,23 @@ class _DP:
                 continue
             out.append((j2, f, bb, ar, dn))
         return out
+
+    def stage_costs(self, j: int, m: int, multi: bool) -> tuple:
+        """Per end j2 (lists indexed by j2) of a stage [j, j2) on m replicas (spanning servers or not): F, B,
+        AllReduce and how many slices fit in memory (memoised: the search asks the same stage many times)."""
+        key = (j, m, multi)
+        hit = self._stage_costs.get(key)
+        if hit is None:
+            cm, N, mem = self.cm, self.N, self.mem
+            fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the stage's slice
+            pad = [0.0] * (j + 1)
+            fs = pad + [fpre[c] - fpre[j] for c in range(j + 1, N + 1)]
+            bs = pad + [bpre[c] - bpre[j] for c in range(j + 1, N + 1)]
+            ars = pad + [cm.allreduce_of(j, c, m, multi) for c in range(j + 1, N + 1)]
+            ds = [0] * (j + 1) + [max_in_flight(cm.static_bytes(j, c), spre[c] - spre[j], mem)
+                                  for c in range(j + 1, N + 1)]
+            hit = self._stage_costs[key] = (fs, bs, ars, ds)
+        return hit
 
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
