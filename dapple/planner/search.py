@@ -290,8 +290,9 @@ class _DP:
                              bisect.bisect_right(self.Qarcol[R - m], pre.W - bound, j + 1))
                     if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
                         continue
+                    gate: dict = {}  # reach() without the incoming transfer, shared by this m's placements
                     for option in self.options(free, prev, m):
-                        self.expand(states, pre, j, m, option, prev, lo)
+                        self.expand(states, pre, j, m, option, prev, lo, gate)
 
     def frontier(self, layer_states: dict) -> list:
         """The prefixes to expand at one j: all of them, or with ``width`` the best ``width`` by formula 5's L
@@ -374,7 +375,7 @@ class _DP:
             hit = self._stage_costs[key] = (fs, bs, ars, ds)
         return hit
 
-    def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int) -> None:
+    def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
         N, M, ns, cm = self.N, self.M, self.ns, self.cm
         name, new, free2, tail, tail_eval, wide, key, perm, comm_in, comm_to_rest = option
@@ -382,8 +383,11 @@ class _DP:
         multi = len(set(new)) > 1
         n_rest = len(tail)
         W0, Bsum0 = (pre.W, pre.Bsum) if refined else (0.0, 0.0)  # formula 2: no fill/drain bound (pivot 0)
-        # first without the transfer into the new stage (>= 0): most placements end here, before its costs
-        ends = self.reach(pre, j, m, multi, n_rest, lo, pre.lb, W0, Bsum0)
+        # first without the transfer into the new stage (>= 0): most placements end here, before its costs (the
+        # same for every placement of m replicas that does or does not span servers)
+        ends = gate.get(multi)
+        if ends is None:
+            ends = gate[multi] = self.reach(pre, j, m, multi, n_rest, lo, pre.lb, W0, Bsum0)
         if not ends:
             return
         if prev is not None:
