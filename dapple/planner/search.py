@@ -128,6 +128,7 @@ class _DP:
         self._tail: dict = {}
         self._options: dict = {}
         self._kid: dict = {}  # state key -> int id (states[j] is keyed by the id)
+        self._canon: dict = {}  # (free devices, new stage's layout) -> (state key id, server relabelling)
         self._stage_costs: dict = {}  # (j, m, spans servers) -> stage_costs
         self._tails: dict = {}  # rest layout -> [tail(a, layout) for a in 0..N] (filled on use)
         # rho[j]: least per-micro-batch work (ms x devices) any stage split can give layers [0, j)
@@ -328,12 +329,15 @@ class _DP:
                 for new in dict.fromkeys((_arrange(take, prev), tuple(sorted(_arrange(take, prev), key=rank.get)))):
                     tail = _arrange(free2, new)
                     wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
-                    state_key, perm = _canonical(free2, new)
-                    kid = self._kid.setdefault(state_key, len(self._kid))  # an int: cheaper to hash than the key
-                    rest = tail[: self.b] if wide else tail
-                    # the communication costs in and out of the new stage, per cut (CostModel.comm_pair)
-                    comm_in = self.cm.comm_pair(prev, new) if prev is not None else None
-                    hit.append((name, new, free2, tail, rest, wide, kid, perm, comm_in, self.cm.comm_pair(new, rest)))
+                    canon = self._canon.get((free2, new))
+                    if canon is None:
+                        state_key, perm = _canonical(free2, new)
+                        kid = self._kid.setdefault(state_key, len(self._kid))  # an int: cheaper to hash than the key
+                        canon = self._canon[(free2, new)] = (kid, perm)
+                    kid, perm = canon
+                    # comms: the communication costs in and out of the new stage per cut (CostModel.comm_pair),
+                    # filled by expand() once a placement passes the bounds
+                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, kid, perm, []))
             self._options[key] = hit
         return hit
 
@@ -378,7 +382,7 @@ class _DP:
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
         N, M, ns, cm = self.N, self.M, self.ns, self.cm
-        name, new, free2, tail, tail_eval, wide, key, perm, comm_in, comm_to_rest = option
+        name, new, free2, tail, tail_eval, wide, key, perm, comms = option
         refined = self.refined
         multi = len(set(new)) > 1
         n_rest = len(tail)
@@ -390,6 +394,9 @@ class _DP:
             ends = gate[multi] = self.reach(pre, j, m, multi, n_rest, lo, pre.lb, W0, Bsum0)
         if not ends:
             return
+        if not comms:
+            comms += [cm.comm_pair(prev, new) if prev is not None else None, cm.comm_pair(new, tail_eval)]
+        comm_in, comm_to_rest = comms
         if prev is not None:
             busy1, out1, in1, servers1, chain1 = comm_in(j - 1)
             # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
