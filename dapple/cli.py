@@ -63,6 +63,11 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--overlap", action="store_true", help="the runtime overlaps AllReduce with the last backward")
     p.add_argument("--max-stages", type=int, default=None, help="limit the pipeline depth")
     p.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
+    p.add_argument("--search", choices=("auto", "full", "compact"), default="auto",
+                   help="placements searched (auto: full up to 4 servers, compact above)")
+    p.add_argument("--time-limit", type=float, default=None, help="stop the search after this many seconds")
+    p.add_argument("--gap", type=float, default=0.0,
+                   help="stop proving once the plan is within this fraction of the best possible (e.g. 0.01)")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     p.set_defaults(run=_run_plan)
 
@@ -72,7 +77,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     prof = load_profile(args.profile, args.profile_batch)
     result = plan(prof, load_cluster(args.cluster), args.global_batch, args.micro_batch, model=args.model,
-                  overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule)
+                  overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule, search=args.search,
+                  time_limit=args.time_limit, gap=args.gap)
     print(result)
     if args.output:
         result.save(args.output)

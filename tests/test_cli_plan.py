@@ -52,3 +52,11 @@ def test_show_plan_draws_the_simulated_schedule(tmp_path, capsys):
     for d in range(plan.num_devices):  # each device runs every forward and backward once
         names = sorted(e.name for e in events if e.rank == d and e.kind in ("forward", "backward"))
         assert names == sorted([f"F{j}" for j in range(m)] + [f"B{j}" for j in range(m)])
+
+
+def test_plan_search_options(capsys):
+    assert main(["plan", str(pipedream_path("bert_48")), "--profile-batch", "2", "--cluster", "A",
+                 "--global-batch", "64", "--micro-batch", "8", "--search", "compact", "--gap", "0.02",
+                 "--time-limit", "30"]) == 0
+    text = capsys.readouterr().out
+    assert "compact search" in text and "optimality gap 2.0%" in text and "no plan is modelled below" in text

@@ -73,7 +73,8 @@ def format_plan(plan: "Plan") -> str:
                      + ("; compact search (partly used servers kept alike)"
                         if plan.meta.get("search") == "compact" else "")
                      + ("; search stopped at its time limit: the best plan found so far"
-                        if plan.meta.get("search_complete") is False else ""))
+                        if plan.meta.get("search_complete") is False else "")
+                     + (f"; optimality gap {plan.meta['gap']:.1%}" if plan.meta.get("gap") else ""))
         bound = plan.meta.get("latency_lower_bound_ms")
         if bound and plan.estimate is not None:
             lines.append(f"  no plan is modelled below {bound:.1f} ms: this one is within "

@@ -42,7 +42,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
          model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | None = None,
-         verify: int = 6) -> Plan:
+         gap: float = 0.0, verify: int = 6) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``.
 
     Searches stage splits, replication and Fresh/Append/Scatter placement by the DP of formulas 4-5
@@ -59,6 +59,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     "auto" (default): full up to 4 servers, compact above (benchmarks/compact_vs_full.py: what it gives up).
     ``time_limit`` (seconds) makes the search anytime: when it runs out, the best plan found so far is
     returned and ``plan.meta["search_complete"]`` is False (large clusters: see benchmarks/planning_time.py).
+    ``gap`` (a fraction, e.g. 0.01) stops proving sooner: the search drops whatever cannot beat the best plan
+    found by more than this, so the plan is within (1 + gap) of the best the search would find without it (a
+    branch-and-bound's optimality gap; the model's own error against the simulator is a few percent).
     ``verify``: the final choice among the DP's plan and the even-split plans of the micro-batch sizes (the
     first ``verify`` of them, x warmup policies A and B) is made by the event simulator, the judge of the
     model (0: trust the model; skipped above SIMULATE_LIMIT devices x micro-batches); ``meta`` records it.
@@ -72,6 +75,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if not isinstance(gap, (int, float)) or isinstance(gap, bool) or not 0 <= gap < 1:
+        raise ValueError(f"gap: expected a fraction in [0, 1), e.g. 0.01 for 1%, got {gap!r}")
     if search not in SEARCHES:
         raise ValueError(f"search: expected one of {SEARCHES}, got {search!r}")
     if search == "auto":
@@ -94,7 +99,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     for b in sorted(candidates, reverse=True):  # larger micro-batches first: they win ties
         if g % b == 0 and cluster.num_devices <= profile.num_layers * b:
             dp = _DP(profile, cluster, g, b, model, overlap, warmup_policy if model == "refined" else None,
-                     optimizer_factor, beam, INF, max_stages, 1 if search == "compact" else None)
+                     optimizer_factor, beam, INF, max_stages, 1 if search == "compact" else None, float(gap))
             dp.seed()
             dps.append(dp)
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
@@ -136,8 +141,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             "latency_model": model, "overlap": overlap, "placement": list(policies),
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
             "dp_transitions": found.transitions, "search": search, "search_complete": complete}
-    if not complete or search == "compact":  # what a partial search still proves: no plan's modelled L is below
-        meta["latency_lower_bound_ms"] = round(lower_bound(dps, found.latency, exhaustive=search == "full"), 4)
+    if gap:
+        meta["gap"] = gap
+    if not complete or search == "compact" or gap:  # what a partial search still proves: no modelled L below
+        meta["latency_lower_bound_ms"] = round(lower_bound(dps, found.latency, search == "full", gap), 4)
     if simulated is not None:
         meta["simulated_ms"] = round(simulated, 4)
         meta["candidates_simulated"] = n_sim
@@ -146,11 +153,13 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
 
 
-def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True) -> float:
+def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True, gap: float = 0.0) -> float:
     """A lower bound on the modelled L of every plan, after the searches ``dps`` (one per micro-batch size;
-    the others fit no device) ran: a finished full search found all plans below ``best``; an unfinished or
-    compact one contributes its root bound Q[0][G] (bounds.rest_bound: the least max-stage work of any split)."""
-    return min([best] + [dp.Q[0][dp.G] for dp in dps if not (dp.complete and exhaustive)])
+    the others fit no device) ran: a finished full search found all plans below ``best`` / (1 + ``gap``); an
+    unfinished or compact one contributes its root bound, the larger of Q[0][G] and Qar[0][G]
+    (bounds.rest_bound: the least max-stage work of any split, with the backwards or the AllReduces after it)."""
+    return min([best / (1 + gap)] + [max(dp.Q[0][dp.G], dp.Qar[0][dp.G]) for dp in dps
+                                     if not (dp.complete and exhaustive)])
 
 
 def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,

@@ -492,7 +492,7 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
               model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
               optimizer_factor: float = 4.0, beam: int = 1, incumbent: float = INF,
               seed: bool = True, max_stages: int | None = None, partial_kinds: int | None = None,
-              time_limit: float | None = None) -> SearchResult | None:
+              time_limit: float | None = None, gap: float = 0.0) -> SearchResult | None:
     """Formulas 4-5 for one micro-batch size: T_PL(j', m+m', g+g') = L of (planned stages + a new stage
     [j, j') on m' devices placed by Fresh/Append/Scatter First + the rest as one stage on the free devices).
 
@@ -510,11 +510,12 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     back), the remaining layers' least work over the free devices, and one micro-batch's round trip.
     ``partial_kinds``: only placements after which the partly used servers come in at most this many kinds
     (free devices, replicas of the new stage): the compact search of :func:`dapple.plan` (1). ``time_limit``:
-    stop after that many seconds with the best plan so far (SearchResult via the seeds). Returns None when
-    nothing beats ``incumbent``.
+    stop after that many seconds with the best plan so far (SearchResult via the seeds). ``gap``: prune what
+    cannot beat the best plan so far by more than this fraction (the result is within 1 + gap of the search's
+    without it). Returns None when nothing beats ``incumbent``.
     """
     dp = _DP(profile, cluster, global_batch_size, micro_batch_size, model, overlap, warmup_policy,
-             optimizer_factor, beam, incumbent, max_stages, partial_kinds)
+             optimizer_factor, beam, incumbent, max_stages, partial_kinds, gap)
     if global_batch_size % micro_batch_size or dp.G > dp.N * dp.b:
         return None  # not enough layers to give every device a stage of at most b replicas
     if seed:

@@ -199,3 +199,27 @@ def test_search_auto_is_compact_above_four_servers():
     assert "compact search" in str(big)
     with pytest.raises(ValueError, match="search: expected one of"):
         dapple.plan(prof, cluster(2, 2), 32, 8, search="greedy")
+
+
+def test_a_gap_keeps_the_plan_within_it_and_prunes():
+    """gap=g: the DP's plan is within (1 + g) of the exact DP's, the search does less, and the bound reported
+    (best / (1 + g)) is below the exact optimum."""
+    rng = random.Random(7)
+    fewer = 0
+    for _ in range(12):
+        prof = random_profile(rng, rng.randint(8, 14))
+        c = cluster(*rng.choice([(2, 4), (4, 2)]), inter=rng.choice([3e9, 3e8]))
+        exact = dp_search(prof, c, 32, 8, model="refined", seed=False)
+        loose = dp_search(prof, c, 32, 8, model="refined", seed=False, gap=0.05)
+        assert loose.latency <= exact.latency * 1.05 * (1 + 1e-9)
+        fewer += loose.transitions < exact.transitions
+    assert fewer >= 10
+    prof = random_profile(random.Random(3), 12)
+    exact = dapple.plan(prof, cluster(2, 4), 32, 8, verify=0)
+    loose = dapple.plan(prof, cluster(2, 4), 32, 8, verify=0, gap=0.05)
+    assert loose.meta["gap"] == 0.05 and "gap" not in exact.meta
+    assert loose.meta["latency_lower_bound_ms"] <= exact.estimate.latency_ms * (1 + 1e-9)
+    assert "optimality gap 5.0%" in str(loose)
+    for bad in (-0.1, 1.0, "1%", True):
+        with pytest.raises(ValueError, match="gap: expected a fraction in"):
+            dapple.plan(prof, cluster(2, 4), 32, 8, gap=bad)
