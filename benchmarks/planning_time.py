@@ -45,20 +45,31 @@ def main() -> None:
     ap.add_argument("--model", default="refined", choices=("refined", "paper"))
     ap.add_argument("--time-limit", type=float, default=None,
                     help="stop the 8x8 and 128x8 searches after this many seconds (anytime: best plan so far)")
+    ap.add_argument("--gap", type=float, default=0.01,
+                    help="the optimality gap of the 8x8 cases marked 'gap' (plan(gap=...)); 0 leaves them out")
     args = ap.parse_args()
     bert = lambda: Profile.from_pipedream(PIPEDREAM / "bert_48.txt", 2)  # noqa: E731
-    cases = [("bert_48, global 64, 2x8 (A), micro-batch searched", bert, lambda: Cluster.preset("A"), 64, None, None),
-             ("bert_48, global 64, 2x8 (A), micro-batch 8", bert, lambda: Cluster.preset("A"), 64, 8, None),
+    eight = lambda: Cluster.preset("A", servers=8)  # noqa: E731
+    cases = [("bert_48, global 64, 2x8 (A), micro-batch searched", bert, lambda: Cluster.preset("A"), 64, None, None,
+              0.0),
+             ("bert_48, global 64, 2x8 (A), micro-batch 8", bert, lambda: Cluster.preset("A"), 64, 8, None, 0.0),
              ("synthetic 128 layers, global 512, 8x8, micro-batch 8",
-              lambda: synthetic(128), lambda: Cluster.preset("A", servers=8), 512, 8, args.time_limit),
+              lambda: synthetic(128), eight, 512, 8, args.time_limit, 0.0),
              ("synthetic 128 layers, global 512, 8x8, micro-batch searched",
-              lambda: synthetic(128), lambda: Cluster.preset("A", servers=8), 512, None, args.time_limit)]
+              lambda: synthetic(128), eight, 512, None, args.time_limit, 0.0)]
+    if args.gap:
+        cases += [(f"synthetic 128 layers, global 512, 8x8, micro-batch 8, gap {args.gap:.1%}",
+                   lambda: synthetic(128), eight, 512, 8, args.time_limit, args.gap),
+                  (f"synthetic 128 layers, global 512, 8x8, micro-batch searched, gap {args.gap:.1%}",
+                   lambda: synthetic(128), eight, 512, None, args.time_limit, args.gap)]
     if args.big:
         cases.append(("synthetic 128 layers, global 8192, 128x8 (1024 devices), micro-batch 64",
-                      lambda: synthetic(128), lambda: Cluster.preset("A", servers=128), 8192, 64, args.time_limit))
-    for name, prof, cluster, g, b, limit in cases:
+                      lambda: synthetic(128), lambda: Cluster.preset("A", servers=128), 8192, 64, args.time_limit,
+                      0.0))
+    for name, prof, cluster, g, b, limit, gap in cases:
         p, c = prof(), cluster()
-        med, times, result = timed(args.repeats, lambda: plan(p, c, g, b, model=args.model, time_limit=limit))
+        med, times, result = timed(args.repeats, lambda: plan(p, c, g, b, model=args.model, time_limit=limit,
+                                                              gap=gap))
         print(f"{name}: median {med:.3f} s over {len(times)} runs ({', '.join(f'{t:.3f}' for t in times)}); "
               f"{result.num_stages} stages {[len(s.devices) for s in result.stages]}, micro-batch "
               f"{result.micro_batch_size}, {result.meta['dp_states']} DP states, "

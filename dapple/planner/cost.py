@@ -225,11 +225,15 @@ class CostModel:
         return self._ring_ms(nbytes, len(layout), len(set(layout)) > 1)
 
     def _ring_ms(self, nbytes: float, replicas: int, spans_servers: bool) -> float:
-        r = replicas
-        if r <= 1 or nbytes <= 0:
+        if replicas <= 1 or nbytes <= 0:
             return 0.0
+        share, bw, steps = self._ring(replicas, spans_servers)
+        return (share * nbytes / bw + steps) * 1e3
+
+    def _ring(self, r: int, spans_servers: bool) -> tuple[float, float, float]:
+        """(2(r-1)/r, bus bandwidth, 2(r-1) x latency per step) of a ring over r devices."""
         bw, lat = self.cluster.allreduce_link(spans_servers=spans_servers, replicas=r)
-        return (2 * (r - 1) / r * nbytes / bw + 2 * (r - 1) * lat) * 1e3
+        return 2 * (r - 1) / r, bw, 2 * (r - 1) * lat
 
     def allreduce(self, a: int, c: int, layout: Layout) -> float:
         """AR(P_s, g_s) of formula 2: the gradients of layers [a, c) over the stage's replicas."""
@@ -242,6 +246,15 @@ class CostModel:
         if hit is None:
             hit = self._ar[key] = self._ring_ms(self.params(a, c), replicas, spans_servers)
         return hit
+
+    def allreduce_ends(self, a: int, end: int, replicas: int, spans_servers: bool) -> list[float]:
+        """``[allreduce_of(a, c, replicas, spans_servers) for c in range(a + 1, end)]``, computed at once."""
+        if replicas <= 1:
+            return [0.0] * (end - a - 1)
+        share, bw, steps = self._ring(replicas, spans_servers)
+        pre = self._pre_params
+        p0 = pre[a]
+        return [(share * (pre[c] - p0) / bw + steps) * 1e3 if pre[c] - p0 > 0 else 0.0 for c in range(a + 1, end)]
 
     def buckets(self, a: int, c: int) -> list[tuple[int, float]]:
         """DDP-style gradient buckets of layers [a, c) in backward order: (lowest layer, bytes) each."""

@@ -349,7 +349,7 @@ class _DP:
         fs, bs, ars, ds = self.stage_costs(j, m, multi)
         ar_bound = self.ar_bound
         out = []
-        for j2 in range(lo, N):
+        for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the cut
             f, bb, ar = fs[j2], bs[j2], ars[j2]
             if max(base, W + M * (f + bb) + (max(Bsum, ar) if ar_bound else Bsum)) >= cut:
                 break  # a longer new stage is only slower
@@ -364,18 +364,24 @@ class _DP:
 
     def stage_costs(self, j: int, m: int, multi: bool) -> tuple:
         """Per end j2 (lists indexed by j2) of a stage [j, j2) on m replicas (spanning servers or not): F, B,
-        AllReduce and how many slices fit in memory (memoised: the search asks the same stage many times)."""
+        AllReduce and how many slices fit in memory (memoised: the search asks the same stage many times). The
+        lists stop at the first j2 with M (F+B) >= the cut when first asked: the cut only falls, and no later
+        question reaches past it (reach() breaks there)."""
         key = (j, m, multi)
         hit = self._stage_costs.get(key)
         if hit is None:
-            cm, N, mem = self.cm, self.N, self.mem
+            cm, N, mem, M = self.cm, self.N, self.mem, self.M
             fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the stage's slice
+            f0, b0, s0 = fpre[j], bpre[j], spre[j]
+            end, cut = j + 1, self.cut
+            while end <= N and M * ((fpre[end] - f0) + (bpre[end] - b0)) < cut:
+                end += 1
             pad = [0.0] * (j + 1)
-            fs = pad + [fpre[c] - fpre[j] for c in range(j + 1, N + 1)]
-            bs = pad + [bpre[c] - bpre[j] for c in range(j + 1, N + 1)]
-            ars = pad + [cm.allreduce_of(j, c, m, multi) for c in range(j + 1, N + 1)]
-            ds = [0] * (j + 1) + [max_in_flight(cm.static_bytes(j, c), spre[c] - spre[j], mem)
-                                  for c in range(j + 1, N + 1)]
+            fs = pad + [fpre[c] - f0 for c in range(j + 1, end)]
+            bs = pad + [bpre[c] - b0 for c in range(j + 1, end)]
+            ars = pad + cm.allreduce_ends(j, end, m, multi)
+            static = cm.static_bytes
+            ds = [0] * (j + 1) + [max_in_flight(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
             hit = self._stage_costs[key] = (fs, bs, ars, ds)
         return hit
 
