@@ -125,7 +125,6 @@ class _DP:
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
         self.width: int | None = None  # prefixes expanded per j (None: all, the exact DP)
-        self._tail: dict = {}
         self._options: dict = {}
         self._kid: dict = {}  # state key -> int id (states[j] is keyed by the id)
         self._canon: dict = {}  # (free devices, new stage's layout) -> (state key id, server relabelling)
@@ -189,27 +188,28 @@ class _DP:
         return hit
 
     def tail(self, a: int, lay: Layout) -> tuple:
-        key = (a, lay)
-        hit = self._tail.get(key)
+        """(F, B, AllReduce, ending, slices that fit) of the rest [a, N) as one stage on ``lay`` (memoised)."""
+        row = self.tails(lay)
+        hit = row[a]
         if hit is None:
             cm = self.cm
             f, bb = cm.compute(a, self.N, len(lay))
             d = max_in_flight(cm.static_bytes(a, self.N), cm.saved_bytes(a, self.N, len(lay)), self.mem)
             e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
-            hit = self._tail[key] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
+            hit = row[a] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
         return hit
 
-    def below(self, pre: _Prefix, chain1: float | bool, bb: float, ar: float, e: float) -> float:
+    def below(self, pre: _Prefix, chain1: float | None, bb: float, ar: float, e: float) -> float:
         """refined_chains' `below` after a new stage (B ``bb``, AllReduce ``ar``, overlapped ending ``e``) that
-        follows ``pre`` over a transfer whose gradients take ``chain1`` back (False: no stage before)."""
+        follows ``pre`` over a transfer whose gradients take ``chain1`` back (None: no stage before)."""
         own = e if self.overlap else bb + ar
         below = pre.below
-        if below is None or chain1 is False:
+        if below is None or chain1 is None:
             return own
         below += chain1
         return below + bb if below + bb > own else own
 
-    def rest_chain(self, pre: _Prefix, chain1: float | bool, f: float, bb: float, ar: float, busy1: float,
+    def rest_chain(self, pre: _Prefix, chain1: float | None, f: float, bb: float, ar: float, busy1: float,
                    busy2: float, chain2: float, W1: float, rest: tuple, e: float, link_period: float) -> float:
         """A lower bound on L of prefix + new stage + the rest as one stage: the rest's chain in refined_chains
         (a last stage has K = 1: warm + F + max((M-1)(F+B), arrive) + B + tail), with the arrival period and the
@@ -225,7 +225,7 @@ class _DP:
         period = max(pre.tmax, f + bb, t_f + t_b, link_period)
         up = 3 if M > 3 else M
         arrive = min(min(M - 1, up - 1) * supply + (M - up) * period, (M - 1) * period)
-        steady = max((M - 1) * (t_f + t_b), arrive + t_f - t_f)
+        steady = max((M - 1) * (t_f + t_b), arrive + t_f - t_f)  # in refined_chains' order of operations
         return W1 + f + busy2 + t_f + steady + t_b + tail
 
     def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
@@ -428,7 +428,7 @@ class _DP:
             dev1, srv1, srvmax1, last_in1 = 0.0, {}, 0.0, 0.0
             W1 = Bsum1 = 0.0
         if prev is None:
-            busy1 = 0.0
+            busy1, chain1 = 0.0, None
         tails = self.tails(tail_eval)
         Q, Qar, fill = self.Q, self.Qar, self.fill
         bpre = cm._sums(cm.rows(m))[1]
@@ -446,9 +446,7 @@ class _DP:
             if W1 + max(Bsum1 + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= self.cut:
                 continue
             busy2, out2, in2, servers2, chain2 = comm_to_rest(j2 - 1)
-            rest = tails[j2]
-            if rest is None:
-                rest = tails[j2] = self.tail(j2, tail_eval)
+            rest = tails[j2] or self.tail(j2, tail_eval)
             t_f, t_b, t_ar, t_e, t_d = rest
             skey = (pre.depth + 1, key) if self.max_stages is not None else key  # stage count limits what follows
             bucket = states[j2].get(skey)
@@ -459,8 +457,8 @@ class _DP:
                     quick = W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar,
                                                                       Bsum1 + bb + chain2)  # cheap, lower
                     if quick < self.cut or quick < bucket[-1].latency:
-                        quick = self.rest_chain(pre, prev is not None and chain1, f, bb, ar, busy1, busy2, chain2, W1,
-                                                rest, e_of(j2), link_period(servers2, out2, in2))
+                        quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e_of(j2),
+                                                link_period(servers2, out2, in2))
                 else:
                     quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
                 if quick >= self.cut and quick >= bucket[-1].latency:
@@ -484,7 +482,7 @@ class _DP:
             nxt = _Prefix(pre, (j, j2, new), perm, tuple([perm[s] for s in new]), pre.depth + 1,
                           pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
-                          W1 + f, Bsum1 + bb, self.below(pre, prev is not None and chain1, bb, ar, e),
+                          W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
                           max(pre.fmax, busy1, f), max(pre.tmax, f + bb))
             if bucket is None:
                 states[j2][skey] = [nxt]
