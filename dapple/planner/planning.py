@@ -9,7 +9,7 @@ from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
 from .plan import Plan, Stage
 from .schedule import SCHEDULES, WARMUP_POLICIES
-from .search import INF, SearchResult, _DP
+from .search import INF, SearchResult, _DP, _gc_paused
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
@@ -38,6 +38,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@_gc_paused()  # the seeds and the simulator's checks allocate as much as the search
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
          model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,

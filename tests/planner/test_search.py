@@ -223,3 +223,22 @@ def test_a_gap_keeps_the_plan_within_it_and_prunes():
     for bad in (-0.1, 1.0, "1%", True):
         with pytest.raises(ValueError, match="gap: expected a fraction in"):
             dapple.plan(prof, cluster(2, 4), 32, 8, gap=bad)
+
+
+def test_plan_leaves_the_garbage_collector_as_it_found_it():
+    """The search pauses the cyclic collector (search._gc_paused) and restores it, also when it raises."""
+    import gc
+
+    prof = random_profile(random.Random(4), 6)
+    assert gc.isenabled()
+    dapple.plan(prof, cluster(2, 2), 32, 8)
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        dapple.plan(prof, cluster(2, 2), 32, 5)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        dapple.plan(prof, cluster(2, 2), 32, 8)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
