@@ -122,19 +122,17 @@ class CostModel:
             for s in src + dst:
                 label.setdefault(s, len(label))
             key = (tuple(label[s] for s in src), tuple(label[s] for s in dst))
+            canon = self._comm_canon.get(key)
+            if canon is None:
+                canon = self._comm_canon[key] = self._comm_all_layers(*key)
+            bz, o, i, ud, ch = canon
             server = list(label)
+            ud = [(server[s], x) for s, x in ud]
             cache = [None] * self.num_layers
-            costs: list = []  # the canonical pair's costs, relabelled, on first use
 
-            def pair(layer: int) -> tuple:
+            def pair(layer: int) -> tuple:  # (refers to no CostModel: no reference cycle keeps the caches alive)
                 hit = cache[layer]
                 if hit is None:
-                    if not costs:
-                        canon = self._comm_canon.get(key)
-                        if canon is None:
-                            canon = self._comm_canon[key] = self._comm_all_layers(*key)
-                        costs.extend(canon[:3] + ([(server[s], x) for s, x in canon[3]], canon[4]))
-                    bz, o, i, ud, ch = costs
                     hit = cache[layer] = (bz[layer], o[layer], i[layer], tuple([(s, x[layer]) for s, x in ud]),
                                           ch[layer])
                 return hit
