@@ -106,7 +106,7 @@ def _canonical(free: Sequence[int], last: Layout) -> tuple[tuple, list[int]]:
 @contextmanager
 def _gc_paused():
     """Pause the cyclic garbage collector: the search allocates millions of short-lived lists and tuples, and
-    the collector's full passes over the long-lived memo cost 25-40% of the 8x8 search; what the search keeps is
+    the collector's full passes over the long-lived memo cost about 20% of the 8x8 search; what it keeps is
     acyclic (prefixes point to their parents), so reference counting frees it as usual."""
     enabled = gc.isenabled()
     gc.disable()
