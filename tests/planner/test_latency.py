@@ -95,3 +95,25 @@ def test_latency_is_at_least_M_times_any_stage(compute, comm, M):
     K = [max(1, n - i) for i in range(n)]
     assert refined_latency(F, B, AR, None, K, M).total >= M * max(F[a] + B[a] for a in range(0, len(F), 2)) - 1e-9
     assert refined_latency(F, B, AR, None, K, M).total >= sum(F) + sum(B) - 1e-9  # one micro-batch's round trip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12), st.randoms(use_true_random=False), st.floats(0.3, 1.5))
+def test_refined_chains_stop_at_the_limit_without_changing_what_is_below_it(stages, M, rnd, scale):
+    """refined_chains(limit=x): below x the value (and pivot) is the unlimited one; at or above x, so is that."""
+    from dapple.planner.refined import refined_chains
+
+    S = 2 * stages - 1
+    F = [rnd.uniform(0.0, 5.0) for _ in range(S)]
+    B = [x * rnd.uniform(1.0, 2.5) for x in F]
+    AR = [rnd.uniform(0.0, 8.0) if a % 2 == 0 else 0.0 for a in range(S)]
+    C = [b if a % 2 == 0 else b * rnd.uniform(0.2, 1.0) for a, b in enumerate(B)]
+    Ks = [[max(1, stages - i) for i in range(stages)], [max(1, 2 * (stages - i) - 1) for i in range(stages)]]
+    period = rnd.uniform(0.0, 6.0)
+    full = refined_chains(F, B, AR, None, Ks, M, period, C)
+    limit = max(t for t, _ in full) * scale
+    for (t_lim, parts_lim), (t, parts) in zip(refined_chains(F, B, AR, None, Ks, M, period, C, limit), full):
+        if t_lim < limit:
+            assert (t_lim, parts_lim) == (t, parts)
+        else:
+            assert t >= limit and t_lim <= t
