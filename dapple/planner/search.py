@@ -451,8 +451,6 @@ class _DP:
             busy1, chain1 = 0.0, None
         tails = self.tails(tail_eval)
         Q, Qar, fill = self.Q, self.Qar, self.fill
-        bpre = cm._sums(cm.rows(m))[1]
-        e_of = (lambda c: cm.overlapped_ending(j, c, new)) if self.overlap else (lambda c: bpre[c] - bpre[j])
 
         def link_period(servers2, out2, in2) -> float:  # CostModel.link_period of prefix + new + rest
             return max(dev1, out2 + last_in1, in2, srvmax1,
@@ -470,24 +468,28 @@ class _DP:
             t_f, t_b, t_ar, t_e, t_d = rest
             skey = (pre.depth + 1, key) if self.max_stages is not None else key  # stage count limits what follows
             bucket = states[j2].get(skey)
-            if bucket is not None and len(bucket) >= self.beam:
+            full = bucket is not None and len(bucket) >= self.beam
+            # the new stage's ending (overlapped: costed once asked) and the plan's link period (refined model)
+            e = None if self.overlap else bb
+            period = None if refined else 0.0
+            if full:
                 # the rest-as-one-stage's chain bounds this complete plan's L from below (formula 2: M (F+B) of
                 # any stage); skip evaluating a plan that can neither beat the best nor enter the bucket
                 if refined:  # the rest's own chain (refined_chains with K = 1), its supply and period from below
                     quick = W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar,
                                                                       Bsum1 + bb + chain2)  # cheap, lower
                     if quick < self.cut or quick < bucket[-1].latency:
-                        quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e_of(j2),
-                                                link_period(servers2, out2, in2))
+                        e = cm.overlapped_ending(j, j2, new) if e is None else e
+                        period = link_period(servers2, out2, in2)
+                        quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period)
                 else:
                     quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
                 if quick >= self.cut and quick >= bucket[-1].latency:
                     continue
             self.transitions += 1
-            e = e_of(j2)
+            e = cm.overlapped_ending(j, j2, new) if e is None else e
+            period = link_period(servers2, out2, in2) if period is None else period
             F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
-            period = link_period(servers2, out2, in2) if refined else 0.0
-            full = bucket is not None and len(bucket) >= self.beam
             # a plan at or above both the best and the bucket's worst is neither kept nor recorded: stop there
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
                                     C + [chain2, t_b], D + [t_d], period,
