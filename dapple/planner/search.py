@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .bounds import rest_bound
+from .bounds import period_bound, rest_bound
 from .cost import CostModel, Layout
 from .evaluate import pipeline_costs
 from .latency import paper_latency
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from .cluster import Cluster
 
 INF = float("inf")
+TIGHTEN_AFTER = 100  # states expanded before the search tightens its bounds (small searches do not need to)
+PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 3) x their spacing
 
 
 @dataclass
@@ -138,6 +140,7 @@ class _DP:
         self.gap = gap
         self.set_best(incumbent, None)
         self.states = self.transitions = 0
+        self.pv = None  # the period bound's tables (bounds.period_bound), made by tighten()
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
         self.width: int | None = None  # prefixes expanded per j (None: all, the exact DP)
@@ -152,17 +155,22 @@ class _DP:
             rho.append(rho[-1] + min(r * sum(self.cm.compute(layer, layer + 1, r))
                                      for r in range(1, min(self.b, self.G) + 1)))
         self.rho = rho
-        # Q[j][R]: least that layers [j, N) on R devices add to L under any split (bounds.rest_bound);
-        # Qcol[R][j] = -Q[j][R], increasing in j, for bisect
-        q = rest_bound(self.cm, self.M, self.G, fill=self.refined)
+        self.fill = 1.0 if self.refined else 0.0
+        self.ar_bound = self.refined and not overlap
+        self._rest_tables(INF)
+        # no plan's L is below this (after tighten(): no plan's L is below the smaller of this and the cut then)
+        self.root_bound = max(self.Q[0][self.G], self.Qar[0][self.G])
+
+    def _rest_tables(self, cut: float) -> None:
+        """Q[j][R]: least that layers [j, N) on R devices add to L under any split (bounds.rest_bound);
+        Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model, no
+        overlap: a stage's chain ends with its AllReduce); Qar is used after the first micro-batch's forwards
+        W, Q after W + the backwards Bsum. Qcol[R][j] = -Q[j][R], increasing in j, for bisect."""
+        q = rest_bound(self.cm, self.M, self.G, fill=self.refined, cut=cut)
         self.Q = q.tolist()
         self.Qcol = (-q.T).tolist()
-        self.fill = 1.0 if self.refined else 0.0
-        # Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model, no
-        # overlap: a stage's chain ends with its AllReduce); Qar is used after the first micro-batch's forwards
-        # W, Q after W + the backwards Bsum
-        self.ar_bound = self.refined and not overlap
-        qa = rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True) if self.ar_bound else np.zeros_like(q)
+        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut) if self.ar_bound
+              else np.zeros_like(q))
         self.Qar = qa.tolist()
         self.Qarcol = (-qa.T).tolist()
 
@@ -287,9 +295,12 @@ class _DP:
                 lat, pol = self.latency([f], [bb], [ar], [e], [bb], [d], 0.0)
                 self.record(lat, ((0, N, lay0),), ("fresh",), pol)
         root = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0)
+        tighten_at = self.states + TIGHTEN_AFTER
         for j in range(N):
             for pre in ([root] if j == 0 else self.frontier(states[j])):
                 self.states += 1
+                if self.states == tighten_at and self.root_bound < self.cut:
+                    self.tighten()  # a search this large pays for the tighter bounds' tables
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     self.complete = False
                     return
@@ -299,10 +310,15 @@ class _DP:
                     continue
                 if pre.W + max(pre.Bsum + self.Q[j][R], self.Qar[j][R]) >= self.cut:
                     continue
+                t0 = max(pre.tmax, pre.server_max, pre.dev)  # the plan's period is at least this
+                if self.pv is not None and pre.W + pre.Bsum + self.period_rest(j, R, t0) >= self.cut:
+                    continue
                 if self.max_stages is not None and pre.depth + 2 > self.max_stages:
                     continue
                 prev = pre.last
                 bound = self.cut
+                W0, Bsum0 = (pre.W, pre.Bsum) if self.refined else (0.0, 0.0)  # formula 2: no fill/drain bound
+                most = max(free)
                 for m in range(1, min(R - 1, b) + 1):
                     # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m
                     # devices: M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
@@ -311,7 +327,12 @@ class _DP:
                              bisect.bisect_right(self.Qarcol[R - m], pre.W - bound, j + 1))
                     if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
                         continue
-                    gate: dict = {}  # reach() without the incoming transfer, shared by this m's placements
+                    # reach() without the incoming transfer, shared by this m's placements (>= 0): most m end here,
+                    # before their placements are listed (the ends of a stage within one server or across servers)
+                    spans = ([False] if m <= most else []) + ([True] if m > 1 and ns > 1 else [])
+                    gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, t0) for multi in spans}
+                    if not any(gate.values()):
+                        continue
                     for option in self.options(free, prev, m):
                         self.expand(states, pre, j, m, option, prev, lo, gate)
 
@@ -362,12 +383,13 @@ class _DP:
         return hit
 
     def reach(self, pre: _Prefix, j: int, m: int, multi: bool, n_rest: int, lo: int, base: float, W: float,
-              Bsum: float) -> list:
+              Bsum: float, t0: float = 0.0) -> list:
         """The ends j2 of a new stage [j, j2) on m replicas that pass the bounds, with the first micro-batch
         reaching it after ``W`` and the last gradient leaving it ``Bsum`` before the end: [(j2, F, B, AR, D)]."""
         N, M, cut, Q, Qar, fill = self.N, self.M, self.cut, self.Q, self.Qar, self.fill
         fs, bs, ars, ds = self.stage_costs(j, m, multi)
         ar_bound = self.ar_bound
+        pv = self.pv is not None
         out = []
         for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the cut
             f, bb, ar = fs[j2], bs[j2], ars[j2]
@@ -379,8 +401,33 @@ class _DP:
             # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
             if W + max(Bsum + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= cut:
                 continue
+            if pv and W + Bsum + f + bb + self.period_rest(j2, n_rest, t0 if t0 > f + bb else f + bb) >= cut:
+                continue
             out.append((j2, f, bb, ar, dn))
         return out
+
+    def tighten(self) -> None:
+        """Once the search is large (TIGHTEN_AFTER states): the rest bounds again, now for plans below the cut
+        only (bounds.rest_bound's ``cut``: no stage whose own chain reaches it), and the period bound's tables
+        (bounds.period_bound). In the micro-batch-searched 8x8 case of benchmarks/planning_time.py they cut
+        the states explored by 3.4x (tests/planner/test_bounds.py checks both against every small plan)."""
+        if not self.ar_bound or self.cut == INF:
+            return
+        self._rest_tables(self.cut)
+        lo, hi = self.rho[self.N] / self.G, self.cut / (self.M - 3) if self.M > 3 else 0.0  # beyond hi: L >= cut
+        if hi > lo:
+            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, PERIOD_THRESHOLDS, self.cut)
+        self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G],
+                              self.period_rest(0, self.G, 0.0) if self.pv is not None else 0.0)
+
+    def period_rest(self, j: int, R: int, t: float) -> float:
+        """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices, after stages
+        whose period is t (bounds.period_bound)."""
+        taus, V, S = self.pv
+        k = bisect.bisect_right(taus, t)
+        a = V[k][j][R] + (self.M - 3) * t
+        c = S[k + 1][j][R]
+        return a if a < c else c
 
     def stage_costs(self, j: int, m: int, multi: bool) -> tuple:
         """Per end j2 (lists indexed by j2) of a stage [j, j2) on m replicas (spanning servers or not): F, B,
@@ -412,12 +459,7 @@ class _DP:
         refined = self.refined
         multi = len(set(new)) > 1
         n_rest = len(tail)
-        W0, Bsum0 = (pre.W, pre.Bsum) if refined else (0.0, 0.0)  # formula 2: no fill/drain bound (pivot 0)
-        # first without the transfer into the new stage (>= 0): most placements end here, before its costs (the
-        # same for every placement of m replicas that does or does not span servers)
-        ends = gate.get(multi)
-        if ends is None:
-            ends = gate[multi] = self.reach(pre, j, m, multi, n_rest, lo, pre.lb, W0, Bsum0)
+        ends = gate[multi]  # the ends that pass the bounds before the transfer into the new stage is priced
         if not ends:
             return
         if not comms:
@@ -441,7 +483,8 @@ class _DP:
                 dev1, srv1, srvmax1 = 0.0, pre.servers, 0.0
                 W1 = Bsum1 = 0.0
             last_in1 = in1
-            ends = self.reach(pre, j, m, multi, n_rest, ends[0][0], base, W1, Bsum1)
+            ends = self.reach(pre, j, m, multi, n_rest, ends[0][0], base, W1, Bsum1,
+                              max(pre.tmax, srvmax1, dev1))
         else:
             base = pre.lb
             F0, B0, AR0, E0, C0 = [], [], [], [], []
@@ -533,7 +576,8 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the even-split
     ``seed`` plans, and every complete plan the DP meets): L >= M (F_s+B_s) for every stage under both models,
     and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) + (last gradient's way
-    back), the remaining layers' least work over the free devices, and one micro-batch's round trip.
+    back), the remaining layers' least work over the free devices, one micro-batch's round trip, and that
+    round trip + (M - 3) periods (bounds.period_bound).
     ``partial_kinds``: only placements after which the partly used servers come in at most this many kinds
     (free devices, replicas of the new stage): the compact search of :func:`dapple.plan` (1). ``time_limit``:
     stop after that many seconds with the best plan so far (SearchResult via the seeds). ``gap``: prune what

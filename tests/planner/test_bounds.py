@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -9,7 +10,9 @@ import pytest
 
 from dapple.planner.bounds import allreduce_floor, rest_bound
 from dapple.planner.cost import CostModel
-from dapple.planner.exhaustive import exhaustive_search
+from dapple.planner.evaluate import pipeline_costs
+from dapple.planner.exhaustive import assignments, exhaustive_search
+from dapple.planner.schedule import warmup_counts
 from dapple.planner.search import _DP
 
 from .helpers import cluster, random_profile, small_instances
@@ -93,3 +96,51 @@ def test_the_rest_chain_bound_is_below_the_plans_latency(overlap):
         dp.run()
         checks += getattr(dp, "checks", 0)
     assert checks >= 500
+
+
+def _every_plan(prof, c, g, b):
+    """(spans, PipelineCosts with K, refined L) of every plan of a small instance, both warmup policies."""
+    cm = CostModel(prof, c, b)
+    M = g // b
+    for S in range(1, min(prof.num_layers, c.num_devices) + 1):
+        lays_all = list(assignments(c, S, b))
+        for cuts in itertools.combinations(range(1, prof.num_layers), S - 1):
+            ends = (0,) + cuts + (prof.num_layers,)
+            for lays in lays_all:
+                spans = tuple((ends[i], ends[i + 1], lays[i]) for i in range(S))
+                try:
+                    pc, D = pipeline_costs(cm, spans, M, "A")
+                except ValueError:
+                    continue
+                for pol in ("A", "B"):
+                    pc.K = warmup_counts(S, M, pol, max_in_flight=D)
+                    yield spans, pc, pc.latency("refined", False).total
+
+
+def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it():
+    """After tighten(): for every plan below the cut and every split into stages so far + the rest, the round
+    trip so far + the period bound of the rest (with the plan's own period, the most the search can know) is
+    at most L, and so are the rest bounds Q and Qar restricted to stages below the cut."""
+    checked = excluded = 0
+    cases = small_instances(5, 100, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(32, 64),
+                            micro=(2, 4, 8))
+    for prof, c, g, b in cases:
+        plans = list(_every_plan(prof, c, g, b))
+        if not plans:
+            continue
+        cut = min(lat for _, _, lat in plans) * 1.2
+        dp = _DP(prof, c, g, b, "refined", False, None, 4.0, 1, cut)
+        dp.tighten()
+        assert dp.pv is not None and dp.root_bound <= cut
+        for spans, pc, lat in plans:
+            if lat >= cut:
+                excluded += 1
+                continue
+            period = max([pc.link_period] + [pc.F[a] + pc.B[a] for a in range(0, len(pc.F), 2)])
+            for k in range(len(spans)):  # stages [0, k) planned, [k, S) the rest
+                j, R = spans[k][0], c.num_devices - sum(len(lay) for _, _, lay in spans[:k])
+                W, Bsum = sum(pc.F[:2 * k - 1]) if k else 0.0, sum(pc.chain[:2 * k - 1]) if k else 0.0
+                assert W + Bsum + dp.period_rest(j, R, period) <= lat * (1 + 1e-9), (spans, k)
+                assert W + max(Bsum + dp.Q[j][R], dp.Qar[j][R]) <= lat * (1 + 1e-9), (spans, k)
+                checked += 1
+    assert checked >= 2000 and excluded >= 1000, (checked, excluded)

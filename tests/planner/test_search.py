@@ -104,6 +104,22 @@ def test_the_simulator_has_the_last_word():
     assert simulate(checked, prof, c).latency_ms <= simulate(trusted, prof, c).latency_ms * (1 + 1e-3)
 
 
+
+def test_the_simulator_judges_only_candidates_near_the_dp_plan(monkeypatch):
+    """plan(verify=) simulates the candidates modelled within VERIFY_WITHIN of the DP's plan, and no other."""
+    from dapple.planner import planning
+
+    prof = random_profile(random.Random(5), 6)
+    c = cluster(2, 2, intra=5e10, inter=1e9)
+    split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
+    edge = 100.0 * (1 + planning.VERIFY_WITHIN)
+    cands = [(100.0, 8, split), (edge - 1e-6, 4, split), (edge + 1e-6, 2, split)]
+    args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6)
+    assert planning._choose(*args)[2] == 4  # two candidates x warmup policies A and B: the third is 10% off
+    monkeypatch.setattr(planning, "VERIFY_WITHIN", 1.0)
+    assert planning._choose(*args)[2] == 6
+
+
 def test_plan_fields():
     rng = random.Random(3)
     prof = random_profile(rng, 10)
