@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .bounds import period_bound, rest_bound
+from .bounds import efficient_replicas, period_bound, rest_bound
 from .cost import CostModel, Layout
 from .evaluate import pipeline_costs
 from .latency import paper_latency
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 INF = float("inf")
 TIGHTEN_AFTER = 100  # states expanded before the search tightens its bounds (small searches do not need to)
 PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 3) x their spacing
+PERIOD_WORK = 1.5e9  # at most this many array elements for its tables (about 2 s here; 128 x 8: 11 thresholds)
 
 
 @dataclass
@@ -415,8 +416,11 @@ class _DP:
             return
         self._rest_tables(self.cut)
         lo, hi = self.rho[self.N] / self.G, self.cut / (self.M - 3) if self.M > 3 else 0.0  # beyond hi: L >= cut
-        if hi > lo:
-            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, PERIOD_THRESHOLDS, self.cut)
+        # the tables' numpy work is about N^2 / 2 x (G + 1) x replica counts per threshold: fewer on large clusters
+        per = self.N ** 2 // 2 * (self.G + 1) * len(efficient_replicas(self.b, self.G))
+        K = min(PERIOD_THRESHOLDS, int(PERIOD_WORK // per))
+        if hi > lo and K >= 4:
+            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut)
         self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G],
                               self.period_rest(0, self.G, 0.0) if self.pv is not None else 0.0)
 
