@@ -80,15 +80,17 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, check_memory: 
             ar = allreduce_floor(cm, r, params[j + 1:] - params[j]) if allreduce or cut < INF else None
             ok = _allowed(M, T, ar, cut, (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]) if check_memory
                           else None, mem)
+            n = len(T)
             if ok is not None:
-                if not ok.any():
+                n = _span(ok)
+                if not n:
                     continue
-                T = np.where(ok, T, INF)
+                T = np.where(ok[:n], T[:n], INF)  # stages [j, c) for c = j+1..j+n: no later end is allowed
             # cand[c, R] = max(M T_c (+ AR_c), offset_c + Q[c, R - r]) for R = r..G
-            rest = Q[j + 1:, : G + 1 - r]
+            rest = Q[j + 1:j + 1 + n, : G + 1 - r]
             if allreduce:
-                own = M * T + ar
-                cand = np.maximum(own[:, None], (fpre[j + 1:] - fpre[j])[:, None] + rest)
+                own = M * T + ar[:n]
+                cand = np.maximum(own[:, None], (fpre[j + 1:j + 1 + n] - fpre[j])[:, None] + rest)
             else:
                 cand = np.maximum(M * T[:, None], T[:, None] + rest if fill else rest)
             np.minimum(best[r:], cand.min(axis=0), out=best[r:])
@@ -143,11 +145,12 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
             T = pre[j + 1:] - pre[j]  # (N - j,): T of [j, c) for c = j+1..N
             ar = allreduce_floor(cm, r, params[j + 1:] - params[j]) if cut < INF else None
             fits = _allowed(M, T, ar, cut, (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]), mem)
-            ok = (T[None, :] <= tau) & fits[None, :]  # (K, N - j)
-            if not ok.any():
+            n = _span(fits)  # stages [j, c) for c = j+1..j+n: no later end is allowed
+            if not n:
                 continue
-            Tk = np.where(ok, T[None, :], INF)  # (K, N - j)
-            cand = Tk[:, :, None] + V[:, j + 1:, : G + 1 - r]  # (K, N - j, G + 1 - r)
+            ok = (T[None, :n] <= tau) & fits[None, :n]  # (K, n)
+            Tk = np.where(ok, T[None, :n], INF)  # (K, n)
+            cand = Tk[:, :, None] + V[:, j + 1:j + 1 + n, : G + 1 - r]  # (K, n, G + 1 - r)
             np.minimum(best[:, r:], cand.min(axis=1), out=best[:, r:])
         V[:, j] = best
     return V
@@ -183,3 +186,9 @@ def _allowed(M: int, T: np.ndarray, ar: np.ndarray | None, cut: float, nbytes: n
         own = M * T + ar < cut
         ok = own if ok is None else ok & own
     return ok
+
+
+def _span(ok: np.ndarray) -> int:
+    """1 + the index of the last True in ``ok`` (0 if none): the ends beyond it need not be looked at."""
+    idx = np.flatnonzero(ok)
+    return int(idx[-1]) + 1 if len(idx) else 0

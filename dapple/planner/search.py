@@ -28,6 +28,7 @@ INF = float("inf")
 TIGHTEN_AFTER = 100  # states expanded before the search tightens its bounds (small searches do not need to)
 PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 3) x their spacing
 PERIOD_WORK = 1.5e9  # at most this many array elements for its tables (about 2 s here; 128 x 8: 11 thresholds)
+PERIOD_MIN_M = 16  # fewer micro-batches: (M - 3) periods add too little to pay for the tables
 
 
 @dataclass
@@ -419,7 +420,7 @@ class _DP:
         # the tables' numpy work is about N^2 / 2 x (G + 1) x replica counts per threshold: fewer on large clusters
         per = self.N ** 2 // 2 * (self.G + 1) * len(efficient_replicas(self.b, self.G))
         K = min(PERIOD_THRESHOLDS, int(PERIOD_WORK // per))
-        if hi > lo and K >= 4:
+        if hi > lo and K >= 4 and self.M >= PERIOD_MIN_M:
             self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut)
         self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G],
                               self.period_rest(0, self.G, 0.0) if self.pv is not None else 0.0)
