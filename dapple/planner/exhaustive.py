@@ -12,6 +12,7 @@ from .schedule import warmup_counts
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
     from .cluster import Cluster
+    from .evaluate import PipelineCosts
 
 
 def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[tuple[Layout, ...]]:
@@ -30,15 +31,11 @@ def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[
                 yield lays
 
 
-def exhaustive_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
-                      model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
-                      optimizer_factor: float = 4.0, max_stages: int | None = None) -> tuple[float, tuple, str]:
-    """(latency, spans, warmup policy) of the best plan over all layer splits x device assignments that use
-    every device (what the DP approximates). Feasible only for a handful of devices and layers."""
-    N, G, b = profile.num_layers, cluster.num_devices, micro_batch_size
-    M = global_batch_size // b
-    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
-    best = (float("inf"), (), "A")
+def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
+               max_stages: int | None = None) -> Iterator[tuple[tuple, "PipelineCosts", list[int]]]:
+    """(spans, PipelineCosts with policy A's K, slices in flight per stage) of every plan that fits in memory:
+    all layer splits x device assignments that use every device."""
+    N, G, b = profile.num_layers, cluster.num_devices, cm.micro
     for S in range(1, min(N, G, max_stages or G) + 1):
         lays_all = list(assignments(cluster, S, b))
         for cuts in itertools.combinations(range(1, N), S - 1):
@@ -49,9 +46,21 @@ def exhaustive_search(profile: "Profile", cluster: "Cluster", global_batch_size:
                     pc, D = pipeline_costs(cm, spans, M, "A")
                 except ValueError:
                     continue
-                for pol in ((warmup_policy,) if warmup_policy else ("A", "B")) if model == "refined" else ("A",):
-                    pc.K = warmup_counts(S, M, pol, max_in_flight=D)
-                    t = pc.latency(model, overlap).total
-                    if t < best[0] - 1e-9:
-                        best = (t, spans, pol)
+                yield spans, pc, D
+
+
+def exhaustive_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
+                      model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
+                      optimizer_factor: float = 4.0, max_stages: int | None = None) -> tuple[float, tuple, str]:
+    """(latency, spans, warmup policy) of the best plan over all layer splits x device assignments that use
+    every device (what the DP approximates). Feasible only for a handful of devices and layers."""
+    M = global_batch_size // micro_batch_size
+    cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
+    best = (float("inf"), (), "A")
+    for spans, pc, D in every_plan(profile, cluster, M, cm, max_stages):
+        for pol in ((warmup_policy,) if warmup_policy else ("A", "B")) if model == "refined" else ("A",):
+            pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
+            t = pc.latency(model, overlap).total
+            if t < best[0] - 1e-9:
+                best = (t, spans, pol)
     return best

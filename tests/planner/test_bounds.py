@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np
@@ -10,8 +9,7 @@ import pytest
 
 from dapple.planner.bounds import allreduce_floor, rest_bound
 from dapple.planner.cost import CostModel
-from dapple.planner.evaluate import pipeline_costs
-from dapple.planner.exhaustive import assignments, exhaustive_search
+from dapple.planner.exhaustive import every_plan, exhaustive_search
 from dapple.planner.schedule import warmup_counts
 from dapple.planner.search import _DP
 
@@ -100,21 +98,11 @@ def test_the_rest_chain_bound_is_below_the_plans_latency(overlap):
 
 def _every_plan(prof, c, g, b):
     """(spans, PipelineCosts with K, refined L) of every plan of a small instance, both warmup policies."""
-    cm = CostModel(prof, c, b)
     M = g // b
-    for S in range(1, min(prof.num_layers, c.num_devices) + 1):
-        lays_all = list(assignments(c, S, b))
-        for cuts in itertools.combinations(range(1, prof.num_layers), S - 1):
-            ends = (0,) + cuts + (prof.num_layers,)
-            for lays in lays_all:
-                spans = tuple((ends[i], ends[i + 1], lays[i]) for i in range(S))
-                try:
-                    pc, D = pipeline_costs(cm, spans, M, "A")
-                except ValueError:
-                    continue
-                for pol in ("A", "B"):
-                    pc.K = warmup_counts(S, M, pol, max_in_flight=D)
-                    yield spans, pc, pc.latency("refined", False).total
+    for spans, pc, D in every_plan(prof, c, M, CostModel(prof, c, b)):
+        for pol in ("A", "B"):
+            pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
+            yield spans, pc, pc.latency("refined", False).total
 
 
 def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(monkeypatch):
