@@ -25,7 +25,9 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
       (``link_period``: a device link carries activations forward and gradients back, a server's uplink
       every cross-server transfer, :meth:`CostModel.link_period`);
     - a communication stage is a pivot candidate too: its M forward (and M backward) transfers queue on
-      its busiest link;
+      its busiest link, and go no faster than once per ``link_period``: its link may carry other stages'
+      transfers too (a server's uplink, two stages' activations; benchmarks/RESULTS.md "Estimate vs
+      simulator");
     - ``chain``: what a communication stage adds to a round trip on the gradients' way back (gradients of
       early receivers overlap later forward routes, :meth:`CostModel.comm_links`), default B;
     - with ``E`` (overlap), a stage's AllReduce runs bucket by bucket during its last backward, ending E_s
@@ -63,6 +65,7 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
             x = F[a] if F[a] > B[a] else B[a]
             if x > base:
                 base = x
+    lp = link_period if link_period is not None else 0.0  # a transfer's queue moves at most this fast
     down = [0.0] * (S + 1)  # down[a] = sum_{a' >= a} (F + Bc): a round trip from stage a on
     acc = 0.0
     for a in range(S - 1, -1, -1):
@@ -140,11 +143,12 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 k_next = k_next if k_next > 1 else 1
                 stagger = f - Bc[a] if f > Bc[a] else 0.0  # the first receiver's data lands this much earlier
                 first = f
-                fwd = (M - 1) * f + d + Bc[a]  # the last activations, then the last round trip
+                rate = f if f > lp else lp
+                fwd = (M - 1) * rate + d + Bc[a]  # the last activations, then the last round trip
                 # the first gradients leave when the next stage has done its first backward (after K forwards)
                 g = (k_next - 1) * f + F[a + 1] + B[a + 1]
-                bwd = (d if d > g else g) - stagger + M * B[a]
-                steady = (M - 1) * f if fwd >= bwd else bwd - d - Bc[a]
+                bwd = (d if d > g else g) - stagger + (M - 1) * (B[a] if B[a] > lp else lp) + B[a]
+                steady = (M - 1) * rate if fwd >= bwd else bwd - d - Bc[a]
                 last = d + Bc[a]
                 end_tail = B[2 * i] + tail[i]  # then stage i's last backward and what follows below it
             warm = warms[a]
