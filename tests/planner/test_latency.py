@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapple.planner.latency import paper_latency, pivot_stage
-from dapple.planner.refined import refined_latency
+from dapple.planner.refined import refined_chains, refined_latency
 
 
 def test_two_stages_pivot_last():
@@ -117,3 +117,13 @@ def test_refined_chains_stop_at_the_limit_without_changing_what_is_below_it(stag
             assert (t_lim, parts_lim) == (t, parts)
         else:
             assert t >= limit and t_lim <= t
+
+
+def test_a_transfer_queues_at_the_link_period():
+    """A communication stage's M transfers go no faster than once per link period (its link carries other
+    stages' transfers too), also with fewer micro-batches than the upstream warmup, where the arrivals follow
+    the slowest forward: each of the M - 1 later transfers waits the extra (period - own time)."""
+    F, B, AR = [1.0, 10.0, 1.0], [2.0, 10.0, 2.0], [0.0] * 3
+    alone = refined_chains(F, B, AR, None, [[2, 1]], 2, 10.0)[0][0]
+    shared = refined_chains(F, B, AR, None, [[2, 1]], 2, 30.0)[0][0]
+    assert shared >= alone + (2 - 1) * (30.0 - 10.0) - 1e-9
