@@ -98,27 +98,6 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, check_memory: 
     return Q  # non-increasing in R (Q[N] = 0 lets a split leave devices unused)
 
 
-def bound_split(cm: "CostModel", M: int, devices: int, fill: bool, Q: np.ndarray) -> list[tuple[int, int, int]]:
-    """The split that attains ``Q[0, devices]``: [(layer_start, layer_end, replicas), ...], which may leave
-    devices unused; a good first plan for the search once placed (communication and AllReduce ignored)."""
-    N, b = cm.num_layers, cm.micro
-    out, j, R = [], 0, devices
-    while j < N:
-        target, pick = Q[j, R], None
-        for r in efficient_replicas(b, R):
-            f, bk, _ = cm._sums(cm.rows(r))
-            for c in range(j + 1, N + 1):
-                T = f[c] - f[j] + bk[c] - bk[j]
-                v = max(M * T, (T if fill else 0.0) + Q[c, R - r])
-                if v <= target * (1 + 1e-12) and (pick is None or v < pick[0]):
-                    pick = (v, c, r)
-        if pick is None:
-            return []
-        out.append((j, pick[1], pick[2]))
-        j, R = pick[1], R - pick[2]
-    return out
-
-
 def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cut: float = INF) -> np.ndarray:
     """``V[k, j, R]``: the least sum of T = F + B over the stages of any split of layers ``[j, N)`` on at most
     ``R`` devices whose every stage has T <= ``taus[k]`` (stages of at most ``cm.micro`` replicas that fit in

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import bisect
-import gc
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
-
-from .bounds import efficient_replicas, period_bound, rest_bound
 from .cost import CostModel, Layout
 from .evaluate import pipeline_costs
 from .latency import paper_latency
+from .memo import SearchResult, _arrange, _canonical, _gc_paused, _Prefix
 from .memory import max_in_flight
 from .placement import placements
+from .pruning import INF, TIGHTEN_AFTER, _Pruning
 from .refined import refined_chains
 from .seeds import even_seeds
 
@@ -24,106 +20,9 @@ if TYPE_CHECKING:
     from ..profiler.profile import Profile
     from .cluster import Cluster
 
-INF = float("inf")
-TIGHTEN_AFTER = 100  # states expanded before the search tightens its bounds (small searches do not need to)
-PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 3) x their spacing
-PERIOD_WORK = 1.5e9  # at most this many array elements for its tables (about 2 s here; 128 x 8: 11 thresholds)
-PERIOD_MIN_M = 16  # fewer micro-batches: (M - 3) periods add too little to pay for the tables
 
 
-@dataclass
-class _Prefix:
-    """Stages planned so far (layers [0, j)), in canonical server labels, with their interleaved costs (the
-    communication stage after the last one is not included: it depends on the next stage)."""
-
-    parent: "_Prefix | None"  # the prefix this one extends by one stage (None: no stage yet)
-    span: tuple | None  # that stage, (a, c, layout) in the parent's server labels
-    perm: list | None  # the parent's server labels -> this prefix's
-    last: Layout | None  # the last stage's layout in this prefix's labels
-    depth: int  # stages planned
-    policies: tuple  # placement policy of each stage
-    F: list
-    B: list
-    AR: list
-    E: list
-    C: list  # B, with the gradients' share of a round trip for communication stages (refined model)
-    D: list
-    lb: float  # lower bound on L of any completion, from the fixed stages' steady costs
-    free: tuple  # free devices per server (canonical order)
-    latency: float  # formula 5: the complete plan prefix + the remaining layers as one stage on the free devices
-    servers: dict  # per server, uplink + downlink ms per micro-batch of the prefix's transfers (refined model)
-    server_max: float
-    dev: float  # busiest device link of the prefix per micro-batch (refined model)
-    last_in: float  # busiest receiving device link of the prefix's last communication stage
-    W: float = 0.0  # sum of the prefix's F (compute and communication): when the first micro-batch leaves it
-    Bsum: float = 0.0  # sum of the prefix's B (communication: its round-trip share): the last gradient's way back
-    below: float | None = None  # refined_chains' `below` after the last stage: its ending and what follows it
-    fmax: float = 0.0  # slowest forward of the prefix (compute or communication)
-    tmax: float = 0.0  # slowest F + B of the prefix's compute stages
-    floor: float = 0.0  # the least L of any completion by the search's bounds when it was made (tighten() raises
-    # the floors of prefixes made after it): the memo's rank
-
-    def spans(self) -> tuple:
-        """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""
-        if self.parent is None:
-            return ()
-        perm = self.perm
-        return tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
-
-
-@dataclass
-class SearchResult:
-    latency: float
-    spans: tuple  # ((a, c, server of each replica), ...)
-    policies: tuple  # how each stage was placed: fresh/append/scatter, "rest" (the last stage), "even" (a seed)
-    warmup_policy: str
-    micro_batch_size: int
-    states: int
-    transitions: int
-
-
-def _arrange(take: Sequence[int], prev: Layout | None) -> Layout:
-    """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
-    (split-concat then pairs replicas on the same server where it can)."""
-    first: dict = {}
-    for k, s in enumerate(prev or ()):
-        first.setdefault(s, k)
-    servers = sorted((s for s in range(len(take)) if take[s] > 0), key=lambda s: (first.get(s, 1 << 30), s))
-    return tuple(s for s in servers for _ in range(take[s]))
-
-
-def _canonical(free: Sequence[int], last: Layout) -> tuple[tuple, list[int]]:
-    """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it). The
-    paper memoises on the devices used (formula 4's (j, m, g)); up to server symmetry that is the multiset of
-    free counts. The last stage's replica counts per server are added because they decide the split-concat
-    routes to the next stage (where on a server the replicas sit in the stage's order is left out: merging
-    those keeps the DP exact on every brute-force instance, tests/planner/test_search.py)."""
-    count: dict = {}
-    for x in last:
-        count[x] = count.get(x, 0) + 1
-    desc = [(free[s], count.get(s, 0)) for s in range(len(free))]
-    order = sorted(range(len(free)), key=desc.__getitem__)
-    perm = [0] * len(free)
-    for new, old in enumerate(order):
-        perm[old] = new
-    return tuple(desc[s] for s in order), perm
-
-
-@contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector: the search allocates millions of short-lived lists and tuples, and
-    the collector's full passes over the long-lived memo cost about 20% of the 8x8 search; what it keeps is
-    acyclic (prefixes point to their parents), so reference counting frees it as usual."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-class _DP:
+class _DP(_Pruning):
     """Formulas 4-5 for one micro-batch size (see :func:`dp_search`)."""
 
     def __init__(self, profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int,
@@ -165,25 +64,7 @@ class _DP:
         # no plan's L is below this (after tighten(): no plan's L is below the smaller of this and the cut then)
         self.root_bound = max(self.Q[0][self.G], self.Qar[0][self.G])
 
-    def _rest_tables(self, cut: float) -> None:
-        """Q[j][R]: least that layers [j, N) on R devices add to L under any split (bounds.rest_bound);
-        Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model, no
-        overlap: a stage's chain ends with its AllReduce); Qar is used after the first micro-batch's forwards
-        W, Q after W + the backwards Bsum. Qcol[R][j] = -Q[j][R], increasing in j, for bisect."""
-        q = rest_bound(self.cm, self.M, self.G, fill=self.refined, cut=cut)
-        self.Q = q.tolist()
-        self.Qcol = (-q.T).tolist()
-        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut) if self.ar_bound
-              else np.zeros_like(q))
-        self.Qar = qa.tolist()
-        self.Qarcol = (-qa.T).tolist()
-
     # ---- helpers -------------------------------------------------------------------------------
-    def comm_lb(self, f: float, b: float) -> float:
-        """L >= this for a communication stage: M (F+B) under formula 2 (as for every stage, see the tests),
-        M max(F, B) under the refined model (each direction is its own link)."""
-        return self.M * (f + b) if not self.refined else self.M * max(f, b)
-
     def latency(self, F, B, AR, E, C, D, link_period: float, limit: float = INF) -> tuple[float, str]:
         """The plan's L under the search's model and the better warmup policy; any value >= ``limit`` when L is."""
         M = self.M
@@ -226,35 +107,6 @@ class _DP:
             e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
             hit = row[a] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
         return hit
-
-    def below(self, pre: _Prefix, chain1: float | None, bb: float, ar: float, e: float) -> float:
-        """refined_chains' `below` after a new stage (B ``bb``, AllReduce ``ar``, overlapped ending ``e``) that
-        follows ``pre`` over a transfer whose gradients take ``chain1`` back (None: no stage before)."""
-        own = e if self.overlap else bb + ar
-        below = pre.below
-        if below is None or chain1 is None:
-            return own
-        below += chain1
-        return below + bb if below + bb > own else own
-
-    def rest_chain(self, pre: _Prefix, chain1: float | None, f: float, bb: float, ar: float, busy1: float,
-                   busy2: float, chain2: float, W1: float, rest: tuple, e: float, link_period: float) -> float:
-        """A lower bound on L of prefix + new stage + the rest as one stage: the rest's chain in refined_chains
-        (a last stage has K = 1: warm + F + max((M-1)(F+B), arrive) + B + tail), with the arrival period and the
-        slowest supply taken from what is known without the window terms, and the new stage's K at most 3 (A: 2,
-        B: 3; arrive falls as K grows). Nearly every plan's pivot is its last stage (the search rejects most
-        plans here without evaluating them)."""
-        M = self.M
-        t_f, t_b, t_ar, t_e, _ = rest
-        below = self.below(pre, chain1, bb, ar, e) + chain2
-        own = t_e if self.overlap else t_b + t_ar
-        tail = below if below > own - t_b else own - t_b
-        supply = max(pre.fmax, busy1, f, busy2, t_f)
-        period = max(pre.tmax, f + bb, t_f + t_b, link_period)
-        up = 3 if M > 3 else M
-        arrive = min(min(M - 1, up - 1) * supply + (M - up) * period, (M - 1) * period)
-        steady = max((M - 1) * (t_f + t_b), arrive + t_f - t_f)  # in refined_chains' order of operations
-        return W1 + f + busy2 + t_f + steady + t_b + tail
 
     def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
         if latency < self.best[0]:
@@ -413,32 +265,6 @@ class _DP:
                     continue
             out.append((j2, f, bb, ar, dn, low))
         return out
-
-    def tighten(self) -> None:
-        """Once the search is large (TIGHTEN_AFTER states): the rest bounds again, now for plans below the cut
-        only (bounds.rest_bound's ``cut``: no stage whose own chain reaches it), and the period bound's tables
-        (bounds.period_bound). In the micro-batch-searched 8x8 case of benchmarks/planning_time.py they cut
-        the DP's time from 34.9 to 9.05 s (tests/planner/test_bounds.py checks both against every small plan)."""
-        if not self.ar_bound or self.cut == INF:
-            return
-        self._rest_tables(self.cut)
-        lo, hi = self.rho[self.N] / self.G, self.cut / (self.M - 3) if self.M > 3 else 0.0  # beyond hi: L >= cut
-        # the tables' numpy work is about N^2 / 2 x (G + 1) x replica counts per threshold: fewer on large clusters
-        per = self.N ** 2 // 2 * (self.G + 1) * len(efficient_replicas(self.b, self.G))
-        K = min(PERIOD_THRESHOLDS, int(PERIOD_WORK // per))
-        if hi > lo and K >= 4 and self.M >= PERIOD_MIN_M:
-            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut)
-        self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G],
-                              self.period_rest(0, self.G, 0.0) if self.pv is not None else 0.0)
-
-    def period_rest(self, j: int, R: int, t: float) -> float:
-        """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices, after stages
-        whose period is t (bounds.period_bound)."""
-        taus, V, S = self.pv
-        k = bisect.bisect_right(taus, t)
-        a = V[k][j][R] + (self.M - 3) * t
-        c = S[k + 1][j][R]
-        return a if a < c else c
 
     def stage_costs(self, j: int, m: int, multi: bool) -> tuple:
         """Per end j2 (lists indexed by j2) of a stage [j, j2) on m replicas (spanning servers or not): F, B,

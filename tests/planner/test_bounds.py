@@ -109,7 +109,7 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
     """After tighten(): for every plan below the cut and every split into stages so far + the rest, the round
     trip so far + the period bound of the rest (with the plan's own period, the most the search can know) is
     at most L, and so are the rest bounds Q and Qar restricted to stages below the cut."""
-    monkeypatch.setattr("dapple.planner.search.PERIOD_MIN_M", 4)  # the bound holds from M = 4 on
+    monkeypatch.setattr("dapple.planner.pruning.PERIOD_MIN_M", 4)  # the bound holds from M = 4 on
     checked = excluded = 0
     cases = small_instances(5, 100, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(32, 64),
                             micro=(2, 4, 8))

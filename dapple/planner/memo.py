@@ -1,0 +1,102 @@
+"""The search's memo: a prefix of planned stages, state keys up to server symmetry, replica order."""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Sequence
+
+from .cost import Layout
+
+
+@dataclass
+class _Prefix:
+    """Stages planned so far (layers [0, j)), in canonical server labels, with their interleaved costs (the
+    communication stage after the last one is not included: it depends on the next stage)."""
+
+    parent: "_Prefix | None"  # the prefix this one extends by one stage (None: no stage yet)
+    span: tuple | None  # that stage, (a, c, layout) in the parent's server labels
+    perm: list | None  # the parent's server labels -> this prefix's
+    last: Layout | None  # the last stage's layout in this prefix's labels
+    depth: int  # stages planned
+    policies: tuple  # placement policy of each stage
+    F: list
+    B: list
+    AR: list
+    E: list
+    C: list  # B, with the gradients' share of a round trip for communication stages (refined model)
+    D: list
+    lb: float  # lower bound on L of any completion, from the fixed stages' steady costs
+    free: tuple  # free devices per server (canonical order)
+    latency: float  # formula 5: the complete plan prefix + the remaining layers as one stage on the free devices
+    servers: dict  # per server, uplink + downlink ms per micro-batch of the prefix's transfers (refined model)
+    server_max: float
+    dev: float  # busiest device link of the prefix per micro-batch (refined model)
+    last_in: float  # busiest receiving device link of the prefix's last communication stage
+    W: float = 0.0  # sum of the prefix's F (compute and communication): when the first micro-batch leaves it
+    Bsum: float = 0.0  # sum of the prefix's B (communication: its round-trip share): the last gradient's way back
+    below: float | None = None  # refined_chains' `below` after the last stage: its ending and what follows it
+    fmax: float = 0.0  # slowest forward of the prefix (compute or communication)
+    tmax: float = 0.0  # slowest F + B of the prefix's compute stages
+    floor: float = 0.0  # the least L of any completion by the search's bounds when it was made (tighten() raises
+    # the floors of prefixes made after it): the memo's rank
+
+    def spans(self) -> tuple:
+        """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""
+        if self.parent is None:
+            return ()
+        perm = self.perm
+        return tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
+
+
+@dataclass
+class SearchResult:
+    latency: float
+    spans: tuple  # ((a, c, server of each replica), ...)
+    policies: tuple  # how each stage was placed: fresh/append/scatter, "rest" (the last stage), "even" (a seed)
+    warmup_policy: str
+    micro_batch_size: int
+    states: int
+    transitions: int
+
+
+def _arrange(take: Sequence[int], prev: Layout | None) -> Layout:
+    """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
+    (split-concat then pairs replicas on the same server where it can)."""
+    first: dict = {}
+    for k, s in enumerate(prev or ()):
+        first.setdefault(s, k)
+    servers = sorted((s for s in range(len(take)) if take[s] > 0), key=lambda s: (first.get(s, 1 << 30), s))
+    return tuple(s for s in servers for _ in range(take[s]))
+
+
+def _canonical(free: Sequence[int], last: Layout) -> tuple[tuple, list[int]]:
+    """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it). The
+    paper memoises on the devices used (formula 4's (j, m, g)); up to server symmetry that is the multiset of
+    free counts. The last stage's replica counts per server are added because they decide the split-concat
+    routes to the next stage (where on a server the replicas sit in the stage's order is left out: merging
+    those keeps the DP exact on every brute-force instance, tests/planner/test_search.py)."""
+    count: dict = {}
+    for x in last:
+        count[x] = count.get(x, 0) + 1
+    desc = [(free[s], count.get(s, 0)) for s in range(len(free))]
+    order = sorted(range(len(free)), key=desc.__getitem__)
+    perm = [0] * len(free)
+    for new, old in enumerate(order):
+        perm[old] = new
+    return tuple(desc[s] for s in order), perm
+
+
+@contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector: the search allocates millions of short-lived lists and tuples, and
+    the collector's full passes over the long-lived memo cost about 20% of the 8x8 search; what it keeps is
+    acyclic (prefixes point to their parents), so reference counting frees it as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
