@@ -330,7 +330,6 @@ class _DP(_Pruning):
         if prev is None:
             busy1, chain1 = 0.0, None
         tails = self.tails(tail_eval)
-        Q, Qar, fill = self.Q, self.Qar, self.fill
 
         def link_period(servers2, out2, in2) -> float:  # CostModel.link_period of prefix + new + rest
             return max(dev1, out2 + last_in1, in2, srvmax1,
@@ -341,7 +340,7 @@ class _DP(_Pruning):
             lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar) if self.ar_bound else Bsum1))
             if lb >= self.cut:
                 break
-            if W1 + max(Bsum1 + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest]) >= self.cut:
+            if rest_lb >= self.cut:  # reach's rest bounds, computed there
                 continue
             busy2, out2, in2, servers2, chain2 = comm_to_rest(j2 - 1)
             rest = tails[j2] or self.tail(j2, tail_eval)
