@@ -16,10 +16,14 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
     steady work (Ts), and the last gradient's way down with the AllReduces (Te). Unlike formula 2, every
     stage's chain is computed and the longest is the latency (its stage is the pivot), and each chain adds
     what formula 2 leaves out (each checked against :func:`dapple.planner.simulate`):
-    - stage i holds K_i micro-batches: its first backward waits for the downstream round trip D_i
-      (max(K_i F_i, F_i + D_i)), and its last K_i backwards for the last round trip (max(K_i B_i, D_i + B_i));
-      between them M-K_i pairs at max(F_i+B_i, RT_i/K_i) each (a window too small for the round trip
-      RT_i = F_i + D_i + B_i leaves bubbles: why policy B helps);
+    - stage i holds K_i micro-batches: its first backward waits for the downstream round trip D_i, in which
+      every stage j below waits for its own K_j-th forward before its first backward (``reach``), and its
+      last K_i backwards for the last round trip (max(K_i B_i, D_i + B_i)); between them M-K_i pairs at
+      max(F_i+B_i, RT_i/K_i) each (a window too small for the round trip RT_i = F_i + D_i + B_i leaves
+      bubbles: why policy B helps);
+    - the loop from stage i to a stage j below and back holds K_i - K_j + 1 micro-batches (j's backward of m
+      follows its forward of m + K_j - 1, which needs i's forward of m + K_j - 1, which follows i's backward
+      of m + K_j - 1 - K_i): the period is at least its F and B over that count (j = the last: RT_i/K_i);
     - forwards arrive at the rate of the slowest upstream forward while upstream warms up (its first
       K_{i-1}), then once per period P: the slowest resource of the whole pipeline, compute or link
       (``link_period``: a device link carries activations forward and gradients back, a server's uplink
@@ -104,6 +108,24 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 x = down[2 * i] / (k if k > 1 else 1)
                 if x > period:
                     period = x
+                # the loop from stage i to stage j and back holds K_i - K_j + 1 (j = the last: the line above)
+                for j in range(i + 1, n - 1):
+                    t = k - K[j] + 1
+                    x = (down[2 * i] - down[2 * j + 1]) / (t if t > 1 else 1)
+                    if x > period:
+                        period = x
+        # reach[i]: when stage i's first backward can start, from 0 = the first forward upstream: after its K_i-th
+        # forward arrives, and after the first gradients come back, which wait for the warmups below it
+        reach = [0.0] * n
+        for i in range(n - 1, -1, -1):
+            a = 2 * i
+            k = K[i] if K[i] < M else M
+            x = warms[a] + F[a] + ((k if k > 1 else 1) - 1) * supplies[a]
+            if i < n - 1:
+                y = reach[i + 1] + B[a + 2] + Bc[a + 1]
+                if y > x:
+                    x = y
+            reach[i] = x
         best_total, best = -1.0, (0.0, 0.0, 0.0, S)
         for a in order:
             i = a >> 1
@@ -121,14 +143,13 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                     up = K[i - 1] if K[i - 1] < M else M
                     up = up if up > 1 else 1
                     arrive = (min(M - 1, up - 1)) * supply + (M - up) * period
+                r0 = reach[i] - warms[a]  # from this stage's first forward to its first backward
                 if M <= k:  # every forward before the first backward (gpipe, or few micro-batches)
                     first = f
                     steady = 0.0
-                    last = max(M * (f + b), f + d + M * b, arrive + f + d + b, M * f + d + b) - f
+                    last = max(M * (f + b), r0 + M * b, arrive + f + d + b, M * f + d + b) - f
                 else:  # k forwards; the first backward waits for the round trip; M-k pairs; k backwards
-                    first = f + (k - 1) * supply
-                    if f + d > first:
-                        first = f + d
+                    first = r0
                     pair = (f + d + Bc[a]) / k
                     if f + b > pair:
                         pair = f + b
@@ -147,6 +168,8 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 fwd = (M - 1) * rate + d + Bc[a]  # the last activations, then the last round trip
                 # the first gradients leave when the next stage has done its first backward (after K forwards)
                 g = (k_next - 1) * f + F[a + 1] + B[a + 1]
+                if reach[i + 1] + B[a + 1] - warms[a + 1] > g:  # ... and the warmups below it
+                    g = reach[i + 1] + B[a + 1] - warms[a + 1]
                 bwd = (d if d > g else g) - stagger + (M - 1) * (B[a] if B[a] > lp else lp) + B[a]
                 steady = (M - 1) * rate if fwd >= bwd else bwd - d - Bc[a]
                 last = d + Bc[a]
