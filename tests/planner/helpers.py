@@ -43,13 +43,14 @@ def cluster(servers: int, per_server: int, intra: float = 1e10, inter: float = 1
 
 def small_instances(seed: int, n: int, max_layers: int = 6, inter: Sequence[float] = (3e9, 1e9),
                     memory: Sequence[float] = (16e9, 8e9, 3e9), batches: Sequence[int] = (16, 32, 64),
-                    micro: Sequence[int] = (4, 8)):
-    """(profile, cluster, global batch, micro-batch) for brute-force comparisons: 2 to ``max_layers`` layers on 4
-    devices as 1x4, 2x2 or 4x1."""
+                    micro: Sequence[int] = (4, 8), min_layers: int = 2,
+                    shapes: Sequence[tuple[int, int]] = ((1, 4), (2, 2), (4, 1))):
+    """(profile, cluster, global batch, micro-batch) for brute-force comparisons: ``min_layers`` to
+    ``max_layers`` layers on servers x devices per server drawn from ``shapes`` (4 devices by default)."""
     rng = random.Random(seed)
     for _ in range(n):
-        prof = random_profile(rng, rng.randint(2, max_layers))
-        servers, per = rng.choice([(1, 4), (2, 2), (4, 1)])
+        prof = random_profile(rng, rng.randint(min_layers, max_layers))
+        servers, per = rng.choice(list(shapes))
         c = cluster(servers, per, intra=rng.choice([5e10, 1e10]), inter=rng.choice(list(inter)), intra_lat=5e-6,
                     inter_lat=3e-5, memory=rng.choice(list(memory)))
         yield prof, c, rng.choice(list(batches)), rng.choice(list(micro))

@@ -36,17 +36,6 @@ def test_dp_finds_the_brute_force_optimum(model, beam):
     assert checked >= 35
 
 
-def _six_device_instances(seed: int, n: int):
-    """5 to 7 layers on 6 devices (2x3 or 3x2) and on 4 (1x4, 2x2, 4x1), as (profile, cluster, global, micro)."""
-    rng = random.Random(seed)
-    for _ in range(n):
-        prof = random_profile(rng, rng.randint(5, 7))
-        servers, per = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2)])
-        c = cluster(servers, per, intra=rng.choice([5e10, 1e10]), inter=rng.choice([3e9, 1e9]), intra_lat=5e-6,
-                    inter_lat=3e-5, memory=rng.choice([16e9, 8e9]))
-        yield prof, c, rng.choice([32, 64]), rng.choice([4, 8])
-
-
 def test_the_memo_keeps_the_prefix_with_the_lowest_floor():
     """Each DP state keeps the prefix whose completions can reach the least L by the search's bounds (its
     floor). On these six instances the paper's ranking, formula 5's L of the prefix + the rest as one stage,
@@ -54,7 +43,9 @@ def test_the_memo_keeps_the_prefix_with_the_lowest_floor():
     ranking is exact: over these 300 instances the two plans differ on 16, the floor's better on 9, worse on
     7 (benchmarks/RESULTS.md "Planning time")."""
     picked = {6, 32, 109, 157, 167, 299}
-    for i, (prof, c, g, b) in enumerate(_six_device_instances(7, 300)):
+    six = small_instances(7, 300, min_layers=5, max_layers=7, memory=(16e9, 8e9), batches=(32, 64),
+                          shapes=((2, 2), (1, 4), (4, 1), (2, 3), (3, 2)))  # 5 to 7 layers on 4 or 6 devices
+    for i, (prof, c, g, b) in enumerate(six):
         if i in picked:
             best, spans, _ = exhaustive_search(prof, c, g, b, model="refined")
             dp = dp_search(prof, c, g, b, model="refined", seed=False)
