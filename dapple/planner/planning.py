@@ -68,7 +68,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     first ``verify`` of them modelled within VERIFY_WITHIN = 10% of the DP's plan, x warmup policies A and B)
     is made by the event simulator, the judge of the model (0: trust the model; skipped above SIMULATE_LIMIT
     devices x micro-batches); ``meta`` records it. The model's median error against the simulator is 0.1%,
-    its p90 8% (benchmarks/estimate_vs_simulator.py): a plan modelled 10% slower seldom simulates faster.
+    its p90 about 6% (benchmarks/estimate_vs_simulator.py): a plan modelled 10% slower seldom simulates faster.
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()

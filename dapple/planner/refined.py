@@ -160,17 +160,14 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 end_tail = tail[i]
             else:  # communication stage: M transfers each way queue on its busiest link
                 d = down[a + 1]  # round trip from the next compute stage on
-                k_next = K[i + 1] if K[i + 1] < M else M
-                k_next = k_next if k_next > 1 else 1
                 stagger = f - Bc[a] if f > Bc[a] else 0.0  # the first receiver's data lands this much earlier
                 first = f
                 rate = f if f > lp else lp
                 fwd = (M - 1) * rate + d + Bc[a]  # the last activations, then the last round trip
-                # the first gradients leave when the next stage has done its first backward (after K forwards)
-                g = (k_next - 1) * f + F[a + 1] + B[a + 1]
-                if reach[i + 1] + B[a + 1] - warms[a + 1] > g:  # ... and the warmups below it
-                    g = reach[i + 1] + B[a + 1] - warms[a + 1]
-                bwd = (d if d > g else g) - stagger + (M - 1) * (B[a] if B[a] > lp else lp) + B[a]
+                # the first gradients leave when the next stage has done its first backward (``reach``: after its
+                # K forwards and the round trip below it, so at least d after the first transfer)
+                g = reach[i + 1] + B[a + 1] - warms[a + 1]
+                bwd = g - stagger + (M - 1) * (B[a] if B[a] > lp else lp) + B[a]
                 steady = (M - 1) * rate if fwd >= bwd else bwd - d - Bc[a]
                 last = d + Bc[a]
                 end_tail = B[2 * i] + tail[i]  # then stage i's last backward and what follows below it

@@ -324,11 +324,10 @@ class _DP(_Pruning):
                               max(pre.tmax, srvmax1, dev1))
         else:
             base = pre.lb
+            busy1, chain1 = 0.0, None
             F0, B0, AR0, E0, C0 = [], [], [], [], []
             dev1, srv1, srvmax1, last_in1 = 0.0, {}, 0.0, 0.0
             W1 = Bsum1 = 0.0
-        if prev is None:
-            busy1, chain1 = 0.0, None
         tails = self.tails(tail_eval)
 
         def link_period(servers2, out2, in2) -> float:  # CostModel.link_period of prefix + new + rest
