@@ -101,8 +101,6 @@ def test_latency_is_at_least_M_times_any_stage(compute, comm, M):
 @given(st.integers(1, 6), st.integers(1, 12), st.randoms(use_true_random=False), st.floats(0.3, 1.5))
 def test_refined_chains_stop_at_the_limit_without_changing_what_is_below_it(stages, M, rnd, scale):
     """refined_chains(limit=x): below x the value (and pivot) is the unlimited one; at or above x, so is that."""
-    from dapple.planner.refined import refined_chains
-
     S = 2 * stages - 1
     F = [rnd.uniform(0.0, 5.0) for _ in range(S)]
     B = [x * rnd.uniform(1.0, 2.5) for x in F]
