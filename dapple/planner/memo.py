@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cost import Layout
+from .placement import placements
 
 
 @dataclass
@@ -48,6 +49,57 @@ class _Prefix:
             return ()
         perm = self.perm
         return tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
+
+
+class _Memo:
+    """The memo's side of ``search._DP``: which prefixes a layer expands and the placements (state keys) a new
+    stage can take (it provides the cluster's shape, b, width and the key tables)."""
+
+    def frontier(self, layer_states: dict) -> list:
+        """The prefixes to expand at one j: all of them, or with ``width`` the best ``width`` by formula 5's L
+        (a width-limited pass is a heuristic: ``complete`` becomes False when it drops any)."""
+        pres = [p for bucket in layer_states.values() for p in bucket]
+        if self.width is not None and len(pres) > self.width:
+            pres.sort(key=lambda p: p.latency)
+            del pres[self.width:]
+            self.complete = False
+        return pres
+
+    def options(self, free: tuple, prev: Layout | None, m: int) -> list:
+        """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
+        after it, the rest's layout, and the new state's key and server relabelling."""
+        key = (free, prev, m)
+        hit = self._options.get(key)
+        if hit is None:
+            first: dict = {}
+            for k, s in enumerate(prev or ()):
+                first.setdefault(s, k)
+            order = sorted(range(self.ns), key=lambda s: (first.get(s, 1 << 30), s))
+            hit = []
+            for name, take in placements(free, self.dps, m, order):
+                free2 = tuple(free[s] - take[s] for s in range(self.ns))
+                kinds = {(x, t) for x, t in zip(free2, take) if 0 < x < self.dps}
+                if self.partial_kinds is not None and len(kinds) > self.partial_kinds:
+                    continue
+                # replica order: like the previous stage (its slices meet theirs on the same server), or with
+                # the servers that keep the most free devices first (the larger first slices meet the next
+                # stage's there)
+                ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
+                rank = {s: r for r, s in enumerate(ahead)}
+                for new in dict.fromkeys((_arrange(take, prev), tuple(sorted(_arrange(take, prev), key=rank.get)))):
+                    tail = _arrange(free2, new)
+                    wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
+                    canon = self._canon.get((free2, new))
+                    if canon is None:
+                        state_key, perm = _canonical(free2, new)
+                        kid = self._kid.setdefault(state_key, len(self._kid))  # an int: cheaper to hash than the key
+                        canon = self._canon[(free2, new)] = (kid, perm)
+                    kid, perm = canon
+                    # comms: the communication costs in and out of the new stage per cut (CostModel.comm_pair),
+                    # filled by expand() once a placement passes the bounds
+                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, kid, perm, []))
+            self._options[key] = hit
+        return hit
 
 
 @dataclass

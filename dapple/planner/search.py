@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from .cost import CostModel, Layout
-from .evaluate import pipeline_costs
-from .latency import paper_latency
-from .memo import SearchResult, _arrange, _canonical, _gc_paused, _Prefix
-from .memory import max_in_flight
-from .placement import placements
+from .cost import CostModel
+from .memo import SearchResult, _gc_paused, _Memo, _Prefix
 from .pruning import INF, TIGHTEN_AFTER, _Pruning
-from .refined import refined_chains
 from .seeds import even_seeds
+from .stage_costs import _StageCosts
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
     from .cluster import Cluster
 
 
-
-class _DP(_Pruning):
+class _DP(_Pruning, _StageCosts, _Memo):
     """Formulas 4-5 for one micro-batch size (see :func:`dp_search`)."""
 
     def __init__(self, profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int,
@@ -65,49 +60,6 @@ class _DP(_Pruning):
         self.root_bound = max(self.Q[0][self.G], self.Qar[0][self.G])
 
     # ---- helpers -------------------------------------------------------------------------------
-    def latency(self, F, B, AR, E, C, D, link_period: float, limit: float = INF) -> tuple[float, str]:
-        """The plan's L under the search's model and the better warmup policy; any value >= ``limit`` when L is."""
-        M = self.M
-        if not self.refined:
-            return paper_latency(F, B, AR, M).total, self.policy or "A"
-        pols = (self.policy,) if self.policy else ("A", "B")
-        S = len(D)
-        Ks = []
-        for pol in pols:  # warmup_counts, inlined: K_i = min(S-i or 2(S-i)-1, D_i, M, K_{i-1}), at least 1
-            K, prev = [], M
-            for i in range(S):
-                k = S - i if pol == "A" else 2 * (S - i) - 1
-                d = D[i] if D[i] > 1 else 1
-                k = min(k, d, prev)
-                K.append(k if k > 1 else 1)
-                prev = K[-1]
-            Ks.append(K)
-        if len(Ks) == 2 and Ks[0] == Ks[1]:
-            Ks.pop()
-        lats = refined_chains(F, B, AR, E if self.overlap else None, Ks, M, link_period, C, limit)
-        if len(lats) == 2 and lats[1][0] < lats[0][0] - 1e-9:
-            return lats[1][0], pols[1]
-        return lats[0][0], pols[0]
-
-    def tails(self, lay: Layout) -> list:
-        """``[tail(a, lay) for a in range(N)]``, each filled on first use (the search reads it by index)."""
-        hit = self._tails.get(lay)
-        if hit is None:
-            hit = self._tails[lay] = [None] * self.N
-        return hit
-
-    def tail(self, a: int, lay: Layout) -> tuple:
-        """(F, B, AllReduce, ending, slices that fit) of the rest [a, N) as one stage on ``lay`` (memoised)."""
-        row = self.tails(lay)
-        hit = row[a]
-        if hit is None:
-            cm = self.cm
-            f, bb = cm.compute(a, self.N, len(lay))
-            d = max_in_flight(cm.static_bytes(a, self.N), cm.saved_bytes(a, self.N, len(lay)), self.mem)
-            e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
-            hit = row[a] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
-        return hit
-
     def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
         if latency < self.best[0]:
             self.set_best(latency, (spans, policies, pol))
@@ -116,16 +68,6 @@ class _DP(_Pruning):
         """The incumbent: prune what cannot beat it by more than ``gap`` (relative)."""
         self.best = (latency, found)
         self.cut = latency / (1.0 + self.gap)
-
-    def evaluate_spans(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, str] | None:
-        """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
-        if any(len(lay) > self.b for _, _, lay in spans):
-            return None
-        try:
-            pc, D = pipeline_costs(self.cm, spans, self.M, "A")
-        except ValueError:
-            return None
-        return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period)
 
     # ---- seeds: a few simple complete plans give the bound something to prune with ------------------
     def seed(self) -> None:
@@ -192,52 +134,6 @@ class _DP(_Pruning):
                     for option in self.options(free, prev, m):
                         self.expand(states, pre, j, m, option, prev, lo, gate)
 
-    def frontier(self, layer_states: dict) -> list:
-        """The prefixes to expand at one j: all of them, or with ``width`` the best ``width`` by formula 5's L
-        (a width-limited pass is a heuristic: ``complete`` becomes False when it drops any)."""
-        pres = [p for bucket in layer_states.values() for p in bucket]
-        if self.width is not None and len(pres) > self.width:
-            pres.sort(key=lambda p: p.latency)
-            del pres[self.width:]
-            self.complete = False
-        return pres
-
-    def options(self, free: tuple, prev: Layout | None, m: int) -> list:
-        """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
-        after it, the rest's layout, and the new state's key and server relabelling."""
-        key = (free, prev, m)
-        hit = self._options.get(key)
-        if hit is None:
-            first: dict = {}
-            for k, s in enumerate(prev or ()):
-                first.setdefault(s, k)
-            order = sorted(range(self.ns), key=lambda s: (first.get(s, 1 << 30), s))
-            hit = []
-            for name, take in placements(free, self.dps, m, order):
-                free2 = tuple(free[s] - take[s] for s in range(self.ns))
-                kinds = {(x, t) for x, t in zip(free2, take) if 0 < x < self.dps}
-                if self.partial_kinds is not None and len(kinds) > self.partial_kinds:
-                    continue
-                # replica order: like the previous stage (its slices meet theirs on the same server), or with
-                # the servers that keep the most free devices first (the larger first slices meet the next
-                # stage's there)
-                ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
-                rank = {s: r for r, s in enumerate(ahead)}
-                for new in dict.fromkeys((_arrange(take, prev), tuple(sorted(_arrange(take, prev), key=rank.get)))):
-                    tail = _arrange(free2, new)
-                    wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
-                    canon = self._canon.get((free2, new))
-                    if canon is None:
-                        state_key, perm = _canonical(free2, new)
-                        kid = self._kid.setdefault(state_key, len(self._kid))  # an int: cheaper to hash than the key
-                        canon = self._canon[(free2, new)] = (kid, perm)
-                    kid, perm = canon
-                    # comms: the communication costs in and out of the new stage per cut (CostModel.comm_pair),
-                    # filled by expand() once a placement passes the bounds
-                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, kid, perm, []))
-            self._options[key] = hit
-        return hit
-
     def reach(self, pre: _Prefix, j: int, m: int, multi: bool, n_rest: int, lo: int, base: float, W: float,
               Bsum: float, t0: float = 0.0) -> list:
         """The ends j2 of a new stage [j, j2) on m replicas that pass the bounds, with the first micro-batch
@@ -265,29 +161,6 @@ class _DP(_Pruning):
                     continue
             out.append((j2, f, bb, ar, dn, low))
         return out
-
-    def stage_costs(self, j: int, m: int, multi: bool) -> tuple:
-        """Per end j2 (lists indexed by j2) of a stage [j, j2) on m replicas (spanning servers or not): F, B,
-        AllReduce and how many slices fit in memory (memoised: the search asks the same stage many times). The
-        lists stop at the first j2 with M (F+B) >= the cut when first asked: the cut only falls, and no later
-        question reaches past it (reach() breaks there)."""
-        key = (j, m, multi)
-        hit = self._stage_costs.get(key)
-        if hit is None:
-            cm, N, mem, M = self.cm, self.N, self.mem, self.M
-            fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the stage's slice
-            f0, b0, s0 = fpre[j], bpre[j], spre[j]
-            end, cut = j + 1, self.cut
-            while end <= N and M * ((fpre[end] - f0) + (bpre[end] - b0)) < cut:
-                end += 1
-            pad = [0.0] * (j + 1)
-            fs = pad + [fpre[c] - f0 for c in range(j + 1, end)]
-            bs = pad + [bpre[c] - b0 for c in range(j + 1, end)]
-            ars = pad + cm.allreduce_ends(j, end, m, multi)
-            static = cm.static_bytes
-            ds = [0] * (j + 1) + [max_in_flight(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
-            hit = self._stage_costs[key] = (fs, bs, ars, ds)
-        return hit
 
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
