@@ -1,4 +1,4 @@
-"""The search's memo: a prefix of planned stages, the placements a new stage can take, state keys up to server symmetry."""
+"""The search's memo: planned-stage prefixes, a new stage's placements, state keys up to server symmetry."""
 
 from __future__ import annotations
 
