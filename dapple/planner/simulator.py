@@ -66,7 +66,8 @@ class SimResult:
     def __str__(self) -> str:
         return (f"simulated {self.schedule} iteration: {self.latency_ms:.3f} ms over {len(self.stage_of_device)} "
                 f"device(s), {self.num_micro_batches} micro-batches, bubble fraction "
-                f"{1 - self.busy_fraction():.1%}{', AllReduce overlapped with the last backward' if self.overlap else ''}")
+                f"{1 - self.busy_fraction():.1%}"
+                f"{', AllReduce overlapped with the last backward' if self.overlap else ''}")
 
 
 def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool = False,
@@ -85,7 +86,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     for i, s in enumerate(plan.stages):
         for d in s.devices:
             if not 0 <= d < cluster.num_devices:
-                raise ValueError(f"plan stage {i} uses device {d}, the cluster has devices 0..{cluster.num_devices - 1}")
+                raise ValueError(f"plan stage {i} uses device {d}, the cluster has devices "
+                                 f"0..{cluster.num_devices - 1}")
     cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
     return _Sim(plan, cm, cluster, schedule, overlap).run()
 
