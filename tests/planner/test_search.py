@@ -120,7 +120,6 @@ def test_the_simulator_has_the_last_word():
     assert simulate(checked, prof, c).latency_ms <= simulate(trusted, prof, c).latency_ms * (1 + 1e-3)
 
 
-
 def test_the_simulator_judges_only_candidates_near_the_dp_plan(monkeypatch):
     """plan(verify=) simulates the candidates modelled within VERIFY_WITHIN of the DP's plan, and no other."""
     from dapple.planner import planning
@@ -258,7 +257,7 @@ def test_a_gap_keeps_the_plan_within_it_and_prunes():
 
 
 def test_plan_leaves_the_garbage_collector_as_it_found_it():
-    """The search pauses the cyclic collector (search._gc_paused) and restores it, also when it raises."""
+    """The search pauses the cyclic collector (memo._gc_paused) and restores it, also when it raises."""
     import gc
 
     prof = random_profile(random.Random(4), 6)
