@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true", help="AllReduce overlapped with the last backward")
     ap.add_argument("--worst", type=int, default=0, help="print the N worst plans of the refined model")
     ap.add_argument("--schedule", default="dapple", choices=("dapple", "gpipe"))
+    ap.add_argument("--links", default="held", choices=("held", "shared"),
+                    help="the simulator's links: held whole by a transfer, or shared max-min fairly")
     ap.add_argument("--shuffle", type=float, default=0.0,
                     help="share of plans whose devices are shuffled (else stages take consecutive devices)")
     args = ap.parse_args()
@@ -93,13 +95,13 @@ def main() -> None:
             continue  # does not fit in memory
         est = {m: e.latency_ms for m, e in ests.items()}
         acr.append(ests["refined"].details["acr"])
-        sim = simulate(plan, prof, cluster, overlap=args.overlap).latency_ms
+        sim = simulate(plan, prof, cluster, overlap=args.overlap, links=args.links).latency_ms
         for m in errors:
             errors[m].append((est[m] - sim) / sim)
         rows.append((abs(est["refined"] - sim) / sim, prof.model, cluster.name, plan, est, sim))
     print(f"{args.plans} random {args.schedule} plans (seed {args.seed}, overlap {args.overlap}, shuffled "
           f"{args.shuffle:.0%}): relative error of the model "
-          f"against the simulator, (estimate - simulated) / simulated")
+          f"against the simulator (links {args.links}), (estimate - simulated) / simulated")
     print(f"  {'model':<8} {'median |e|':>10} {'p90 |e|':>9} {'max |e|':>9} {'mean e':>8} {'<=5%':>6}")
     for m, es in errors.items():
         a = sorted(abs(e) for e in es)

@@ -26,6 +26,10 @@ def test_plan_then_simulate(tmp_path, capsys):
                  "--cluster", str(cluster_file)]) == 0
     text = capsys.readouterr().out
     assert "simulated dapple iteration" in text and "refined model estimate" in text and "paper model estimate" in text
+    assert "sharing links" not in text
+    assert main(["simulate", str(out), "--profile", profile, "--profile-batch", "1", "--cluster", "A",
+                 "--links", "shared"]) == 0
+    assert "transfers sharing links" in capsys.readouterr().out
 
 
 def test_pipedream_profile_needs_its_batch_size():

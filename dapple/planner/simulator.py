@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .cost import DDP_BUCKET_BYTES, CostModel, layout_of, route_links
+from .network import SharedLinks
 from .schedule import max_in_flight, stage_ops
 from .slices import routes, slice_bounds
+
+LINKS = ("held", "shared")  # a transfer holds its links whole, or shares them with concurrent transfers
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
@@ -47,6 +50,7 @@ class SimResult:
     overlap: bool
     num_micro_batches: int
     stage_of_device: dict[int, int] = field(default_factory=dict)
+    links: str = "held"  # transfers hold their links whole, or share them ("shared")
 
     def device_timeline(self, device: int) -> list[TimelineOp]:
         """Compute and AllReduce intervals of one device, in time order."""
@@ -67,11 +71,12 @@ class SimResult:
         return (f"simulated {self.schedule} iteration: {self.latency_ms:.3f} ms over {len(self.stage_of_device)} "
                 f"device(s), {self.num_micro_batches} micro-batches, bubble fraction "
                 f"{1 - self.busy_fraction():.1%}"
-                f"{', AllReduce overlapped with the last backward' if self.overlap else ''}")
+                f"{', AllReduce overlapped with the last backward' if self.overlap else ''}"
+                f"{', transfers sharing links' if self.links == 'shared' else ''}")
 
 
 def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool = False,
-             schedule: str | None = None, bucket_bytes: float = DDP_BUCKET_BYTES) -> SimResult:
+             schedule: str | None = None, bucket_bytes: float = DDP_BUCKET_BYTES, links: str = "held") -> SimResult:
     """Play ``plan``'s iteration: each device runs ``stage_ops`` of its stage (the runtime's order) on its
     slice of every micro-batch; split-concat transfers (``slices.routes``) occupy the directed links of
     ``Cluster.graph()`` they cross (sender/receiver device links, server up/downlinks) for their whole
@@ -79,7 +84,13 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     are free, and overlap with compute; each replicated stage AllReduces its
     gradients after its last backward (``overlap``: bucket by bucket as the last backward produces them,
     like DDP). AllReduce does not contend with transfers. Works for any Plan (DAPPLE's, PipeDream's, ...).
+    ``links="shared"``: a transfer starts once the earlier one between the same two devices in its direction
+    is done (the runtime's forward and backward process groups each keep their sends in order) and shares
+    each link max-min fairly with the others in flight (:class:`network.SharedLinks`: concurrent sends to
+    different peers, as NCCL and gloo run them) instead of holding its links whole.
     """
+    if links not in LINKS:
+        raise ValueError(f"links: expected one of {LINKS}, got {links!r}")
     schedule = schedule or plan.schedule
     if plan.num_layers != profile.num_layers:
         raise ValueError(f"plan covers {plan.num_layers} layers but the profile has {profile.num_layers}")
@@ -89,12 +100,15 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
                 raise ValueError(f"plan stage {i} uses device {d}, the cluster has devices "
                                  f"0..{cluster.num_devices - 1}")
     cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
-    return _Sim(plan, cm, cluster, schedule, overlap).run()
+    return _Sim(plan, cm, cluster, schedule, overlap, links == "shared").run()
 
 
 class _Sim:
-    def __init__(self, plan: "Plan", cm: CostModel, cluster: "Cluster", schedule: str, overlap: bool):
+    def __init__(self, plan: "Plan", cm: CostModel, cluster: "Cluster", schedule: str, overlap: bool,
+                 shared: bool = False):
         self.plan, self.cm, self.cluster, self.schedule, self.overlap = plan, cm, cluster, schedule, overlap
+        self.net = SharedLinks() if shared else None
+        self.streams: set = set()  # (sender, receiver, kind) with a transfer in flight (shared links)
         self.M, self.S, b = plan.num_micro_batches, plan.num_stages, plan.micro_batch_size
         self.rows = [[e - s for s, e in slice_bounds(b, st.replicas)] for st in plan.stages]
         # routes between stage i and i+1: (sender replica, receiver replica, rows)
@@ -158,16 +172,27 @@ class _Sim:
         waits for a busy link holds nothing meanwhile)."""
         still = []
         for item in self.waiting:
-            _, src, dst, kind, mb, layer, rows, links, si, ti = item
+            seq, src, dst, kind, mb, layer, rows, links, si, ti = item
+            if self.net is not None:  # shared links: on its way at once, after the pair's earlier transfers
+                if (src, dst, kind) in self.streams:
+                    still.append(item)
+                    continue
+                self.streams.add((src, dst, kind))
+                self.net.add(t, seq, self.cm.route_ms(layer, rows, si, ti), links, (t, item))
+                continue
             if any(link in self.link_busy for link in links):
                 still.append(item)
                 continue
             self.link_busy.update(links)
             end = t + self.cm.route_ms(layer, rows, si, ti)
-            nbytes = self.cm.profile.costs(rows).boundary_bytes[layer]
-            self.transfers.append(TimelineOp(src, self.where[src][0], "send_" + kind, mb, t, end, dst, rows, nbytes))
+            self.record(item, t, end)
             self.push(end, "xfer", (dst, kind, mb, links))
         self.waiting = still
+
+    def record(self, item: tuple, start: float, end: float) -> None:
+        _, src, dst, kind, mb, layer, rows, _, _, _ = item
+        nbytes = self.cm.profile.costs(rows).boundary_bytes[layer]
+        self.transfers.append(TimelineOp(src, self.where[src][0], "send_" + kind, mb, start, end, dst, rows, nbytes))
 
     def finish(self, d: int, t: float) -> None:
         op = self.ops[d][self.ptr[d]]
@@ -215,8 +240,15 @@ class _Sim:
     def run(self) -> SimResult:
         for d in self.ops:
             self.try_start(d, 0.0)
-        while self.events:
-            t, _, kind, payload = heapq.heappop(self.events)
+        while self.events or (self.net is not None and self.net.flows):
+            done = self.net.next_done() if self.net is not None else None
+            if done is not None and (not self.events or done[0] <= self.events[0][0]):
+                start, item = self.net.finish(*done)
+                self.streams.discard((item[1], item[2], item[3]))
+                self.record(item, start, done[0])
+                t, kind, payload = done[0], "xfer", (item[2], item[3], item[4], item[7])
+            else:
+                t, _, kind, payload = heapq.heappop(self.events)
             if kind == "op":
                 self.finish(payload[0], t)
             else:
@@ -233,4 +265,4 @@ class _Sim:
         self.allreduce()
         latency = max([o.end_ms for o in self.timeline] + [o.end_ms for o in self.transfers] + [0.0])
         return SimResult(latency, self.timeline, self.transfers, self.schedule, self.overlap, self.M,
-                         {d: i for d, (i, _) in self.where.items()})
+                         {d: i for d, (i, _) in self.where.items()}, "held" if self.net is None else "shared")

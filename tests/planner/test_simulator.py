@@ -123,3 +123,28 @@ def test_rejects_plans_for_other_profiles_or_clusters():
         simulate(_straight(2, 2), linear_profile([1.0] * 3), cluster(1, 2))
     with pytest.raises(ValueError, match="uses device 1"):
         simulate(_straight(2, 2), linear_profile([1.0] * 2), cluster(1, 1))
+
+
+def test_shared_links_equal_held_links_when_no_transfers_overlap():
+    """A straight pipeline: each link carries one transfer at a time, so sharing changes nothing."""
+    prof = linear_profile([1.0] * 3, boundary=1e6)
+    c = cluster(1, 3, intra=1e10)
+    for policy in ("A", "B"):
+        plan = _straight(3, 6, policy)
+        assert simulate(plan, prof, c, links="shared").latency_ms == pytest.approx(simulate(plan, prof, c).latency_ms)
+
+
+def test_shared_links_split_a_senders_link_between_its_routes():
+    """One sender, two receivers on the same server: held, the two halves go one after the other (t, 2t);
+    shared, both go at once at half rate and land together at 2t, so the first receiver starts later."""
+    prof = linear_profile([1.0, 1.0], boundary=[1.25e6, 0.0])  # 1e7 B per 8 rows after layer 0
+    c = cluster(1, 3, intra=1e10)  # a 4-row half: 5e6 B = 0.5 ms
+    plan = Plan(8, 8, [Stage((0, 1), [0]), Stage((1, 2), [1, 2])])
+    held, shared = simulate(plan, prof, c), simulate(plan, prof, c, links="shared")
+    ends = {links: sorted(t.end_ms for t in r.transfers if t.kind == "send_F") for links, r in
+            (("held", held), ("shared", shared))}
+    assert ends["held"] == pytest.approx([8.5, 9.0])
+    assert ends["shared"] == pytest.approx([9.0, 9.0])
+    assert held.latency_ms <= shared.latency_ms
+    with pytest.raises(ValueError, match="links: expected one of .*'held'.*got 'fair'"):
+        simulate(plan, prof, c, links="fair")

@@ -1,0 +1,68 @@
+"""Links shared between concurrent transfers: max-min fair rates by progressive filling (the simulator's
+``links="shared"``)."""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+EPS = 1e-9  # ms: a transfer this close to done is done
+
+
+class SharedLinks:
+    """Transfers in flight over unit-capacity links. A transfer's ``work`` is its time alone on its path (ms at
+    full rate); while others share one of its links it gets a max-min fair share of that link (every link on a
+    path has the same bandwidth class: ``cost.route_links`` gives device links to intra-server routes only and
+    network links to cross-server routes only). Call :meth:`advance` before any change."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.flows: dict[int, list] = {}  # id -> [work left (ms at full rate), links, payload]
+        self.rate: dict[int, float] = {}  # id -> share of its bottleneck link, in (0, 1]
+
+    def add(self, t: float, fid: int, work: float, links: tuple[Hashable, ...], payload: object) -> None:
+        self.advance(t)
+        self.flows[fid] = [work, links, payload]
+        self._fill()
+
+    def advance(self, t: float) -> None:
+        """Move every transfer's progress to time ``t`` at its current rate."""
+        dt = t - self.t
+        if dt > 0:
+            for fid, f in self.flows.items():
+                f[0] -= self.rate[fid] * dt
+        self.t = max(self.t, t)
+
+    def next_done(self) -> tuple[float, int] | None:
+        """(time, id) of the transfer that finishes first at the current rates, or None when idle."""
+        best = None
+        for fid, f in self.flows.items():
+            t = self.t + max(f[0], 0.0) / self.rate[fid]
+            if best is None or t < best[0]:
+                best = (t, fid)
+        return best
+
+    def finish(self, t: float, fid: int) -> object:
+        """Remove transfer ``fid`` (done at ``t``), re-share its links; returns its payload."""
+        self.advance(t)
+        payload = self.flows.pop(fid)[2]
+        del self.rate[fid]
+        self._fill()
+        return payload
+
+    def _fill(self) -> None:
+        """Progressive filling: the link with the least capacity per unfrozen transfer fixes their rate."""
+        users: dict[Hashable, list[int]] = {}
+        for fid, f in self.flows.items():
+            for link in f[1]:
+                users.setdefault(link, []).append(fid)
+        left = {link: 1.0 for link in users}
+        rate: dict[int, float] = {}
+        while len(rate) < len(self.flows):
+            share, bottleneck = min((left[link] / n, link) for link, us in users.items()
+                                    if (n := sum(1 for u in us if u not in rate)))
+            for fid in users[bottleneck]:
+                if fid not in rate:
+                    rate[fid] = share
+                    for link in self.flows[fid][1]:
+                        left[link] -= share
+        self.rate = rate
