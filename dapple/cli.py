@@ -94,8 +94,8 @@ def _add_simulate(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--cluster", required=True, help="preset A, B or C or a cluster YAML")
     p.add_argument("--overlap", action="store_true", help="overlap AllReduce with the last backward (DDP-style)")
     p.add_argument("--schedule", choices=("dapple", "gpipe"), default=None, help="default: the plan's")
-    p.add_argument("--links", choices=("held", "shared"), default="held",
-                   help="a transfer holds its links whole (default), or shares them max-min fairly")
+    p.add_argument("--link-sharing", choices=("held", "shared"), default=None,
+                   help="a transfer holds its links whole, or shares them max-min fairly (default: the cluster's)")
     p.set_defaults(run=_run_simulate)
 
 
@@ -107,7 +107,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile, args.profile_batch)
     cluster = load_cluster(args.cluster)
     schedule = args.schedule or plan.schedule
-    sim = simulate(plan, prof, cluster, overlap=args.overlap, schedule=schedule, links=args.links)
+    sim = simulate(plan, prof, cluster, overlap=args.overlap, schedule=schedule, link_sharing=args.link_sharing)
     print(sim)
     for model in ("refined", "paper"):
         est = evaluate(prof, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size, schedule=schedule,

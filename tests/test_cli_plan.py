@@ -28,7 +28,7 @@ def test_plan_then_simulate(tmp_path, capsys):
     assert "simulated dapple iteration" in text and "refined model estimate" in text and "paper model estimate" in text
     assert "sharing links" not in text
     assert main(["simulate", str(out), "--profile", profile, "--profile-batch", "1", "--cluster", "A",
-                 "--links", "shared"]) == 0
+                 "--link-sharing", "shared"]) == 0
     assert "transfers sharing links" in capsys.readouterr().out
 
 

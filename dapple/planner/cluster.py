@@ -13,6 +13,7 @@ from .. import _io
 VERSION = 1
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+LINK_SHARING = ("held", "shared")  # a transfer holds its links whole, or shares them with concurrent ones
 
 
 @dataclass
@@ -41,6 +42,9 @@ class Cluster:
     # A collective's cost per byte can depend on how many ranks take part (gloo on a shared CPU: 4 ranks on 2
     # cores reduce at half the bus bandwidth of 2); sizes between measured ones are interpolated.
     intra_allreduce_by_size: dict | None = None
+    # How concurrent transfers use a link: "held" (one at a time, each at full bandwidth, in order of
+    # readiness) or "shared" (all at once, max-min fair shares). The cost model and the simulator both follow it.
+    link_sharing: str = "held"
 
     def __post_init__(self) -> None:
         for key in ("servers", "devices_per_server"):
@@ -62,6 +66,8 @@ class Cluster:
                 raise ValueError(f"Cluster.{key}: expected None or a positive number, got {v!r}")
         if self.intra_allreduce_by_size is not None:
             self.intra_allreduce_by_size = _by_size(self.intra_allreduce_by_size)
+        if self.link_sharing not in LINK_SHARING:
+            raise ValueError(f"Cluster.link_sharing: expected one of {LINK_SHARING}, got {self.link_sharing!r}")
 
     # ---- topology ------------------------------------------------------------------------------
     @property
@@ -217,7 +223,8 @@ class Cluster:
                        **{k: f.number(k) for k in ("intra_allreduce_bandwidth", "intra_allreduce_latency",
                                                    "inter_allreduce_bandwidth", "inter_allreduce_latency")
                           if doc.get(k) is not None},
-                       intra_allreduce_by_size=doc.get("intra_allreduce_by_size"))
+                       intra_allreduce_by_size=doc.get("intra_allreduce_by_size"),
+                       link_sharing=str(doc.get("link_sharing", "held")))
         except _io.DocumentError:
             raise
         except ValueError as e:

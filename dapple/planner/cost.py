@@ -111,7 +111,8 @@ class CostModel:
         ``chain``: what the gradients' way back adds to one micro-batch's round trip. Receivers whose data
         landed first send their gradients back while later routes are still busy, so only the part of the
         backward transfers not overlapped with the forward ones counts: max(longest route, B - (last - first
-        receiver's arrival)); a concat (one receiver) gets no overlap."""
+        receiver's arrival)); a concat (one receiver) gets no overlap, nor do links shared between routes
+        (``Cluster.link_sharing == "shared"``: the routes on the busiest link all land when it is done)."""
         return self.comm_pair(src, dst)(layer)
 
     def comm_pair(self, src: Layout, dst: Layout):
@@ -194,6 +195,8 @@ class CostModel:
         first = np.minimum.reduce(list(done.values())) if done else zero
         last = np.maximum.reduce(list(done.values())) if done else zero
         chain = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
+        if self.cluster.link_sharing == "shared":  # routes sharing the busiest link all land at its end
+            chain = busiest
         return busiest.tolist(), out.tolist(), inc.tolist(), ud, chain.tolist()
 
     def _boundary(self, rows: int) -> np.ndarray:

@@ -6,12 +6,11 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .cluster import LINK_SHARING
 from .cost import DDP_BUCKET_BYTES, CostModel, layout_of, route_links
 from .network import SharedLinks
 from .schedule import max_in_flight, stage_ops
 from .slices import routes, slice_bounds
-
-LINKS = ("held", "shared")  # a transfer holds its links whole, or shares them with concurrent transfers
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
@@ -50,7 +49,7 @@ class SimResult:
     overlap: bool
     num_micro_batches: int
     stage_of_device: dict[int, int] = field(default_factory=dict)
-    links: str = "held"  # transfers hold their links whole, or share them ("shared")
+    link_sharing: str = "held"  # transfers hold their links whole, or share them ("shared")
 
     def device_timeline(self, device: int) -> list[TimelineOp]:
         """Compute and AllReduce intervals of one device, in time order."""
@@ -72,11 +71,12 @@ class SimResult:
                 f"device(s), {self.num_micro_batches} micro-batches, bubble fraction "
                 f"{1 - self.busy_fraction():.1%}"
                 f"{', AllReduce overlapped with the last backward' if self.overlap else ''}"
-                f"{', transfers sharing links' if self.links == 'shared' else ''}")
+                f"{', transfers sharing links' if self.link_sharing == 'shared' else ''}")
 
 
 def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool = False,
-             schedule: str | None = None, bucket_bytes: float = DDP_BUCKET_BYTES, links: str = "held") -> SimResult:
+             schedule: str | None = None, bucket_bytes: float = DDP_BUCKET_BYTES,
+             link_sharing: str | None = None) -> SimResult:
     """Play ``plan``'s iteration: each device runs ``stage_ops`` of its stage (the runtime's order) on its
     slice of every micro-batch; split-concat transfers (``slices.routes``) occupy the directed links of
     ``Cluster.graph()`` they cross (sender/receiver device links, server up/downlinks) for their whole
@@ -84,13 +84,15 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     are free, and overlap with compute; each replicated stage AllReduces its
     gradients after its last backward (``overlap``: bucket by bucket as the last backward produces them,
     like DDP). AllReduce does not contend with transfers. Works for any Plan (DAPPLE's, PipeDream's, ...).
-    ``links="shared"``: a transfer starts once the earlier one between the same two devices in its direction
-    is done (the runtime's forward and backward process groups each keep their sends in order) and shares
-    each link max-min fairly with the others in flight (:class:`network.SharedLinks`: concurrent sends to
-    different peers, as NCCL and gloo run them) instead of holding its links whole.
+    ``link_sharing`` (default: ``cluster.link_sharing``) ``"shared"``: a transfer starts once the earlier
+    one between the same two devices in its direction is done (the runtime's forward and backward process
+    groups each keep their sends in order) and shares each link max-min fairly with the others in flight
+    (:class:`network.SharedLinks`: concurrent sends to different peers, as NCCL and gloo run them) instead
+    of holding its links whole.
     """
-    if links not in LINKS:
-        raise ValueError(f"links: expected one of {LINKS}, got {links!r}")
+    link_sharing = cluster.link_sharing if link_sharing is None else link_sharing
+    if link_sharing not in LINK_SHARING:
+        raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")
     schedule = schedule or plan.schedule
     if plan.num_layers != profile.num_layers:
         raise ValueError(f"plan covers {plan.num_layers} layers but the profile has {profile.num_layers}")
@@ -100,7 +102,7 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
                 raise ValueError(f"plan stage {i} uses device {d}, the cluster has devices "
                                  f"0..{cluster.num_devices - 1}")
     cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
-    return _Sim(plan, cm, cluster, schedule, overlap, links == "shared").run()
+    return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
 
 
 class _Sim:

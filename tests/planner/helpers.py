@@ -37,8 +37,9 @@ def random_profile(rng: random.Random, n: int) -> Profile:
 
 
 def cluster(servers: int, per_server: int, intra: float = 1e10, inter: float = 1e9, intra_lat: float = 0.0,
-            inter_lat: float = 0.0, memory: float = 1e12) -> Cluster:
-    return Cluster(servers, per_server, intra, inter, intra_lat, inter_lat, memory, name=f"{servers}x{per_server}")
+            inter_lat: float = 0.0, memory: float = 1e12, link_sharing: str = "held") -> Cluster:
+    return Cluster(servers, per_server, intra, inter, intra_lat, inter_lat, memory, name=f"{servers}x{per_server}",
+                   link_sharing=link_sharing)
 
 
 def small_instances(seed: int, n: int, max_layers: int = 6, inter: Sequence[float] = (3e9, 1e9),

@@ -28,6 +28,17 @@ def test_transfers_share_links():
     assert cm.comm(0, (0,), (0, 0))[0] == pytest.approx(0.8)  # a split: both halves leave one device link
 
 
+def test_gradients_of_early_receivers_leave_early_only_on_held_links():
+    """A split from one device: held, the first half lands after 0.4 ms and its gradients can start back while
+    the second half is on the way (0.4 ms of the 0.8 ms way back overlaps); shared, both land at 0.8 ms."""
+    prof = linear_profile([1.0] * 2, boundary=1e6)
+    held = CostModel(prof, cluster(1, 3), micro_batch_size=8)
+    shared = CostModel(prof, cluster(1, 3, link_sharing="shared"), micro_batch_size=8)
+    assert held.comm_links(0, (0,), (0, 0))[4] == pytest.approx(0.4)
+    assert shared.comm_links(0, (0,), (0, 0))[4] == pytest.approx(0.8)
+    assert held.comm(0, (0,), (0, 0)) == shared.comm(0, (0,), (0, 0))  # the busiest link: the same
+
+
 def test_latency_is_paid_per_route():
     cm = CostModel(linear_profile([1.0] * 2, boundary=1e6), cluster(2, 2, inter_lat=30e-6), micro_batch_size=8)
     assert cm.comm(0, (0, 0), (1, 1))[0] == pytest.approx(2 * (0.030 + 4.0))

@@ -78,6 +78,11 @@ def test_cluster_round_trip_and_errors(tmp_path):
     with pytest.raises(ValueError, match=r"devices_per_server: expected a positive integer, got 0"):
         Cluster(servers=1, devices_per_server=0, intra_bandwidth=1, inter_bandwidth=1)
     assert Cluster.local(3, measure=False).num_devices == 3
+    shared = Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, link_sharing="shared")
+    shared.save(tmp_path / "s.yaml")
+    assert Cluster.load(tmp_path / "s.yaml").link_sharing == "shared" and c.link_sharing == "held"
+    with pytest.raises(ValueError, match=r"link_sharing: expected one of \('held', 'shared'\), got 'fair'"):
+        Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, link_sharing="fair")
 
 
 def test_measured_allreduce_numbers_override_the_links():

@@ -131,7 +131,9 @@ def test_shared_links_equal_held_links_when_no_transfers_overlap():
     c = cluster(1, 3, intra=1e10)
     for policy in ("A", "B"):
         plan = _straight(3, 6, policy)
-        assert simulate(plan, prof, c, links="shared").latency_ms == pytest.approx(simulate(plan, prof, c).latency_ms)
+        shared = simulate(plan, prof, c, link_sharing="shared")
+        assert shared.latency_ms == pytest.approx(simulate(plan, prof, c).latency_ms)
+        assert shared.link_sharing == "shared" and "transfers sharing links" in str(shared)
 
 
 def test_shared_links_split_a_senders_link_between_its_routes():
@@ -140,11 +142,15 @@ def test_shared_links_split_a_senders_link_between_its_routes():
     prof = linear_profile([1.0, 1.0], boundary=[1.25e6, 0.0])  # 1e7 B per 8 rows after layer 0
     c = cluster(1, 3, intra=1e10)  # a 4-row half: 5e6 B = 0.5 ms
     plan = Plan(8, 8, [Stage((0, 1), [0]), Stage((1, 2), [1, 2])])
-    held, shared = simulate(plan, prof, c), simulate(plan, prof, c, links="shared")
+    held, shared = simulate(plan, prof, c), simulate(plan, prof, c, link_sharing="shared")
     ends = {links: sorted(t.end_ms for t in r.transfers if t.kind == "send_F") for links, r in
             (("held", held), ("shared", shared))}
     assert ends["held"] == pytest.approx([8.5, 9.0])
     assert ends["shared"] == pytest.approx([9.0, 9.0])
     assert held.latency_ms <= shared.latency_ms
-    with pytest.raises(ValueError, match="links: expected one of .*'held'.*got 'fair'"):
-        simulate(plan, prof, c, links="fair")
+    for links, sim in (("held", held), ("shared", shared)):  # the refined model follows the cluster's sharing
+        c.link_sharing = links
+        assert evaluate(prof, c, plan, model="refined").latency_ms == pytest.approx(sim.latency_ms)
+        assert simulate(plan, prof, c).latency_ms == pytest.approx(sim.latency_ms)  # the cluster's by default
+    with pytest.raises(ValueError, match="link_sharing: expected one of .*'held'.*got 'fair'"):
+        simulate(plan, prof, c, link_sharing="fair")
