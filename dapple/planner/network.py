@@ -1,18 +1,15 @@
-"""Links shared between concurrent transfers: max-min fair rates by progressive filling (the simulator's
-``links="shared"``)."""
+"""Links shared between concurrent transfers: max-min fair rates by progressive filling (``link_sharing="shared"``)."""
 
 from __future__ import annotations
 
 from typing import Hashable
-
-EPS = 1e-9  # ms: a transfer this close to done is done
 
 
 class SharedLinks:
     """Transfers in flight over unit-capacity links. A transfer's ``work`` is its time alone on its path (ms at
     full rate); while others share one of its links it gets a max-min fair share of that link (every link on a
     path has the same bandwidth class: ``cost.route_links`` gives device links to intra-server routes only and
-    network links to cross-server routes only). Call :meth:`advance` before any change."""
+    network links to cross-server routes only). :meth:`add` and :meth:`finish` move time to their ``t``."""
 
     def __init__(self) -> None:
         self.t = 0.0

@@ -171,7 +171,7 @@ class _Sim:
 
     def dispatch(self, t: float) -> None:
         """Start every waiting transfer whose links are all free, in order of readiness (a transfer that
-        waits for a busy link holds nothing meanwhile)."""
+        waits for a busy link holds nothing meanwhile); shared links: every one whose pair has none in flight."""
         still = []
         for item in self.waiting:
             seq, src, dst, kind, mb, layer, rows, links, si, ti = item
