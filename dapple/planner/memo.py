@@ -86,7 +86,8 @@ class _Memo:
                 # stage's there)
                 ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
                 rank = {s: r for r, s in enumerate(ahead)}
-                for new in dict.fromkeys((_arrange(take, prev), tuple(sorted(_arrange(take, prev), key=rank.get)))):
+                like = _arrange(take, prev)
+                for new in dict.fromkeys((like, tuple(sorted(like, key=rank.get)))):
                     tail = _arrange(free2, new)
                     wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
                     canon = self._canon.get((free2, new))
