@@ -14,36 +14,44 @@ class SharedLinks:
     def __init__(self) -> None:
         self.t = 0.0
         self.flows: dict[int, list] = {}  # id -> [work left (ms at full rate), links, payload]
-        self.rate: dict[int, float] = {}  # id -> share of its bottleneck link, in (0, 1]
+        self._rate: dict[int, float] = {}  # id -> share of its bottleneck link, in (0, 1]
+        self.stale = False  # flows added or removed since the rates were shared out
+
+    @property
+    def rate(self) -> dict[int, float]:
+        """Each transfer's share of its bottleneck link, in (0, 1] (shared out again after a change)."""
+        if self.stale:
+            self._fill()
+        return self._rate
 
     def add(self, t: float, fid: int, work: float, links: tuple[Hashable, ...], payload: object) -> None:
         self.advance(t)
         self.flows[fid] = [work, links, payload]
-        self._fill()
+        self.stale = True  # re-shared once time moves on or the next finish is asked for (many start at once)
 
     def advance(self, t: float) -> None:
         """Move every transfer's progress to time ``t`` at its current rate."""
         dt = t - self.t
         if dt > 0:
+            rate = self.rate
             for fid, f in self.flows.items():
-                f[0] -= self.rate[fid] * dt
+                f[0] -= rate[fid] * dt
         self.t = max(self.t, t)
 
     def next_done(self) -> tuple[float, int] | None:
         """(time, id) of the transfer that finishes first at the current rates, or None when idle."""
-        best = None
+        rate, best = self.rate, None
         for fid, f in self.flows.items():
-            t = self.t + max(f[0], 0.0) / self.rate[fid]
+            t = self.t + max(f[0], 0.0) / rate[fid]
             if best is None or t < best[0]:
                 best = (t, fid)
         return best
 
     def finish(self, t: float, fid: int) -> object:
-        """Remove transfer ``fid`` (done at ``t``), re-share its links; returns its payload."""
+        """Remove transfer ``fid`` (done at ``t``; its links are shared out again); returns its payload."""
         self.advance(t)
         payload = self.flows.pop(fid)[2]
-        del self.rate[fid]
-        self._fill()
+        self.stale = True
         return payload
 
     def _fill(self) -> None:
@@ -62,4 +70,5 @@ class SharedLinks:
                     rate[fid] = share
                     for link in self.flows[fid][1]:
                         left[link] -= share
-        self.rate = rate
+        self._rate = rate
+        self.stale = False
