@@ -188,6 +188,16 @@ class Cluster:
         ar_intra = fits.get("allreduce_intra") or (ar if fits["servers"] == 1 else None)
         ar_inter = ar if fits["servers"] > 1 else None
         by_size = {int(r): [float(f[0]), float(f[1])] for r, f in (fits.get("allreduce_by_size") or {}).items()}
+        meta = {"measured": "dapple probe (P2P ping-pong, ring AllReduce; least squares)",
+                "hosts": list(fits.get("hosts", []))}
+        sharing = fits.get("link_sharing") or {}
+        # the slow links between servers decide most plans: their verdict first; "independent" fits neither model
+        found = next((sharing[k]["verdict"] for k in ("inter", "intra") if k in sharing), None)
+        if sharing:
+            meta["link_sharing_probe"] = {
+                k: {"verdict": v["verdict"], "first_over_last": round(v["first_s"] / v["last_s"], 3),
+                    "last_over_solo": round(v["last_s"] / v["solo_s"], 3), "bytes": v["bytes"]}
+                for k, v in sharing.items()}
         return cls(servers=int(fits["servers"]), devices_per_server=int(fits["devices_per_server"]),
                    intra_bandwidth=float(intra[1]), intra_latency=float(intra[0]), inter_bandwidth=float(inter[1]),
                    inter_latency=float(inter[0]), device_memory=float(device_memory),
@@ -195,9 +205,8 @@ class Cluster:
                    intra_allreduce_latency=float(ar_intra[0]) if ar_intra else None,
                    inter_allreduce_bandwidth=float(ar_inter[1]) if ar_inter else None,
                    inter_allreduce_latency=float(ar_inter[0]) if ar_inter else None,
-                   intra_allreduce_by_size=by_size or None,
-                   meta={"measured": "dapple probe (P2P ping-pong, ring AllReduce; least squares)",
-                         "hosts": list(fits.get("hosts", []))})
+                   intra_allreduce_by_size=by_size or None, meta=meta,
+                   link_sharing=found if found in LINK_SHARING else "held")
 
     # ---- YAML ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:

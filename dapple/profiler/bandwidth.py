@@ -95,7 +95,9 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
     Servers are told apart by host name; ranks must be laid out server by server (torchrun's order). Returns
     the fits on every rank: ``{"servers", "devices_per_server", "intra": (lat, bw), "inter": (lat, bw) or None,
     "allreduce": (lat, bw) per ring step, "allreduce_by_size": {r: (lat, bw)} inside server 0 for r = 2, 4, 8 ...
-    below its device count and for all of it, "hosts"}``.
+    below its device count and for all of it, "hosts", "link_sharing": {"intra" and/or "inter":
+    :func:`link_sharing.concurrent_sends` from rank 0 to two ranks of its server / of the next server} (with 3
+    or more ranks per server / 2 or more on each of 2 or more servers)}``.
     """
     world = dist.get_world_size()
     if world < 2:
@@ -130,6 +132,15 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
             dist.barrier()
             r *= 2
         result["allreduce_by_size"] = dict(sorted(by_size.items()))
+    if world >= 3:  # do two sends at once share the sender's link? (Cluster.link_sharing)
+        from .link_sharing import concurrent_sends
+        sharing = {}
+        if per >= 3:
+            sharing["intra"] = concurrent_sends((1, 2), max(sizes), repeats)
+        if len(names) > 1 and per >= 2:
+            sharing["inter"] = concurrent_sends((per, per + 1), max(sizes), repeats)
+        if sharing:
+            result["link_sharing"] = sharing
     fits = [result]
     dist.broadcast_object_list(fits, src=0)  # rank 0 timed the ping-pongs: everyone gets its numbers
     return fits[0]

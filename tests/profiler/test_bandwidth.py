@@ -36,6 +36,11 @@ def test_probe_three_local_processes(tmp_path):
     assert cluster.intra_bandwidth == bw and cluster.intra_allreduce_bandwidth == fits["allreduce"][1]
     two = fits["allreduce_by_size"][2]
     assert cluster.allreduce_link([0, 1]) == (two[1], two[0])
+    from dapple.profiler.link_sharing import verdict
+    sh = fits["link_sharing"]["intra"]  # rank 0 sent to ranks 1 and 2 at once: which lands when
+    assert sh["receivers"] == [1, 2] and sh["bytes"] == 1 << 23 and 0 < sh["solo_s"] and 0 < sh["first_s"] <= sh["last_s"]
+    assert sh["verdict"] == verdict(sh["solo_s"], sh["first_s"], sh["last_s"])
+    assert cluster.link_sharing == (sh["verdict"] if sh["verdict"] != "independent" else "held")
     cluster.save(tmp_path / "local.yaml")
     assert Cluster.load(tmp_path / "local.yaml") == cluster
 
@@ -60,6 +65,8 @@ def test_probe_groups_ranks_into_servers_by_host():
     f = fits[0]
     assert (f["servers"], f["devices_per_server"], f["hosts"]) == (2, 2, ["server-a", "server-b"])
     assert f["intra"][1] > 1e6 and f["inter"][1] > 1e6 and f["allreduce_intra"][1] > 1e6
+    assert list(f["link_sharing"]) == ["inter"]  # rank 0 to ranks 2 and 3 (2 per server: no intra probe)
+    assert f["link_sharing"]["inter"]["receivers"] == [2, 3] and f["link_sharing"]["inter"]["first_s"] > 0
     c = Cluster.from_probe(f)
     assert c.servers == 2 and c.inter_allreduce_bandwidth == f["allreduce"][1]
     assert c.intra_allreduce_bandwidth == f["allreduce_intra"][1]
@@ -105,3 +112,27 @@ def test_cli_probe_writes_a_cluster(tmp_path):
     assert main(["probe", "--nproc", "2", "--repeats", "2", "-o", str(out)]) == 0
     c = Cluster.load(out)
     assert c.num_devices == 2 and c.intra_allreduce_bandwidth is not None
+
+
+def test_link_sharing_verdict():
+    from dapple.profiler.link_sharing import verdict
+
+    assert verdict(1.0, 1.0, 2.0) == "held"  # the first send landed after one send's time, the second after two
+    assert verdict(1.0, 1.9, 2.0) == "shared"  # both landed together, after two sends' time
+    assert verdict(1.0, 1.0, 1.1) == "independent"  # neither slowed the other
+    with pytest.raises(ValueError, match=r"solo arrival must be a positive time, got 0\.0 s"):
+        verdict(0.0, 1.0, 2.0)
+
+
+def test_cluster_takes_the_probed_link_sharing():
+    def probe(v: str, first: float) -> dict:
+        return {"receivers": [1, 2], "bytes": 1 << 24, "solo_s": 1.0, "first_s": first, "last_s": 2.0, "verdict": v}
+
+    base = {"servers": 2, "devices_per_server": 4, "intra": (1e-5, 1e10), "inter": (5e-5, 1e9), "hosts": ["a", "b"]}
+    c = Cluster.from_probe({**base, "link_sharing": {"intra": probe("held", 1.0), "inter": probe("shared", 2.0)}})
+    assert c.link_sharing == "shared"  # the links between servers decide
+    assert c.meta["link_sharing_probe"]["intra"] == {"verdict": "held", "first_over_last": 0.5,
+                                                     "last_over_solo": 2.0, "bytes": 1 << 24}
+    assert Cluster.from_probe({**base, "link_sharing": {"intra": probe("held", 1.0)}}).link_sharing == "held"
+    assert Cluster.from_probe({**base, "link_sharing": {"inter": probe("independent", 1.0)}}).link_sharing == "held"
+    assert Cluster.from_probe(base).link_sharing == "held" and "link_sharing_probe" not in Cluster.from_probe(base).meta
