@@ -64,11 +64,12 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     ``gap`` (a fraction, e.g. 0.01) stops proving sooner: the search drops whatever cannot beat the best plan
     found by more than this, so the plan is within (1 + gap) of the best the search would find without it (a
     branch-and-bound's optimality gap; the model's own error against the simulator is a few percent).
-    ``verify``: the final choice among the DP's plan and the even-split plans of the micro-batch sizes (the
-    first ``verify`` of them modelled within VERIFY_WITHIN = 10% of the DP's plan, x warmup policies A and B)
-    is made by the event simulator, the judge of the model (0: trust the model; skipped above SIMULATE_LIMIT
-    devices x micro-batches); ``meta`` records it. The model's median error against the simulator is 0.1%,
-    its p90 about 6% (benchmarks/estimate_vs_simulator.py): a plan modelled 10% slower seldom simulates faster.
+    ``verify``: the final choice among the DP's plan, the best plan of each other micro-batch size (full
+    search) and the even-split plans of the sizes (the first ``verify`` of them modelled within VERIFY_WITHIN =
+    10% of the DP's plan, x warmup policies A and B) is made by the event simulator, the judge of the model (0:
+    trust the model; skipped above SIMULATE_LIMIT devices x micro-batches); ``meta`` records it. The model's
+    median error against the simulator is 0.1%, its p90 about 6% (benchmarks/estimate_vs_simulator.py): a plan
+    modelled 10% slower seldom simulates faster (benchmarks/planner_regret.py: what the choice gains).
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()
@@ -111,26 +112,33 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     deadline = t0 + time_limit if time_limit is not None else None
     complete = True
     found: SearchResult | None = None
-    tried = []
+    tried, bests = [], []
+    # full search: each other size's own best within VERIFY_WITHIN is a candidate too (on 2x8, bert_48 plans in
+    # 0.18 s instead of 0.11 s; the compact search of large clusters keeps the tight bound: 8x8 would take 8x longer)
+    widen = 1 + VERIFY_WITHIN if verify and search == "full" else 1.0
     for dp in dps:
-        bound = found.latency if found else INF
+        bound = found.latency * widen if found else INF
         if dp.best[0] >= bound:
             dp.set_best(bound, None)
         dp.deadline = deadline
         dp.run()
         complete = complete and dp.complete
         tried.append(dp.b)
-        if dp.best[1] is not None and (found is None or dp.best[0] < found.latency):
+        if dp.best[1] is not None:
             spans, policies, pol = dp.best[1]
-            found = SearchResult(dp.best[0], spans, policies, pol, dp.b, dp.states, dp.transitions)
+            bests.append((dp.best[0], dp.b, (spans, policies)))
+            if found is None or dp.best[0] < found.latency:
+                found = SearchResult(dp.best[0], spans, policies, pol, dp.b, dp.states, dp.transitions)
     if found is None:
         raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
                          f"sizes {sorted(candidates)}: even the best split exceeds device memory; "
                          f"try a larger cluster or smaller micro-batches")
-    # the candidates: the DP's plan, and the even-split seed plans of every micro-batch size, most promising first
+    # the candidates: the DP's plan, then the best plan of every other micro-batch size and the even-split seed
+    # plans of every size, most promising first
     cands = [(found.latency, found.micro_batch_size, (found.spans, found.policies))]
-    cands += sorted((lat, b, (sp, pols)) for lat, b, (sp, pols, _) in seeds)
+    cands += sorted([c for c in bests if c[1] != found.micro_batch_size] +
+                    [(lat, b, (sp, pols)) for lat, b, (sp, pols, _) in seeds], key=lambda c: (c[0], c[1]))
     chosen, simulated, n_sim = _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
                                        optimizer_factor, verify, deadline)
     b, spans, policies, policy = chosen
