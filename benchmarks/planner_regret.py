@@ -26,19 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dapple  # noqa: E402
 from dapple import Cluster, Plan, Profile  # noqa: E402
 from dapple.planner import Stage, evaluate, simulate  # noqa: E402
-from dapple.profiler import LayerProfile  # noqa: E402
-
-
-def synthetic(rng: random.Random, n: int) -> Profile:
-    """Layers with varied compute, parameters and activations, profiled at batch 4 and 8 (with intercepts)."""
-    layers = []
-    for i in range(n):
-        f = rng.uniform(0.2, 3.0)
-        act = rng.choice([1e4, 1e6, 1e7, 5e7])
-        par = rng.choice([0, 1e5, 1e7, 1e8, 4e8])
-        layers.append(LayerProfile(f"layer{i}", [f, 1.8 * f], [2 * f, 3.6 * f], [act, 2 * act], [2 * act, 4 * act],
-                                   int(par)))
-    return Profile("synthetic", "synthetic", [4, 8], layers)
+from estimate_vs_simulator import synthetic  # noqa: E402  (the same random layers as the error benchmark)
 
 
 def clusters() -> list[Cluster]:
