@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from .bandwidth import _device, _sync
 
 SHARING_BYTES = 1 << 24  # 16 MiB per send: milliseconds even on NVLink, far above clock-sync errors
 HELD_BELOW = 0.75  # first / last arrival: held gives 0.5, shared 1.0
@@ -47,8 +50,7 @@ def concurrent_sends(receivers: Sequence[int], nbytes: int = SHARING_BYTES, repe
     if len(receivers) != 2 or len(set(receivers)) != 2 or not all(0 < r < world for r in receivers):
         raise ValueError(f"link-sharing probe: expected two distinct receiver ranks in 1..{world - 1}, "
                          f"got {list(receivers)}")
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device, wait = _device(), timedelta(seconds=timeout)
     clock = time.perf_counter
     offset = sync_clock(clock, rank, world, device, timeout).offset  # rank 0's clock = this one's + offset
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)  # (nbytes / 4,)
@@ -58,15 +60,17 @@ def concurrent_sends(receivers: Sequence[int], nbytes: int = SHARING_BYTES, repe
         for mode, targets in (("solo", receivers[:1]), ("pair", receivers)):
             works = [dist.irecv(buf, src=0)] if rank in targets else []
             dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _sync(device)
             t0 = clock()
             if rank == 0:
                 works = [dist.isend(buf, dst=r) for r in targets]
             for w in works:
-                w.wait()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                try:
+                    w.wait(timeout=wait)
+                except Exception as e:
+                    raise RuntimeError(f"link-sharing probe, rank {rank}: a {nbytes}-byte transfer between rank 0 "
+                                       f"and ranks {list(targets)} failed or timed out ({timeout:g} s): {e}") from e
+            _sync(device)
             stamp.fill_((clock() + offset) if rank in targets else t0)
             stamps = [torch.zeros_like(stamp) for _ in range(world)]
             dist.all_gather(stamps, stamp)  # (world,) rank 0's start, the receivers' arrivals
