@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .comm import comm_tables
 from .slices import routes
 
 if TYPE_CHECKING:
@@ -142,62 +143,9 @@ class CostModel:
         return pair
 
     def _comm_all_layers(self, src: Layout, dst: Layout) -> tuple:
-        """:meth:`comm_links` at every cut of the model at once (numpy over layers: the routes and links of
-        two layouts are the same at every cut, only the bytes differ): (busiest, out, in, ((server, up + down),
-        ...), chain), each a list over cuts."""
-        N = self.num_layers
-        rs = routes(self.micro, len(src), len(dst))
-        # each link's load is a count of route kinds (rows, same server): loads = counts @ times
-        kinds: dict = {}  # (rows, same server) -> row of `times`
-        links: dict = {}  # link -> {kind: routes}
-        for r in rs:
-            a, b = src[r.src], dst[r.dst]
-            kind = kinds.setdefault((r.rows, a == b), len(kinds))
-            for link in route_links(("send", r.src), ("recv", r.dst), a, b):
-                c = links.setdefault(link, {})
-                c[kind] = c.get(kind, 0) + 1
-        times = np.stack([self._route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
-        names = list(links)
-        counts = np.zeros((len(names), len(kinds)))
-        for x, link in enumerate(names):
-            for kind, n in links[link].items():
-                counts[x, kind] = n
-        loads = counts @ times  # (links, N): ms each link is busy per micro-batch at each cut
-        zero = np.zeros(N)
-
-        def most(which: tuple) -> np.ndarray:
-            rows = [x for x, (k, _) in enumerate(names) if k in which]
-            return loads[rows].max(axis=0) if rows else zero
-
-        out, inc = most(("out", "xout")), most(("in", "xin"))
-        row = {link: x for x, link in enumerate(names)}
-        servers = sorted({who for (k, who) in names if k in ("up", "down")})
-        ud = [(s, sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero).tolist()) for s in servers]
-        busiest = loads.max(axis=0)
-        # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
-        # start when its last route lands. Its gradients can start back before the others' data is in.
-        free: dict = {}
-        done: dict = {}
-        longest = zero
-        for r in rs:
-            a, b = src[r.src], dst[r.dst]
-            t = times[kinds[(r.rows, a == b)]]
-            longest = np.maximum(longest, t)
-            end = zero
-            ls = route_links(r.src, r.dst, a, b)
-            for x in ls:
-                if x in free:
-                    end = np.maximum(end, free[x])
-            end = end + t
-            for x in ls:
-                free[x] = end
-            done[r.dst] = np.maximum(done[r.dst], end) if r.dst in done else end
-        first = np.minimum.reduce(list(done.values())) if done else zero
-        last = np.maximum.reduce(list(done.values())) if done else zero
-        chain = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
-        if self.cluster.link_sharing == "shared":  # routes sharing the busiest link all land at its end
-            chain = busiest
-        return busiest.tolist(), out.tolist(), inc.tolist(), ud, chain.tolist()
+        """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`)."""
+        return comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
+                           self.cluster.link_sharing == "shared")
 
     def _boundary(self, rows: int) -> np.ndarray:
         """(N,): bytes crossing each cut for a slice of ``rows`` rows."""
@@ -291,15 +239,6 @@ class CostModel:
     def static_bytes(self, a: int, c: int) -> float:
         """Parameters x optimizer factor (4: fp32 weights, gradients, Adam's two moments: 16 B/param)."""
         return self.params(a, c) * self.optimizer_factor
-
-
-def route_links(sender: object, receiver: object, src_server: int, dst_server: int) -> tuple:
-    """Directed links a transfer occupies (the edges of ``Cluster.graph()``): within a server the sender's and
-    receiver's device links (NVLink); between servers the devices' links to the network ("xout"/"xin"),
-    the source server's uplink and the destination server's downlink (its NIC)."""
-    if src_server == dst_server:
-        return (("out", sender), ("in", receiver))
-    return (("xout", sender), ("up", src_server), ("down", dst_server), ("xin", receiver))
 
 
 def _prefix(values: Sequence[float]) -> list[float]:

@@ -8,7 +8,7 @@ from typing import Hashable
 class SharedLinks:
     """Transfers in flight over unit-capacity links. A transfer's ``work`` is its time alone on its path (ms at
     full rate); while others share one of its links it gets a max-min fair share of that link (every link on a
-    path has the same bandwidth class: ``cost.route_links`` gives device links to intra-server routes only and
+    path has the same bandwidth class: ``comm.route_links`` gives device links to intra-server routes only and
     network links to cross-server routes only). :meth:`add` and :meth:`finish` move time to their ``t``."""
 
     def __init__(self) -> None:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .cluster import LINK_SHARING
-from .cost import DDP_BUCKET_BYTES, CostModel, layout_of, route_links
+from .comm import route_links
+from .cost import DDP_BUCKET_BYTES, CostModel, layout_of
 from .network import SharedLinks
 from .schedule import max_in_flight, stage_ops
 from .slices import routes, slice_bounds

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dapple.planner.cost import CostModel, route_links
+from dapple.planner.comm import route_links
+from dapple.planner.cost import CostModel
 
 from .helpers import cluster, linear_profile
 
