@@ -64,22 +64,9 @@ def random_plan(rng: random.Random, prof: Profile, cluster: Cluster, shuffle: fl
         return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--plans", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--overlap", action="store_true", help="AllReduce overlapped with the last backward")
-    ap.add_argument("--worst", type=int, default=0, help="print the N worst plans of the refined model")
-    ap.add_argument("--schedule", default="dapple", choices=("dapple", "gpipe"))
-    ap.add_argument("--link-sharing", default="held", choices=("held", "shared"),
-                    help="the clusters' Cluster.link_sharing (model and simulator): links held whole by a "
-                         "transfer, or shared max-min fairly")
-    ap.add_argument("--judge-link-sharing", default=None, choices=("held", "shared"),
-                    help="the simulator's only (default: the clusters')")
-    ap.add_argument("--shuffle", type=float, default=0.0,
-                    help="share of plans whose devices are shuffled (else stages take consecutive devices)")
-    args = ap.parse_args()
-    rng = random.Random(args.seed)
+def score(args: argparse.Namespace, seed: int) -> tuple[dict[str, list[float]], list, list[float]]:
+    """Errors of both models on ``args.plans`` random plans drawn with ``seed``: (errors, rows, acr)."""
+    rng = random.Random(seed)
     profiles = [Profile.from_pipedream(PIPEDREAM / f"{k}.txt", v) for k, v in REAL.items()
                 if (PIPEDREAM / f"{k}.txt").exists()]
     errors: dict[str, list[float]] = {"paper": [], "refined": []}
@@ -103,24 +90,57 @@ def main() -> None:
         for m in errors:
             errors[m].append((est[m] - sim) / sim)
         rows.append((abs(est["refined"] - sim) / sim, prof.model, cluster.name, plan, est, sim))
-    print(f"{args.plans} random {args.schedule} plans (seed {args.seed}, overlap {args.overlap}, shuffled "
-          f"{args.shuffle:.0%}): relative error of the model "
-          f"against the simulator (link sharing: model {args.link_sharing}, simulator "
-          f"{args.judge_link_sharing or args.link_sharing}), (estimate - simulated) / simulated")
-    print(f"  {'model':<8} {'median |e|':>10} {'p90 |e|':>9} {'max |e|':>9} {'mean e':>8} {'<=5%':>6}")
-    for m, es in errors.items():
-        a = sorted(abs(e) for e in es)
-        print(f"  {m:<8} {statistics.median(a):>10.2%} {a[int(0.9 * len(a))]:>9.2%} {a[-1]:>9.2%} "
-              f"{statistics.mean(es):>8.2%} {sum(x <= 0.05 for x in a) / len(a):>6.0%}")
-    for lo, hi in ((0.0, 0.3), (0.3, float("inf"))):
-        sel = [i for i, a in enumerate(acr) if lo <= a < hi]
-        if sel:
-            line = ", ".join(f"{m} median {statistics.median(sorted(abs(errors[m][i]) for i in sel)):.2%} <=5% "
-                             f"{sum(abs(errors[m][i]) <= 0.05 for i in sel) / len(sel):.0%}" for m in errors)
-            print(f"  activation communication ratio in [{lo}, {hi}): {len(sel)} plans: {line}")
-    for err, model, cname, plan, est, sim in sorted(rows, key=lambda r: -r[0])[: args.worst]:
-        print(f"\n{err:.1%} {model} on {cname}: sim {sim:.2f} paper {est['paper']:.2f} refined {est['refined']:.2f}")
-        print(plan)
+    return errors, rows, acr
+
+
+def p90(errors: list[float]) -> float:
+    a = sorted(abs(e) for e in errors)
+    return a[int(0.9 * len(a))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--plans", type=int, default=300)
+    ap.add_argument("--seed", type=int, nargs="+", default=[0],
+                    help="one run per seed (several: each seed's p90, then their median)")
+    ap.add_argument("--overlap", action="store_true", help="AllReduce overlapped with the last backward")
+    ap.add_argument("--worst", type=int, default=0, help="print the N worst plans of the refined model")
+    ap.add_argument("--schedule", default="dapple", choices=("dapple", "gpipe"))
+    ap.add_argument("--link-sharing", default="held", choices=("held", "shared"),
+                    help="the clusters' Cluster.link_sharing (model and simulator): links held whole by a "
+                         "transfer, or shared max-min fairly")
+    ap.add_argument("--judge-link-sharing", default=None, choices=("held", "shared"),
+                    help="the simulator's only (default: the clusters')")
+    ap.add_argument("--shuffle", type=float, default=0.0,
+                    help="share of plans whose devices are shuffled (else stages take consecutive devices)")
+    args = ap.parse_args()
+    p90s = {}
+    for seed in args.seed:
+        errors, rows, acr = score(args, seed)
+        p90s[seed] = {m: p90(es) for m, es in errors.items()}
+        print(f"{args.plans} random {args.schedule} plans (seed {seed}, overlap {args.overlap}, shuffled "
+              f"{args.shuffle:.0%}): relative error of the model "
+              f"against the simulator (link sharing: model {args.link_sharing}, simulator "
+              f"{args.judge_link_sharing or args.link_sharing}), (estimate - simulated) / simulated")
+        print(f"  {'model':<8} {'median |e|':>10} {'p90 |e|':>9} {'max |e|':>9} {'mean e':>8} {'<=5%':>6}")
+        for m, es in errors.items():
+            a = sorted(abs(e) for e in es)
+            print(f"  {m:<8} {statistics.median(a):>10.2%} {p90(es):>9.2%} {a[-1]:>9.2%} "
+                  f"{statistics.mean(es):>8.2%} {sum(x <= 0.05 for x in a) / len(a):>6.0%}")
+        for lo, hi in ((0.0, 0.3), (0.3, float("inf"))):
+            sel = [i for i, a in enumerate(acr) if lo <= a < hi]
+            if sel:
+                line = ", ".join(f"{m} median {statistics.median(abs(errors[m][i]) for i in sel):.2%} <=5% "
+                                 f"{sum(abs(errors[m][i]) <= 0.05 for i in sel) / len(sel):.0%}" for m in errors)
+                print(f"  activation communication ratio in [{lo}, {hi}): {len(sel)} plans: {line}")
+        for err, model, cname, plan, est, sim in sorted(rows, key=lambda r: -r[0])[: args.worst]:
+            print(f"\n{err:.1%} {model} on {cname}: sim {sim:.2f} paper {est['paper']:.2f} "
+                  f"refined {est['refined']:.2f}")
+            print(plan)
+    if len(args.seed) > 1:
+        for m in ("paper", "refined"):
+            line = ", ".join(f"seed {s} {v[m]:.2%}" for s, v in p90s.items())
+            print(f"p90 abs(e), {m}: {line}; median over seeds {statistics.median(v[m] for v in p90s.values()):.2%}")
 
 
 if __name__ == "__main__":
