@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from dapple.planner.comm import route_links
 from dapple.planner.cost import CostModel
 
 from .helpers import cluster, linear_profile
@@ -43,12 +42,6 @@ def test_gradients_of_early_receivers_leave_early_only_on_held_links():
 def test_latency_is_paid_per_route():
     cm = CostModel(linear_profile([1.0] * 2, boundary=1e6), cluster(2, 2, inter_lat=30e-6), micro_batch_size=8)
     assert cm.comm(0, (0, 0), (1, 1))[0] == pytest.approx(2 * (0.030 + 4.0))
-
-
-def test_route_links_follow_the_topology_graph():
-    c = cluster(2, 2)
-    assert len(c.path(0, 1)) - 1 == len(route_links(0, 1, 0, 0))  # device -> switch -> device
-    assert len(c.path(0, 3)) - 1 == len(route_links(0, 3, 0, 1))  # device -> server -> network -> server -> device
 
 
 def test_ring_allreduce_over_the_slowest_link():

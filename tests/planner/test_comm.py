@@ -1,0 +1,38 @@
+"""Communication-stage tables: split-concat routes over the topology's links, and the gradients' stagger credit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dapple.planner.comm import comm_tables, route_links
+from dapple.planner.slices import routes
+
+from .helpers import cluster
+
+
+def test_route_links_follow_the_topology_graph():
+    c = cluster(2, 2)
+    assert len(c.path(0, 1)) - 1 == len(route_links(0, 1, 0, 0))  # device -> switch -> device
+    assert len(c.path(0, 3)) - 1 == len(route_links(0, 3, 0, 1))  # device -> server -> network -> server -> device
+
+
+def _times(rows: int, same_server: bool) -> np.ndarray:
+    return np.array([rows * (1.0 if same_server else 10.0)] * 3)  # (N=3,) ms at every cut
+
+
+def test_a_concat_gets_no_stagger_credit():
+    # 2 replicas on server 0 -> 1 on server 1: both routes cross server 1's downlink, one after the other
+    busiest, out, inc, ud, chain = comm_tables(routes(8, 2, 1), (0, 0), (1,), _times)
+    assert busiest == pytest.approx([80.0] * 3)  # 2 routes x 4 rows x 10 ms
+    assert inc == pytest.approx([80.0] * 3) and out == pytest.approx([40.0] * 3)
+    assert dict(ud) == {0: pytest.approx([80.0] * 3), 1: pytest.approx([80.0] * 3)}
+    assert chain == pytest.approx(busiest)  # one receiver: its gradients leave after all its data is in
+
+
+def test_a_split_credits_the_early_receivers_gradients_unless_links_are_shared():
+    # 1 replica on server 0 -> 2 on servers 1 and 2: the uplink carries both routes; the first lands at 40 ms
+    busiest, _, _, _, chain = comm_tables(routes(8, 1, 2), (0,), (1, 2), _times)
+    assert busiest == pytest.approx([80.0] * 3)
+    assert chain == pytest.approx([40.0] * 3)  # max(longest 40, 80 - (80 - 40))
+    assert comm_tables(routes(8, 1, 2), (0,), (1, 2), _times, shared=True)[4] == pytest.approx(busiest)
