@@ -9,6 +9,7 @@ from typing import Iterable
 import networkx as nx
 
 from .. import _io
+from .checks import number, positive_int
 
 VERSION = 1
 
@@ -48,13 +49,9 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for key in ("servers", "devices_per_server"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Cluster.{key}: expected a positive integer, got {v!r}")
+            positive_int(f"Cluster.{key}", getattr(self, key))
         for key in ("intra_bandwidth", "inter_bandwidth", "device_memory"):
-            v = getattr(self, key)
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"Cluster.{key}: expected a positive number, got {v!r}")
+            number(f"Cluster.{key}", getattr(self, key), positive=True)
         for key in ("intra_latency", "inter_latency"):
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or v < 0:

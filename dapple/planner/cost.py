@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .checks import number, positive_int
 from .comm import comm_tables
 from .slices import routes
 
@@ -34,8 +35,8 @@ class CostModel:
 
     def __init__(self, profile: "Profile", cluster: "Cluster", micro_batch_size: int,
                  optimizer_factor: float = 4.0, bucket_bytes: float = DDP_BUCKET_BYTES):
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size: expected a positive integer, got {micro_batch_size!r}")
+        positive_int("micro_batch_size", micro_batch_size)
+        number("optimizer_factor", optimizer_factor, positive=True)
         self.profile, self.cluster, self.micro = profile, cluster, micro_batch_size
         self.optimizer_factor, self.bucket_bytes = float(optimizer_factor), float(bucket_bytes)
         self.num_layers = profile.num_layers

@@ -36,7 +36,7 @@ def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
     """(spans, PipelineCosts with policy A's K, slices in flight per stage) of every plan that fits in memory:
     all layer splits x device assignments that use every device."""
     N, G, b = profile.num_layers, cluster.num_devices, cm.micro
-    for S in range(1, min(N, G, max_stages or G) + 1):
+    for S in range(1, min(N, G, G if max_stages is None else max_stages) + 1):
         lays_all = list(assignments(cluster, S, b))
         for cuts in itertools.combinations(range(1, N), S - 1):
             bounds = (0,) + cuts + (N,)

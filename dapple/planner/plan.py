@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .. import _io
+from .checks import positive_int
 from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 
 VERSION = 1
@@ -114,9 +115,8 @@ class Plan:
     def validate(self, where: str = "Plan") -> None:
         """Raise ValueError naming the offending field and value if the plan is inconsistent."""
         g, b = self.global_batch_size, self.micro_batch_size
-        for key, v in (("global_batch_size", g), ("micro_batch_size", b)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{where}.{key}: expected a positive integer, got {v!r}")
+        positive_int(f"{where}.global_batch_size", g)
+        positive_int(f"{where}.micro_batch_size", b)
         if g % b:
             raise ValueError(f"{where}: global_batch_size {g} is not divisible by micro_batch_size {b}")
         if self.schedule not in SCHEDULES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Sequence
 
+from .checks import non_negative_int, number, positive_int, profile_and_cluster
 from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
 from .plan import Plan, Stage
@@ -74,8 +75,15 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     """
     t0 = time.perf_counter()
     g = global_batch_size
-    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-        raise ValueError(f"global_batch_size: expected a positive integer, got {g!r}")
+    profile_and_cluster("plan", profile, cluster)
+    positive_int("global_batch_size", g)
+    positive_int("beam", beam)
+    non_negative_int("verify", verify)
+    number("optimizer_factor", optimizer_factor, positive=True)
+    if max_stages is not None:
+        positive_int("max_stages", max_stages)
+    if time_limit is not None:
+        number("time_limit", time_limit)
     if model not in MODELS:
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if schedule not in SCHEDULES:
@@ -89,24 +97,33 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
     if micro_batch_size is not None:
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or g % micro_batch_size:
+        if not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool) or micro_batch_size < 1 \
+                or g % micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a positive divisor of the global batch {g}, "
                              f"got {micro_batch_size!r}")
         candidates = [micro_batch_size]
     elif micro_batch_sizes is not None:
-        bad = [x for x in micro_batch_sizes if not isinstance(x, int) or x < 1 or g % x]
-        if bad:
-            raise ValueError(f"micro_batch_sizes: {bad} do not divide the global batch {g}")
+        bad = [x for x in micro_batch_sizes if not isinstance(x, int) or isinstance(x, bool) or x < 1 or g % x]
+        if bad or not micro_batch_sizes:
+            raise ValueError(f"micro_batch_sizes: expected divisors of the global batch {g}, got "
+                             f"{list(micro_batch_sizes)!r}" + (f" ({bad} are not)" if bad else ""))
         candidates = sorted(set(micro_batch_sizes))
     else:
         candidates = divisors(g)
+    depth = profile.num_layers if max_stages is None else min(max_stages, profile.num_layers)  # most stages
     dps = []
     for b in sorted(candidates, reverse=True):  # larger micro-batches first: they win ties
-        if g % b == 0 and cluster.num_devices <= profile.num_layers * b:
+        if g % b == 0 and cluster.num_devices <= depth * b:
             dp = _DP(profile, cluster, g, b, model, overlap, warmup_policy if model == "refined" else None,
                      optimizer_factor, beam, INF, max_stages, 1 if search == "compact" else None, float(gap))
             dp.seed()
             dps.append(dp)
+    if not dps:  # a plan uses every device: at most `depth` stages of at most b replicas each
+        raise ValueError(f"micro-batch sizes {sorted(candidates)}: none can occupy the {cluster.num_devices} devices "
+                         f"of {cluster.name or 'the cluster'} in at most {depth} stages ({profile.num_layers} layers"
+                         f"{'' if max_stages is None else f', max_stages={max_stages}'}); a stage has at most one "
+                         f"replica per micro-batch row: need a micro-batch of at least "
+                         f"{-(-cluster.num_devices // depth)} rows")
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
     dps.sort(key=lambda dp: dp.best[0])  # most promising first: its plans bound the others' search
     deadline = t0 + time_limit if time_limit is not None else None
@@ -155,8 +172,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             "dp_transitions": found.transitions, "search": search, "search_complete": complete}
     if gap:
         meta["gap"] = gap
-    if not complete or search == "compact" or gap:  # what a partial search still proves: no modelled L below
-        meta["latency_lower_bound_ms"] = round(lower_bound(dps, found.latency, search == "full", gap), 4)
+    # what the search proves: no modelled L below this (a finished full search: its best plan's)
+    meta["latency_lower_bound_ms"] = round(lower_bound(dps, found.latency, search == "full", gap), 4)
     if simulated is not None:
         meta["simulated_ms"] = round(simulated, 4)
         meta["candidates_simulated"] = n_sim

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+from .checks import positive_int
+
 SCHEDULES = ("dapple", "gpipe")
 WARMUP_POLICIES = ("A", "B")
 
@@ -49,10 +51,11 @@ def warmup_counts(num_stages: int, num_micro_batches: int, policy: str = "A",
 
 
 def validate_warmup(warmup: Sequence[int], num_micro_batches: int) -> None:
-    """Raise ValueError unless 1 <= K_i <= M and K_i never increases from one stage to the next.
+    """Raise ValueError unless every K_i >= 1 and K_i never increases from one stage to the next.
 
     Stage i blocks on its first backward after K_i forwards; stage i+1 needs K_{i+1} forwards from
-    stage i before it sends that backward, so K_{i+1} > K_i would deadlock.
+    stage i before it sends that backward, so K_{i+1} > K_i would deadlock, unless K_i >= M (stage i then
+    runs every forward first). A K_i above M acts as M (:func:`stage_ops`).
     """
     for i, k in enumerate(warmup):
         if not isinstance(k, int) or k < 1:
@@ -72,6 +75,8 @@ def stage_ops(schedule: str, num_micro_batches: int, warmup: int) -> list[Op]:
     backwards in the same order.
     """
     m = num_micro_batches
+    positive_int("num_micro_batches", m)
+    positive_int("warmup", warmup)
     if schedule == "gpipe":
         return [Op("F", j) for j in range(m)] + [Op("B", j) for j in range(m)]
     if schedule != "dapple":

@@ -74,7 +74,7 @@ def even_seeds(cm: "CostModel", rho: Sequence[float], devices: int, per_server: 
     """For every stage count S: G/S replicas per stage (the first G mod S one more) on consecutive devices,
     cut by work share and by balanced stage time; yields spans ((a, c, layout), ...)."""
     N, G, b = cm.num_layers, devices, cm.micro
-    for S in range(1, min(N, G, max_stages or N) + 1):
+    for S in range(1, min(N, G, N if max_stages is None else max_stages) + 1):
         reps = [G // S + (1 if i < G % S else 0) for i in range(S)]
         if max(reps) > b:
             continue

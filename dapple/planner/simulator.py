@@ -6,17 +6,18 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .checks import instance, profile_and_cluster
 from .cluster import LINK_SHARING
 from .comm import route_links
 from .cost import DDP_BUCKET_BYTES, CostModel, layout_of
 from .network import SharedLinks
+from .plan import Plan
 from .schedule import max_in_flight, stage_ops
 from .slices import routes, slice_bounds
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
     from .cluster import Cluster
-    from .plan import Plan
 
 
 @dataclass
@@ -91,6 +92,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     (:class:`network.SharedLinks`: concurrent sends to different peers, as NCCL and gloo run them) instead
     of holding its links whole.
     """
+    instance("simulate", "plan", plan, Plan)
+    profile_and_cluster("simulate", profile, cluster)
     link_sharing = cluster.link_sharing if link_sharing is None else link_sharing
     if link_sharing not in LINK_SHARING:
         raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")

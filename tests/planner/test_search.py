@@ -71,7 +71,7 @@ def test_the_papers_single_prefix_per_state_can_miss():
         if best < float("inf"):
             dp1 = dp_search(prof, c, g, b, model="paper", beam=1, seed=False)
             misses += dp1.latency > best * (1 + 1e-9)
-    assert misses <= 2
+    assert 1 <= misses <= 2  # it does miss (1 of these 51 instances), but rarely
 
 
 def test_pure_data_parallelism_and_straight_pipelines_are_special_cases():
@@ -194,6 +194,33 @@ def test_bad_arguments():
         dapple.plan(prof, cluster(1, 2), 0)
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_stages=0), r"max_stages: expected a positive integer, got 0"),
+    (dict(beam=0), r"beam: expected a positive integer, got 0"),
+    (dict(verify=-1), r"verify: expected a non-negative integer, got -1"),
+    (dict(verify=1.5), r"verify: expected a non-negative integer, got 1.5"),
+    (dict(optimizer_factor=-2.0), r"optimizer_factor: expected a positive number, got -2.0"),
+    (dict(time_limit="1"), r"time_limit: expected a non-negative number, got '1'"),
+    (dict(micro_batch_sizes=[]), r"micro_batch_sizes: expected divisors of the global batch 32, got \[\]"),
+    (dict(micro_batch_sizes=[4, 5]), r"got \[4, 5\] \(\[5\] are not\)"),
+    # 4 devices need a micro-batch of 2 rows over 2 layers (one replica per row), or of 4 in one stage
+    (dict(micro_batch_sizes=[1]), r"micro-batch sizes \[1\]: none can occupy the 4 devices .* at least 2 rows"),
+    (dict(micro_batch_size=2, max_stages=1), r"in at most 1 stages .*max_stages=1.* at least 4 rows"),
+])
+def test_bad_search_arguments_name_the_value(kw, message):
+    prof = linear_profile([1.0] * 2)
+    with pytest.raises(ValueError, match=message):
+        dapple.plan(prof, cluster(1, 4), 32, **kw)
+
+
+def test_max_stages_is_kept():
+    prof = linear_profile([1.0, 2.0, 3.0, 4.0], boundary=1e3)
+    for most in (1, 2):
+        assert dapple.plan(prof, cluster(1, 4), 32, max_stages=most).num_stages <= most
+    with pytest.raises(TypeError, match=r"plan: profile must be a dapple Profile, got str"):
+        dapple.plan("bert.yaml", cluster(1, 4), 32)
+
+
 def test_planner_modules_do_not_import_torch():
     root = Path(dapple.planner.__file__).parent
     for path in root.glob("*.py"):
@@ -205,8 +232,9 @@ def test_planner_modules_do_not_import_torch():
 
 def test_a_stopped_search_returns_its_best_plan_and_a_true_lower_bound():
     prof, c = random_profile(random.Random(1), 16), cluster(2, 4)
-    full = dapple.plan(prof, c, 32, 4)  # about 0.5 s: completes
-    assert full.meta["search_complete"] and "latency_lower_bound_ms" not in full.meta
+    full = dapple.plan(prof, c, 32, 4, verify=0)  # about 0.5 s: completes, and proves its plan the model's best
+    assert full.meta["search_complete"]
+    assert full.meta["latency_lower_bound_ms"] == pytest.approx(full.estimate.latency_ms, abs=1e-4)
     stopped = dapple.plan(prof, c, 32, 4, time_limit=0.0)  # stops at once: a seed plan
     assert stopped.meta["search_complete"] is False
     bound = stopped.meta["latency_lower_bound_ms"]
