@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from .checks import positive_int, profile_and_cluster
 from .cost import CostModel, Layout, layout_of
 from .latency import Latency, paper_latency
 from .memory import check_stage_memory, max_in_flight
@@ -115,21 +116,29 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
-             micro_batch_size: int | None = None, *, schedule: str = "dapple", warmup_policy: str = "A",
-             optimizer_factor: float = 4.0, model: str = "paper", overlap: bool = False) -> Estimate:
+             micro_batch_size: int | None = None, *, schedule: str | None = None, warmup_policy: str | None = None,
+             optimizer_factor: float = 4.0, model: str | None = None, overlap: bool | None = None) -> Estimate:
     """Latency of one iteration of ``stages`` (formula 2 with the pivot of Algorithm 1 for ``model="paper"``,
     the refined model of :mod:`dapple.planner.refined` for ``model="refined"``), with per-stage costs in
     ``details``. ``stages``: (layer_start, layer_end_exclusive, [device ids]) tuples, Stages (their warmup
-    K_i is used if every stage gives one), or a Plan (its batch sizes are the defaults).
+    K_i is used if every stage gives one), or a Plan. Defaults: schedule "dapple", warmup policy "A" (K_i when
+    the stages give none), model "paper", no overlap; for a Plan its own batch sizes, schedule, policy, and
+    the latency model and overlap it was planned with (``plan.meta``), so that ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``.
     Raises ValueError for bad input or a plan that does not fit in device memory, naming the stage.
     """
+    profile_and_cluster("evaluate", profile, cluster)
     if isinstance(stages, Plan):
         global_batch_size = global_batch_size or stages.global_batch_size
         micro_batch_size = micro_batch_size or stages.micro_batch_size
+        schedule = schedule or stages.schedule
+        warmup_policy = warmup_policy or stages.warmup_policy
+        model = model or stages.meta.get("latency_model")
+        overlap = stages.meta.get("overlap") if overlap is None else overlap
+    schedule, warmup_policy, model = schedule or "dapple", warmup_policy or "A", model or "paper"
+    overlap = bool(overlap)
     g, b = global_batch_size, micro_batch_size
-    for key, v in (("global_batch_size", g), ("micro_batch_size", b)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{key}: expected a positive integer, got {v!r}")
+    positive_int("global_batch_size", g)
+    positive_int("micro_batch_size", b)
     if g % b:
         raise ValueError(f"global_batch_size {g} is not divisible by micro_batch_size {b}")
     if model not in MODELS:

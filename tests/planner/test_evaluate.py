@@ -86,3 +86,28 @@ def test_print_plan_shows_costs_and_estimate():
     for piece in ("[0, 2) layer0 .. layer1", "0-1 (x2)", "K_i", "F ms", "AR ms", "send ms", "mem GB",
                   "warmup Tw", "steady Ts", "ending Te", "pivot stage Q = 1", "bubble fraction", "paper model"):
         assert piece in text, piece
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(schedule="gpipe"), dict(warmup_policy="B", overlap=True),
+                                dict(model="paper")])
+def test_a_plan_is_evaluated_as_it_was_planned(kw):
+    import dapple
+
+    prof, c = _setup()
+    plan = dapple.plan(prof, c, 32, 8, verify=0, **kw)
+    again = evaluate(prof, c, plan)  # its schedule, policy, model and overlap, not evaluate's own defaults
+    assert again == plan.estimate
+    assert again.details["model"] == kw.get("model", "refined") and again.details["schedule"] == plan.schedule
+    other = "paper" if kw.get("model", "refined") == "refined" else "refined"
+    assert evaluate(prof, c, plan, model=other).details["model"] == other  # an argument still wins
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (("prof.yaml", "c"), TypeError, r"evaluate: profile must be a dapple Profile, got str 'prof.yaml'; load it"),
+    (("p", "A"), TypeError, r"evaluate: cluster must be a dapple Cluster, got str 'A'"),
+])
+def test_wrong_kinds_of_object_are_named(args, error, message):
+    prof, c = _setup()
+    objs = {"p": prof, "c": c}
+    with pytest.raises(error, match=message):
+        evaluate(*(objs.get(a, a) for a in args), [(0, 4, [0])], 32, 8)
