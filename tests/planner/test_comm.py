@@ -11,10 +11,24 @@ from dapple.planner.slices import routes
 from .helpers import cluster
 
 
+def _edge(c, link: tuple) -> tuple:
+    """The directed edge of ``Cluster.graph()`` a link of ``route_links`` names."""
+    kind, who = link
+    if kind in ("out", "xout"):  # a device's link to its server's switch, outwards
+        return ("device", who), ("server", c.server_of(who))
+    if kind in ("in", "xin"):
+        return ("server", c.server_of(who)), ("device", who)
+    return (("server", who), "network") if kind == "up" else ("network", ("server", who))
+
+
 def test_route_links_follow_the_topology_graph():
     c = cluster(2, 2)
-    assert len(c.path(0, 1)) - 1 == len(route_links(0, 1, 0, 0))  # device -> switch -> device
-    assert len(c.path(0, 3)) - 1 == len(route_links(0, 3, 0, 1))  # device -> server -> network -> server -> device
+    for a, b, kinds in [(0, 1, ["out", "in"]), (3, 2, ["out", "in"]), (0, 3, ["xout", "up", "down", "xin"]),
+                        (2, 1, ["xout", "up", "down", "xin"])]:
+        links = route_links(a, b, c.server_of(a), c.server_of(b))
+        path = c.path(a, b)  # device -> switch -> device, or device -> server -> network -> server -> device
+        assert [k for k, _ in links] == kinds
+        assert [_edge(c, link) for link in links] == list(zip(path, path[1:]))
 
 
 def _times(rows: int, same_server: bool) -> np.ndarray:
