@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -81,4 +82,7 @@ def load_cluster(spec: str):
 
     if spec.upper() in ("A", "B", "C"):
         return Cluster.preset(spec)
+    if not Path(spec).is_file():
+        raise SystemExit(f"dapple: --cluster {spec!r}: expected a preset A, B or C (paper Table 3) or a cluster "
+                         f"YAML file (dapple probe writes one); no such file")
     return Cluster.load(spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -198,8 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; bad input (a ValueError naming the value, a file that cannot be read) ends it with that
+    message on stderr and exit status 1, no traceback (``DAPPLE_DEBUG=1`` shows it)."""
     args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, OSError) as e:
+        if os.environ.get("DAPPLE_DEBUG"):
+            raise
+        raise SystemExit(f"dapple {args.command}: {e}") from e
 
 
 if __name__ == "__main__":

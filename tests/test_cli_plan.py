@@ -64,3 +64,18 @@ def test_plan_search_options(capsys):
                  "--time-limit", "30"]) == 0
     text = capsys.readouterr().out
     assert "compact search" in text and "optimality gap 2.0%" in text and "no plan is modelled below" in text
+
+
+def test_bad_input_ends_with_the_message_not_a_traceback(tmp_path, monkeypatch):
+    from .planner.helpers import linear_profile
+
+    profile = tmp_path / "p.yaml"
+    linear_profile([1.0, 2.0]).save(profile)
+    base = ["plan", str(profile), "--global-batch", "64"]
+    with pytest.raises(SystemExit, match=r"--cluster 'Z': expected a preset A, B or C .* or a cluster YAML"):
+        main(base + ["--cluster", "Z"])
+    with pytest.raises(SystemExit, match=r"^dapple plan: max_stages: expected a positive integer, got 0$"):
+        main(base + ["--cluster", "A", "--max-stages", "0"])
+    monkeypatch.setenv("DAPPLE_DEBUG", "1")  # the traceback, for a bug report
+    with pytest.raises(ValueError, match="max_stages"):
+        main(base + ["--cluster", "A", "--max-stages", "0"])

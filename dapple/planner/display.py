@@ -77,6 +77,7 @@ def format_plan(plan: "Plan") -> str:
                      + (f"; optimality gap {plan.meta['gap']:.1%}" if plan.meta.get("gap") else ""))
         bound = plan.meta.get("latency_lower_bound_ms")
         if bound and plan.estimate is not None:
-            lines.append(f"  no plan is modelled below {bound:.1f} ms: this one is within "
-                         f"{plan.estimate.latency_ms / bound - 1:.1%} of the best possible")
+            off = plan.estimate.latency_ms / bound - 1
+            lines.append(f"  no plan is modelled below {bound:.1f} ms: " + (
+                "this one is the model's best" if off < 5e-5 else f"this one is within {off:.1%} of the best possible"))
     return "\n".join(lines)

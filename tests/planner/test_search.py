@@ -235,6 +235,7 @@ def test_a_stopped_search_returns_its_best_plan_and_a_true_lower_bound():
     full = dapple.plan(prof, c, 32, 4, verify=0)  # about 0.5 s: completes, and proves its plan the model's best
     assert full.meta["search_complete"]
     assert full.meta["latency_lower_bound_ms"] == pytest.approx(full.estimate.latency_ms, abs=1e-4)
+    assert "this one is the model's best" in str(full)
     stopped = dapple.plan(prof, c, 32, 4, time_limit=0.0)  # stops at once: a seed plan
     assert stopped.meta["search_complete"] is False
     bound = stopped.meta["latency_lower_bound_ms"]
