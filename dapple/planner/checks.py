@@ -1,4 +1,4 @@
-"""Argument checks shared by the planner's entry points: each error names the argument, its value and what was expected."""
+"""Argument checks shared by the planner's entry points: errors name the argument, its value, what was expected."""
 
 from __future__ import annotations
 

@@ -123,7 +123,8 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     ``details``. ``stages``: (layer_start, layer_end_exclusive, [device ids]) tuples, Stages (their warmup
     K_i is used if every stage gives one), or a Plan. Defaults: schedule "dapple", warmup policy "A" (K_i when
     the stages give none), model "paper", no overlap; for a Plan its own batch sizes, schedule, policy, and
-    the latency model and overlap it was planned with (``plan.meta``), so that ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``.
+    the latency model and overlap it was planned with (``plan.meta``), so that
+    ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``.
     Raises ValueError for bad input or a plan that does not fit in device memory, naming the stage.
     """
     profile_and_cluster("evaluate", profile, cluster)
