@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dapple import Plan
+from dapple import Plan, plan as make_plan
 from dapple.planner import Stage, evaluate
 from dapple.planner.latency import paper_latency
 
@@ -91,10 +91,8 @@ def test_print_plan_shows_costs_and_estimate():
 @pytest.mark.parametrize("kw", [dict(), dict(schedule="gpipe"), dict(warmup_policy="B", overlap=True),
                                 dict(model="paper")])
 def test_a_plan_is_evaluated_as_it_was_planned(kw):
-    import dapple
-
     prof, c = _setup()
-    plan = dapple.plan(prof, c, 32, 8, verify=0, **kw)
+    plan = make_plan(prof, c, 32, 8, verify=0, **kw)
     again = evaluate(prof, c, plan)  # its schedule, policy, model and overlap, not evaluate's own defaults
     assert again == plan.estimate
     assert again.details["model"] == kw.get("model", "refined") and again.details["schedule"] == plan.schedule
@@ -102,12 +100,12 @@ def test_a_plan_is_evaluated_as_it_was_planned(kw):
     assert evaluate(prof, c, plan, model=other).details["model"] == other  # an argument still wins
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (("prof.yaml", "c"), TypeError, r"evaluate: profile must be a dapple Profile, got str 'prof.yaml'; load it"),
-    (("p", "A"), TypeError, r"evaluate: cluster must be a dapple Cluster, got str 'A'"),
+@pytest.mark.parametrize("args, message", [
+    (("prof.yaml", "c"), r"evaluate: profile must be a dapple Profile, got str 'prof.yaml'; load it"),
+    (("p", "A"), r"evaluate: cluster must be a dapple Cluster, got str 'A'"),
 ])
-def test_wrong_kinds_of_object_are_named(args, error, message):
+def test_wrong_kinds_of_object_are_named(args, message):
     prof, c = _setup()
     objs = {"p": prof, "c": c}
-    with pytest.raises(error, match=message):
+    with pytest.raises(TypeError, match=message):
         evaluate(*(objs.get(a, a) for a in args), [(0, 4, [0])], 32, 8)
