@@ -5,7 +5,7 @@ links whole; concurrent ones go one after the other) or ``"shared"`` (they share
 The two differ in when the first of two concurrent transfers lands: held, after one transfer's time; shared,
 with the second, after two. So the probe times a send of ``nbytes`` alone, then the same size to two
 receivers posted at once (as the runtime posts a split's sends), and compares the arrivals, all on rank 0's
-clock (receivers' clocks corrected by :func:`dapple.runtime.clocksync.sync_clock`):
+clock (receivers' clocks corrected by :func:`dapple.profiler.clocksync.sync_clock`):
 - ``first / last`` below ``HELD_BELOW``: one after the other (held);
 - else: shared, unless ``last / solo`` is below ``INDEPENDENT_BELOW``: the two sends did not slow each other
   (the sender's link is not what limits them), which neither discipline describes.
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .bandwidth import _device, _sync
+from .clocksync import sync_clock
 
 SHARING_BYTES = 1 << 24  # 16 MiB per send: milliseconds even on NVLink, far above clock-sync errors
 HELD_BELOW = 0.75  # first / last arrival: held gives 0.5, shared 1.0
@@ -44,8 +45,6 @@ def concurrent_sends(receivers: Sequence[int], nbytes: int = SHARING_BYTES, repe
     """Rank 0 sends ``nbytes`` to ``receivers[0]`` alone, then to both ``receivers`` at once, ``repeats`` times
     each (after one untimed round); every rank of the default group calls it and gets the same result:
     ``{"receivers", "bytes", "solo_s", "first_s", "last_s", "verdict"}`` (medians, seconds from the send)."""
-    from ..runtime.clocksync import sync_clock
-
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(receivers) != 2 or len(set(receivers)) != 2 or not all(0 < r < world for r in receivers):
         raise ValueError(f"link-sharing probe: expected two distinct receiver ranks in 1..{world - 1}, "

@@ -8,13 +8,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .._errors import PipelineError
 from .program import Transfer
 
+__all__ = ["P2P", "PipelineError"]
+
 WHAT = {"act": "activations", "grad": "gradients"}
-
-
-class PipelineError(RuntimeError):
-    """A transfer or collective failed or timed out; the message names the rank, stage, peer and micro-batch."""
 
 
 class P2P:

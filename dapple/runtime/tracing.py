@@ -2,7 +2,7 @@
 
 The engine holds ``Pipeline._rec``: None when tracing is off (each instruction then costs one ``is None``
 test and allocates nothing), a :class:`Recorder` when on. Events are taken on this rank's clock
-(:data:`CLOCK`, ``time.perf_counter``) and moved onto rank 0's when they are gathered (see clocksync.py).
+(:data:`CLOCK`, ``time.perf_counter``) and moved onto rank 0's when they are gathered (see dapple/profiler/clocksync.py).
 On CUDA every timestamp first synchronizes the device, so times are when the GPU finished, not when the host
 queued the work (tracing then also removes the overlap of kernel launches with execution: slightly slower).
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..planner.timeline import Event, save_chrome_trace
-from .clocksync import ClockSync, constant_offset, correction, gather_json, sync_clock
+from ..profiler.clocksync import ClockSync, constant_offset, correction, gather_json, sync_clock
 from .program import Transfer
 
 if TYPE_CHECKING:

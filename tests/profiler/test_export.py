@@ -15,7 +15,7 @@ from dapple.profiler import TraceError, trace_layers
 from dapple.profiler.exported import module_path, retarget_devices
 from dapple.profiler.record import layer_module
 
-from tests.nanogpt import BLOCK, EMBD, VOCAB, NanoGPT  # noqa: F401
+from tests.nanogpt import EMBD, VOCAB, NanoGPT
 
 
 NAMES = ["wte", "wpe", "drop", "h.0", "h.1", "ln_f", "lm_head"]
