@@ -18,6 +18,7 @@ def test_plan_then_simulate(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "dapple plan: 2 stage(s) on 16 device(s)" in text and "estimate (refined model)" in text
     plan = Plan.load(out)
+    assert [s.replicas for s in plan.stages] == [8, 8]  # paper Table VII: 8:8, one stage per server
     assert plan.layer_names[0] == "node1:Input" and plan.estimate is not None
     assert plan == Plan.from_dict(plan.to_dict())  # estimate, details and meta survive YAML
     cluster_file = tmp_path / "a.yaml"
@@ -33,7 +34,7 @@ def test_plan_then_simulate(tmp_path, capsys):
 
 
 def test_pipedream_profile_needs_its_batch_size():
-    with pytest.raises(SystemExit, match="--profile-batch"):
+    with pytest.raises(SystemExit, match="vgg19.txt is a PipeDream profile; .* --profile-batch"):
         main(["plan", str(pipedream_path("vgg19")), "--cluster", "A", "--global-batch", "64"])
 
 

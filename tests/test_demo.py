@@ -27,5 +27,5 @@ def test_demo_batches_follow_the_toy_language_and_match_across_calls():
 
 
 def test_demo_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="nproc: expected 1 .. global batch"):
+    with pytest.raises(ValueError, match=r"nproc: expected 1 .. global batch \(32\) processes, got 0"):
         run(DemoConfig(nproc=0))

@@ -57,6 +57,7 @@ def test_activation_memory_bounded_by_warmup_not_micro_batches(results):
     """Saved-for-backward bytes per rank (straight 4 stages, policy A: K = 4, 3, 2, 1) at M = 4 and 8."""
     for rank, peaks in enumerate(r["memory"] for r in results):
         per_micro_batch = peaks["gpipe/4"] / 4  # gpipe holds all M micro-batches at once
+        assert per_micro_batch > 0, (rank, peaks)  # the meter saw the activations
         assert peaks["gpipe/8"] == pytest.approx(8 * per_micro_batch, rel=0.02), (rank, peaks)
         k = 4 - rank
         for m in (4, 8):  # dapple holds K_i of them, whatever M

@@ -41,11 +41,11 @@ def test_layer_names_differ_at_an_index():
 def test_bad_arguments():
     model = Chain()
     plan = _plan(model, [((0, 5), [0])], 8, 2)
-    with pytest.raises(TypeError, match="loss_fn"):
+    with pytest.raises(TypeError, match="loss_fn: expected a callable .* got 'cross_entropy'"):
         dapple.pipeline(model, plan, "cross_entropy")
-    with pytest.raises(ValueError, match="timeout"):
+    with pytest.raises(ValueError, match="timeout: expected a positive number of seconds, got 0"):
         dapple.pipeline(model, plan, F.cross_entropy, timeout=0)
-    with pytest.raises(TypeError, match="dapple.Plan"):
+    with pytest.raises(TypeError, match=r"plan: expected a dapple.Plan .* got dict"):
         dapple.pipeline(model, {"stages": []}, F.cross_entropy)
 
 

@@ -46,6 +46,23 @@ class Skip(nn.Module):
         return self.head(a2 + a0)
 
 
+class TwoInputs(nn.Module):
+    """forward(x, z): x (B, 6) through a and b; z (B, 6) is used only by the head. Layers: a, b, head."""
+
+    def __init__(self, width: int = 6):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.head(h * z)
+
+
+def weighted_loss(out: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Two targets: class labels y (B,) and per-row weights w (B,)."""
+    return (F.cross_entropy(out, y, reduction="none") * w).mean()
+
+
 def _plan(model: nn.Module, stages: list[tuple], gbs: int, mbs: int, **kw: Any) -> Plan:
     """Stages as (layers, devices) or (layers, devices, warmup K_i)."""
     names = trace_layers(model).names
@@ -54,8 +71,10 @@ def _plan(model: nn.Module, stages: list[tuple], gbs: int, mbs: int, **kw: Any) 
 
 
 def _reference(model: nn.Module, loss_fn: Callable, x: Any, y: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    """Single-process loss and gradients on the whole batch; x and y may be tuples (several inputs, targets)."""
     ref = copy.deepcopy(model)
-    loss = loss_fn(ref(x), y)
+    xs, ys = x if isinstance(x, tuple) else (x,), y if isinstance(y, tuple) else (y,)
+    loss = loss_fn(ref(*xs), *ys)
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in ref.named_parameters()}
 
@@ -160,6 +179,18 @@ def case_nanogpt_export(stages, gbs, mbs, seqs=(8, 12)) -> list[dict]:
     return out
 
 
+def case_two_inputs(stages, gbs, mbs) -> list[dict]:
+    """Two inputs (the second skips to the last stage) and two targets: the global batch as tuples."""
+    torch.manual_seed(0)
+    model = TwoInputs().double()
+    pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), weighted_loss, timeout=30)
+    gen = torch.Generator().manual_seed(5)
+    x, z = (torch.randn(gbs, 6, generator=gen, dtype=torch.float64) for _ in range(2))  # (gbs, 6) each
+    y, w = torch.randint(0, 3, (gbs,), generator=gen), torch.rand(gbs, generator=gen, dtype=torch.float64)
+    ref_loss, ref = _reference(model, weighted_loss, (x, z), (y, w))
+    return [_compare(pipe, pipe.train_step((x, z), (y, w)), ref_loss, ref)]
+
+
 def case_resnet(stages, gbs, mbs) -> list[dict]:
     torch.manual_seed(0)
     model = ResNet(widths=(4, 8), depth=1, num_classes=3, norm="group").double()
@@ -213,6 +244,9 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "one_two_one": (case_chain, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {"accumulate": True}),
     "gpipe": (case_chain, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 12, 3), {"schedule": "gpipe"}),
     "explicit_warmup": (case_chain, ([((0, 1), [0], 3), ((1, 3), [1, 2], 2), ((3, 5), [3], 2)], 15, 3), {}),
+    # M = 1: the only micro-batch is also the last, so its backward arms the gradient AllReduce at once
+    "one_micro_batch": (case_chain, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 6, 6), {"steps": 2}),
+    "two_inputs_two_targets": (case_two_inputs, ([((0, 1), [0, 1]), ((1, 2), [2]), ((2, 3), [3])], 8, 4), {}),
     "policy_b": (case_chain, ([((0, 1), [0]), ((1, 2), [1]), ((2, 3), [2]), ((3, 5), [3])], 16, 2),
                  {"warmup_policy": "B"}),
     "long_skip": (case_skip, ([((0, 1), [0]), ((1, 2), [1, 2]), ((2, 4), [3])], 9, 3), {}),
