@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .._dist import group_device, timeout_seconds
+
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
 
@@ -33,10 +35,19 @@ def fit_line(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, 
     return max(0.0, float(intercept)), float(1.0 / slope)
 
 
+def check_probe(sizes: Sequence[int], repeats: int) -> None:
+    """ValueError, before any process starts or byte moves, unless ``sizes`` holds two or more distinct positive
+    byte counts (the fit needs two) and ``repeats`` is a positive integer."""
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive integer (timed transfers per size), got {repeats!r}")
+    sizes = list(sizes)
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes) or len(set(sizes)) < 2:
+        raise ValueError(f"sizes: expected two or more distinct positive byte counts (latency + bytes / bandwidth is "
+                         f"fitted to them), got {sizes}")
+
+
 def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return group_device()  # NCCL on CUDA: this rank's own GPU (LOCAL_RANK); else the CPU
 
 
 def _sync(device: torch.device) -> None:
@@ -89,7 +100,7 @@ def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, grou
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
+def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: float = 300.0) -> dict:
     """Probe the links of an initialised process group (e.g. under torchrun); every rank calls it.
 
     Servers are told apart by host name; ranks must be laid out server by server (torchrun's order). Returns
@@ -97,8 +108,11 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
     "allreduce": (lat, bw) per ring step, "allreduce_by_size": {r: (lat, bw)} inside server 0 for r = 2, 4, 8 ...
     below its device count and for all of it, "hosts", "link_sharing": {"intra" and/or "inter":
     :func:`link_sharing.concurrent_sends` from rank 0 to two ranks of its server / of the next server} (with 3
-    or more ranks per server / 2 or more on each of 2 or more servers)}``.
+    or more ranks per server / 2 or more on each of 2 or more servers)}``. ``timeout``: seconds for the groups
+    it makes and the link-sharing waits (the rest are bounded by the default group's timeout).
     """
+    check_probe(sizes, repeats)
+    wait = timedelta(seconds=timeout_seconds("timeout", timeout))
     world = dist.get_world_size()
     if world < 2:
         raise ValueError(f"the bandwidth probe needs at least 2 ranks, the world has {world}")
@@ -119,14 +133,14 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
         result["inter"] = fit_line(list(t), list(t.values())) if t else None
     result["allreduce"] = _ring_fit(allreduce_times(sizes, repeats), world)
     if len(names) > 1 and per > 1:  # an AllReduce inside one server, for stages that do not span servers
-        server0 = dist.new_group(list(range(per)))  # every rank creates it, only server 0 uses it
+        server0 = dist.new_group(list(range(per)), timeout=wait)  # every rank creates it, only server 0 uses it
         if dist.get_rank() < per:
             result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, group=server0), per)
     if per > 1:  # smaller groups inside server 0: the cost per byte may depend on the group size
         by_size = {per: result.get("allreduce_intra") if len(names) > 1 else result["allreduce"]}  # rank 0's
         r = 2
         while r < per:
-            group = dist.new_group(list(range(r)))  # every rank creates it, ranks 0..r-1 use it
+            group = dist.new_group(list(range(r)), timeout=wait)  # every rank creates it, ranks 0..r-1 use it
             if dist.get_rank() < r:
                 by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group=group), r)
             dist.barrier()
@@ -136,9 +150,9 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
         from .link_sharing import concurrent_sends
         sharing = {}
         if per >= 3:
-            sharing["intra"] = concurrent_sends((1, 2), max(sizes), repeats)
+            sharing["intra"] = concurrent_sends((1, 2), max(sizes), repeats, timeout)
         if len(names) > 1 and per >= 2:
-            sharing["inter"] = concurrent_sends((per, per + 1), max(sizes), repeats)
+            sharing["inter"] = concurrent_sends((per, per + 1), max(sizes), repeats, timeout)
         if sharing:
             result["link_sharing"] = sharing
     fits = [result]
@@ -174,8 +188,9 @@ def probe_local(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repea
     """Start ``world_size`` gloo processes on this machine and :func:`measure` their links."""
     import torch.multiprocessing as mp
 
-    if world_size < 2:
-        raise ValueError(f"probe_local: world_size must be >= 2 to measure a link, got {world_size}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
+        raise ValueError(f"probe_local: world_size must be an integer >= 2 to measure a link, got {world_size!r}")
+    check_probe(sizes, repeats)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from .._errors import PipelineError
+from .._dist import PipelineError
 
 PINGS = 16  # round trips per rank; the offset lies in the intersection of their intervals
 TAG = 31_415  # message tag for the pings (gloo matches by tag, keeping them apart from pipeline transfers)

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .._dist import PipelineError, timeout_seconds
 from .bandwidth import _device, _sync
 from .clocksync import sync_clock
 
@@ -46,6 +47,10 @@ def concurrent_sends(receivers: Sequence[int], nbytes: int = SHARING_BYTES, repe
     each (after one untimed round); every rank of the default group calls it and gets the same result:
     ``{"receivers", "bytes", "solo_s", "first_s", "last_s", "verdict"}`` (medians, seconds from the send)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    timeout = timeout_seconds("timeout", timeout)
+    for name, v in (("nbytes", nbytes), ("repeats", repeats)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"link-sharing probe: {name}: expected a positive integer, got {v!r}")
     if len(receivers) != 2 or len(set(receivers)) != 2 or not all(0 < r < world for r in receivers):
         raise ValueError(f"link-sharing probe: expected two distinct receiver ranks in 1..{world - 1}, "
                          f"got {list(receivers)}")
@@ -55,24 +60,31 @@ def concurrent_sends(receivers: Sequence[int], nbytes: int = SHARING_BYTES, repe
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)  # (nbytes / 4,)
     stamp = torch.zeros(1, dtype=torch.float64, device=device)  # (1,) this rank's time, on rank 0's clock
     rounds: dict[str, list[list[float]]] = {"solo": [], "pair": []}
+    ready = torch.zeros(1, device=device)  # (1,) a timed barrier: an AllReduce every rank waits on
+
+    def wait_all(works: list, what: str) -> None:
+        for w in works:
+            try:
+                w.wait(timeout=wait)
+            except Exception as e:
+                text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise PipelineError(f"link-sharing probe, rank {rank}: {what} failed or timed out "
+                                    f"({timeout:g} s): {text}") from e
+
     for i in range(repeats + 1):
         for mode, targets in (("solo", receivers[:1]), ("pair", receivers)):
             works = [dist.irecv(buf, src=0)] if rank in targets else []
-            dist.barrier()
+            wait_all([dist.all_reduce(ready, async_op=True)], f"round {i} ({mode}): the barrier before the sends")
             _sync(device)
             t0 = clock()
             if rank == 0:
                 works = [dist.isend(buf, dst=r) for r in targets]
-            for w in works:
-                try:
-                    w.wait(timeout=wait)
-                except Exception as e:
-                    raise RuntimeError(f"link-sharing probe, rank {rank}: a {nbytes}-byte transfer between rank 0 "
-                                       f"and ranks {list(targets)} failed or timed out ({timeout:g} s): {e}") from e
+            wait_all(works, f"a {nbytes}-byte transfer between rank 0 and ranks {list(targets)}")
             _sync(device)
             stamp.fill_((clock() + offset) if rank in targets else t0)
             stamps = [torch.zeros_like(stamp) for _ in range(world)]
-            dist.all_gather(stamps, stamp)  # (world,) rank 0's start, the receivers' arrivals
+            # (world,) rank 0's start, the receivers' arrivals
+            wait_all([dist.all_gather(stamps, stamp, async_op=True)], f"round {i} ({mode}): gathering the times")
             if i:  # the first round sets up the connections
                 rounds[mode].append([float(stamps[r].item()) - float(stamps[0].item()) for r in targets])
     solo = statistics.median(r[0] for r in rounds["solo"])

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .._errors import PipelineError
+from .._dist import PipelineError
 from .program import Transfer
 
 __all__ = ["P2P", "PipelineError"]
@@ -84,7 +84,9 @@ class P2P:
             except Exception as e:
                 raise self._error(t, t.dst, "sending", e) from e
         if self._recvs:  # cannot happen with a well-formed program; never leave receives dangling silently
-            raise RuntimeError(f"rank {self.rank}: {len(self._recvs)} receives were posted but never waited on")
+            left = sorted(f"{t.kind} of micro-batch {t.micro_batch} from rank {t.src}" for t in self._recvs)
+            raise PipelineError(f"rank {self.rank} (stage {self.stage_of(self.rank)}), step {self.step}: "
+                                f"{len(left)} receives were posted but never waited on: {left[:4]}")
 
     # ---- errors -------------------------------------------------------------------------------
     def _error(self, t: Transfer, peer: int, doing: str, e: BaseException) -> PipelineError:

@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .._dist import group_device, local_rank, timeout_seconds
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -37,32 +39,28 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistC
     """Initialise the default process group unless the user already did, and pick this rank's device.
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the group is initialised from the
-    environment; a plain single process (no such variables) gets a world of one. The device is
-    ``cuda:LOCAL_RANK`` for NCCL, the CPU for gloo.
+    environment; a plain single process (no such variables) gets a world of one. A group the user made is
+    kept (``backend`` must then be its backend or None). The device is ``cuda:LOCAL_RANK`` where the group
+    runs NCCL on CUDA (also after a bare ``init_process_group()``), the CPU otherwise.
     """
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build of PyTorch")
+    seconds = timedelta(seconds=timeout_seconds("timeout", timeout))
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend: expected 'nccl', 'gloo' or None (NCCL where CUDA is available, else gloo), "
+                         f"got {backend!r}")
     if not dist.is_initialized():
         backend = backend or default_backend()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if backend == "nccl":
-                torch.cuda.set_device(_local_rank())
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+                torch.cuda.set_device(local_rank())
+            dist.init_process_group(backend, timeout=seconds)
         else:  # not launched by torchrun: a world of one process
-            store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=timeout))
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
-    used = dist.get_backend()
-    if "nccl" in str(used):
-        local = _local_rank()
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=str(used), device=device)
-
-
-def _local_rank() -> int:
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    n = torch.cuda.device_count()
-    return (dist.get_rank() % n) if dist.is_initialized() and n else 0
+            store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=seconds)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=seconds)
+    elif backend is not None and dist.get_backend() != backend:
+        raise ValueError(f"backend: got {backend!r}, but the default process group already runs "
+                         f"{dist.get_backend()!r}; pass backend=None to use it")
+    device = group_device()
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=str(dist.get_backend()),
+                       device=device)

@@ -18,6 +18,7 @@ from ..planner.slices import routes, slice_bounds
 from ..profiler.exported import retarget_devices
 from ..profiler.layers import trace_layers
 from ..profiler.trace import LeafSpec
+from .._dist import timeout_seconds
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
@@ -49,12 +50,11 @@ class Pipeline:
                  dynamic_shapes: Any = None, trace: bool = False):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, *targets) -> scalar, got {loss_fn!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        timeout = timeout_seconds("timeout", timeout)
         if not isinstance(trace, bool):
             raise TypeError(f"trace: expected True or False (record a timeline of each step), got {trace!r}; the "
                             f"choice between torch.fx and torch.export is tracer='auto'|'fx'|'export'")
-        self.timeout = float(timeout)
+        self.timeout = timeout
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
         lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
@@ -228,10 +228,16 @@ class Pipeline:
         if self.stage == self.plan.num_stages - 1:
             out = resolve_output(g.output, env)
             tgt = [y[lo:hi].to(self.ctx.device, non_blocking=True) for y in ys]
-            loss = self.loss_fn(out, *tgt)
+            where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
+            try:
+                loss = self.loss_fn(out, *tgt)
+            except Exception as e:  # the user's function: keep its error, say where and with what it was called
+                if hasattr(e, "add_note"):  # Python 3.11+
+                    e.add_note(f"{where}: in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})")
+                raise
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"loss_fn must return a scalar tensor (the mean over the rows it is given), got "
-                                f"{loss!r:.80}")
+                raise TypeError(f"{where}: loss_fn must return a scalar tensor (the mean over the rows it is given), "
+                                f"got {loss!r:.80}")
             alive[j] = _MicroBatch(leaves, [], loss.reshape(()) * ((hi - lo) / self.plan.global_batch_size))
             return []
         sent = [env[name] for name in g.send]
@@ -354,3 +360,8 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace)
+
+
+def _shape(x: Any) -> Any:
+    """A tensor's shape as a tuple (for messages); anything else as its type name."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

@@ -114,6 +114,24 @@ def test_cli_probe_writes_a_cluster(tmp_path):
     assert c.num_devices == 2 and c.intra_allreduce_bandwidth is not None
 
 
+@pytest.mark.parametrize("kw, message", [
+    ({"repeats": 0}, "repeats: expected a positive integer .* got 0"),
+    ({"sizes": (1024,)}, r"sizes: expected two or more distinct positive byte counts .* got \[1024\]"),
+    ({"sizes": (1024, 1024.5)}, r"got \[1024, 1024.5\]"),
+    ({"world_size": 1}, "world_size must be an integer >= 2 .* got 1"),
+])
+def test_probe_arguments_are_checked_before_any_process_starts(kw, message):
+    with pytest.raises(ValueError, match=message):
+        probe_local(**{"world_size": 2, **kw})  # spawning would take seconds; these fail at once
+
+
+def test_cli_probe_rejects_zero_repeats():
+    from dapple.cli import main
+
+    with pytest.raises(SystemExit, match="dapple probe: repeats: expected a positive integer"):
+        main(["probe", "--nproc", "2", "--repeats", "0"])
+
+
 def test_link_sharing_verdict():
     from dapple.profiler.link_sharing import verdict
 

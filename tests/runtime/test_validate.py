@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,8 +46,16 @@ def test_bad_arguments():
     plan = _plan(model, [((0, 5), [0])], 8, 2)
     with pytest.raises(TypeError, match="loss_fn: expected a callable .* got 'cross_entropy'"):
         dapple.pipeline(model, plan, "cross_entropy")
-    with pytest.raises(ValueError, match="timeout: expected a positive number of seconds, got 0"):
-        dapple.pipeline(model, plan, F.cross_entropy, timeout=0)
+    for bad in (0, 0.0004, float("inf"), float("nan"), True, "60"):  # 0.4 ms rounds to 0 ms: no bound at all
+        with pytest.raises(ValueError, match=rf"timeout: expected a finite number of seconds >= 0.001 .* got "
+                                             rf"{re.escape(repr(bad))}"):
+            dapple.pipeline(model, plan, F.cross_entropy, timeout=bad)
+    with pytest.raises(ValueError, match="backend: expected 'nccl', 'gloo' or None .* got 'NCCL2'"):
+        dapple.pipeline(model, plan, F.cross_entropy, backend="NCCL2")
+    dapple.pipeline(model, plan, F.cross_entropy)  # the world of one, on gloo here: a group exists from now on
+    if dist.get_backend() == "gloo":
+        with pytest.raises(ValueError, match="backend: got 'nccl', but the default process group already runs 'gloo'"):
+            dapple.pipeline(model, plan, F.cross_entropy, backend="nccl")
     with pytest.raises(TypeError, match=r"plan: expected a dapple.Plan .* got dict"):
         dapple.pipeline(model, {"stages": []}, F.cross_entropy)
 
@@ -100,3 +111,19 @@ def test_single_rank_accumulates_micro_batches_exactly():
     assert pipe.train_step(x, y) == pytest.approx(float(loss.detach()), rel=1e-12)
     for (n, p), (_, q) in zip(pipe.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_a_failing_loss_fn_is_reported_with_where_and_what_it_was_given():
+    model = Chain().double()
+    x, y = _chain_data(8)
+
+    def wrong(out, y):  # a loss that expects one-hot targets
+        return F.binary_cross_entropy_with_logits(out, y)
+    pipe = dapple.pipeline(model, _plan(model, [((0, 5), [0])], 8, 2), wrong)
+    with pytest.raises(ValueError) as err:
+        pipe.train_step(x, y)
+    assert "rank 0 (stage 0), step 1, micro-batch 0: in loss_fn(output (2, 3), *targets [(2,)])" in \
+        "\n".join(getattr(err.value, "__notes__", [])) or sys.version_info < (3, 11), err.value
+    pipe = dapple.pipeline(model, _plan(model, [((0, 5), [0])], 8, 2), lambda out, y: out.sum(1))
+    with pytest.raises(TypeError, match=r"rank 0 \(stage 0\), step 1, micro-batch 0: loss_fn must return a scalar"):
+        pipe.train_step(x, y)

@@ -1,0 +1,60 @@
+"""What the profiler's probes and the runtime share over torch.distributed: the error, the device, timeouts."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MIN_TIMEOUT = 1e-3  # seconds: gloo and NCCL count whole milliseconds, and 0 ms means "no timeout"
+
+
+class PipelineError(RuntimeError):
+    """A transfer or collective failed or timed out; the message names the rank, stage, peer and micro-batch."""
+
+
+def timeout_seconds(name: str, value: Any) -> float:
+    """``value`` as float seconds; ValueError unless it is a finite number >= :data:`MIN_TIMEOUT`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < MIN_TIMEOUT:
+        raise ValueError(f"{name}: expected a finite number of seconds >= {MIN_TIMEOUT:g} (waits are bounded in "
+                         f"whole milliseconds), got {value!r}")
+    return float(value)
+
+
+def local_rank() -> int:
+    """This process's index among those of its server: LOCAL_RANK (torchrun), else the rank modulo the GPUs."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    n = torch.cuda.device_count()
+    return (dist.get_rank() % n) if dist.is_initialized() and n else 0
+
+
+def backends(group: Any = None) -> dict[str, str]:
+    """Device type -> backend of ``group`` (default: the default group), e.g. {"cpu": "gloo", "cuda": "nccl"}.
+
+    ``init_process_group()`` without a backend reports "undefined" from ``get_backend`` and registers only
+    the accelerator's backend (NCCL on a CUDA machine), so the map is read from the group's backend config.
+    """
+    config = getattr(dist, "get_backend_config", None)
+    text = str(config(group)) if config is not None else str(dist.get_backend(group))
+    if ":" not in text:  # a torch without get_backend_config: one backend name
+        return {"cuda": text} if text == "nccl" else {"cpu": text}
+    return dict(pair.strip().split(":", 1) for pair in text.split(",") if pair.strip())
+
+
+def group_device(group: Any = None) -> torch.device:
+    """The device this rank's tensors for ``group`` live on: its own GPU where the group runs NCCL on CUDA
+    (``torch.cuda.set_device`` is called), else the CPU; ValueError if the group has a backend for neither."""
+    have = backends(group)
+    if torch.cuda.is_available() and (have.get("cuda") == "nccl" or ("cuda" in have and "cpu" not in have)):
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+        return device
+    if "cpu" in have:
+        return torch.device("cpu")
+    raise ValueError(f"the process group's backends {have} serve neither CUDA (available: "
+                     f"{torch.cuda.is_available()}) nor the CPU; initialise it with backend 'nccl' or 'gloo'")
