@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._dist import group_device, timeout_seconds
+from .._dist import PipelineError, group_device, timeout_seconds
 
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
@@ -50,36 +50,53 @@ def _device() -> torch.device:
     return group_device()  # NCCL on CUDA: this rank's own GPU (LOCAL_RANK); else the CPU
 
 
+def _wait(work, what: str, timeout: float) -> None:
+    """Wait for an async collective or transfer; PipelineError naming this rank and ``what`` past ``timeout`` s."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PipelineError(f"bandwidth probe, rank {dist.get_rank()}: {what} failed or timed out ({timeout:g} s): "
+                            f"{text}") from e
+
+
+def _barrier(device: torch.device, what: str, timeout: float, group=None) -> None:
+    """A barrier bounded by ``timeout``: an AllReduce of one number that every rank of ``group`` waits on."""
+    _wait(dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True), f"barrier ({what})", timeout)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict[int, float]:
+def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7,
+              timeout: float = 300.0) -> dict[int, float]:
     """One-way transfer seconds (median of half round trips) between two ranks; every rank must call it.
-    Each round times every size once (see :func:`allreduce_times`)."""
+    Each round times every size once (see :func:`allreduce_times`); every wait is bounded by ``timeout``."""
     rank, device = dist.get_rank(), _device()
     bufs = {n: torch.empty(max(1, n // 4), dtype=torch.float32, device=device) for n in sizes}  # n bytes
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for i in range(repeats + 1):
         for n in sizes:
             buf = bufs[n]
-            dist.barrier()
+            _barrier(device, f"before the {n}-byte ping-pong of ranks {peer_a} and {peer_b}", timeout)
             if rank == peer_a:
                 _sync(device)
                 t0 = time.perf_counter()
-                dist.send(buf, peer_b)
-                dist.recv(buf, peer_b)
+                _wait(dist.isend(buf, peer_b), f"sending {n} bytes to rank {peer_b}", timeout)
+                _wait(dist.irecv(buf, peer_b), f"receiving {n} bytes from rank {peer_b}", timeout)
                 _sync(device)
                 if i:  # the first round trips set up the connection
                     times[n].append((time.perf_counter() - t0) / 2)
             elif rank == peer_b:
-                dist.recv(buf, peer_a)
-                dist.send(buf, peer_a)
+                _wait(dist.irecv(buf, peer_a), f"receiving {n} bytes from rank {peer_a}", timeout)
+                _wait(dist.isend(buf, peer_a), f"sending {n} bytes to rank {peer_a}", timeout)
     return {n: statistics.median(t) for n, t in times.items()} if rank == peer_a else {}
 
 
-def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, group=None) -> dict[int, float]:
+def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, group=None,
+                    timeout: float = 300.0) -> dict[int, float]:
     """Median seconds of an all_reduce(sum) of each size over ``group`` (default: all); its ranks call it.
 
     Each round times every size once, so a burst of load on a shared machine spreads over all sizes instead of
@@ -90,10 +107,10 @@ def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, grou
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for i in range(repeats + 1):
         for n in sizes:
-            dist.barrier(group=group)
+            _barrier(device, f"before the {n}-byte AllReduce", timeout, group)
             _sync(device)
             t0 = time.perf_counter()
-            dist.all_reduce(bufs[n], group=group)
+            _wait(dist.all_reduce(bufs[n], group=group, async_op=True), f"the {n}-byte AllReduce", timeout)
             _sync(device)
             if i:  # the first round sets up the connections
                 times[n].append(time.perf_counter() - t0)
@@ -126,24 +143,24 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
                          f"order), got hosts by rank: {hosts}")
     result: dict = {"servers": len(names), "devices_per_server": per, "hosts": names, "inter": None}
     if per > 1:
-        t = ping_pong(0, 1, sizes, repeats)
+        t = ping_pong(0, 1, sizes, repeats, timeout)
         result["intra"] = fit_line(list(t), list(t.values())) if t else None
     if len(names) > 1:
-        t = ping_pong(0, per, sizes, repeats)
+        t = ping_pong(0, per, sizes, repeats, timeout)
         result["inter"] = fit_line(list(t), list(t.values())) if t else None
-    result["allreduce"] = _ring_fit(allreduce_times(sizes, repeats), world)
+    result["allreduce"] = _ring_fit(allreduce_times(sizes, repeats, timeout=timeout), world)
     if len(names) > 1 and per > 1:  # an AllReduce inside one server, for stages that do not span servers
         server0 = dist.new_group(list(range(per)), timeout=wait)  # every rank creates it, only server 0 uses it
         if dist.get_rank() < per:
-            result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, group=server0), per)
+            result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, server0, timeout), per)
     if per > 1:  # smaller groups inside server 0: the cost per byte may depend on the group size
         by_size = {per: result.get("allreduce_intra") if len(names) > 1 else result["allreduce"]}  # rank 0's
         r = 2
         while r < per:
             group = dist.new_group(list(range(r)), timeout=wait)  # every rank creates it, ranks 0..r-1 use it
             if dist.get_rank() < r:
-                by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group=group), r)
-            dist.barrier()
+                by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group, timeout), r)
+            _barrier(_device(), f"after the AllReduce of ranks 0..{r - 1}", timeout)
             r *= 2
         result["allreduce_by_size"] = dict(sorted(by_size.items()))
     if world >= 3:  # do two sends at once share the sender's link? (Cluster.link_sharing)

@@ -78,17 +78,18 @@ def _logged_rounds() -> tuple[list[int], list[int]]:
     from dapple.profiler import bandwidth
     dist.init_process_group("gloo")
     log: dict[str, list[int]] = {"ar": [], "p2p": []}
-    real_ar, real_send = dist.all_reduce, dist.send
+    real_ar, real_send = dist.all_reduce, dist.isend
 
     def all_reduce(t, *a, **k):
-        log["ar"].append(t.numel() * 4)
+        if t.numel() > 1:  # not the timed barriers (one number each)
+            log["ar"].append(t.numel() * 4)
         return real_ar(t, *a, **k)
 
-    def send(t, *a, **k):
+    def isend(t, *a, **k):
         log["p2p"].append(t.numel() * 4)
         return real_send(t, *a, **k)
 
-    dist.all_reduce, dist.send = all_reduce, send
+    dist.all_reduce, dist.isend = all_reduce, isend
     times = bandwidth.allreduce_times(sizes=(1024, 4096, 16384), repeats=2)
     one_way = bandwidth.ping_pong(0, 1, sizes=(1024, 4096, 16384), repeats=2)
     assert sorted(times) == [1024, 4096, 16384] and all(t > 0 for t in times.values())
@@ -103,6 +104,35 @@ def test_probe_rounds_time_every_size_once():
     ar, p2p = run_ranks(_logged_rounds, 2, timeout=120)[0]
     assert ar == [1024, 4096, 16384] * 3  # the connection round, then 2 timed rounds
     assert p2p == [1024, 4096, 16384] * 3
+
+
+def _probe_without_a_peer() -> str | None:
+    """Rank 1 stalls past the timeout instead of probing; rank 0 returns the error it gets."""
+    import time
+
+    import torch.distributed as dist
+
+    from dapple.profiler import bandwidth
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        time.sleep(4)
+        return None
+    start = time.perf_counter()
+    try:
+        bandwidth.ping_pong(0, 1, sizes=(1024, 4096), repeats=1, timeout=1.0)
+    except Exception as e:
+        return f"{time.perf_counter() - start:.1f} {type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_probe_waits_are_bounded_and_say_what_they_waited_for():
+    from tests.runtime._spawn import run_ranks
+
+    msg = run_ranks(_probe_without_a_peer, 2, timeout=120)[0]
+    seconds, text = msg.split(" ", 1)
+    assert text.startswith("PipelineError: bandwidth probe, rank 0: barrier (before the 1024-byte ping-pong of "
+                           "ranks 0 and 1) failed or timed out (1 s)"), msg
+    assert float(seconds) < 3.5, msg  # the timeout, not the peer's 4 s stall
 
 
 def test_cli_probe_writes_a_cluster(tmp_path):
