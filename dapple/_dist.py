@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -14,6 +15,29 @@ MIN_TIMEOUT = 1e-3  # seconds: gloo and NCCL count whole milliseconds, and 0 ms 
 
 class PipelineError(RuntimeError):
     """A transfer or collective failed or timed out; the message names the rank, stage, peer and micro-batch."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (torch's distributed errors run to many), or its type's name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def wait_for(work: Any, timeout: float, what: str, device: torch.device | None = None) -> None:
+    """Wait on an async transfer or collective for at most ``timeout`` seconds; if it fails or times out, a
+    PipelineError "``what`` failed or timed out (timeout ...s): <its first line>". On a CUDA ``device`` the host
+    then waits for the data too (NCCL's wait only orders the stream)."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as e:
+        raise PipelineError(f"{what} failed or timed out (timeout {timeout:g}s): {first_line(e)}") from e
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(device: torch.device, timeout: float, what: str, group: Any = None) -> None:
+    """A barrier bounded by ``timeout``: an AllReduce of one number that every rank of ``group`` waits on."""
+    wait_for(dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True), timeout, what)
 
 
 def timeout_seconds(name: str, value: Any) -> float:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._dist import PipelineError, group_device, timeout_seconds
+from .._dist import barrier, group_device, timeout_seconds, wait_for
 
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
@@ -51,18 +51,11 @@ def _device() -> torch.device:
 
 
 def _wait(work, what: str, timeout: float) -> None:
-    """Wait for an async collective or transfer; PipelineError naming this rank and ``what`` past ``timeout`` s."""
-    try:
-        work.wait(timeout=timedelta(seconds=timeout))
-    except Exception as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PipelineError(f"bandwidth probe, rank {dist.get_rank()}: {what} failed or timed out ({timeout:g} s): "
-                            f"{text}") from e
+    wait_for(work, timeout, f"bandwidth probe, rank {dist.get_rank()}: {what}")
 
 
 def _barrier(device: torch.device, what: str, timeout: float, group=None) -> None:
-    """A barrier bounded by ``timeout``: an AllReduce of one number that every rank of ``group`` waits on."""
-    _wait(dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True), f"barrier ({what})", timeout)
+    barrier(device, timeout, f"bandwidth probe, rank {dist.get_rank()}: barrier ({what})", group)
 
 
 def _sync(device: torch.device) -> None:

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_right
-from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .._dist import PipelineError
+from .._dist import barrier, wait_for
 
 PINGS = 16  # round trips per rank; the offset lies in the intersection of their intervals
 TAG = 31_415  # message tag for the pings (gloo matches by tag, keeping them apart from pipeline transfers)
@@ -52,13 +51,7 @@ class _Ctx(NamedTuple):
 
 
 def _wait(work: Any, ctx: _Ctx, what: str) -> None:
-    try:
-        work.wait(timeout=timedelta(seconds=ctx.timeout))
-    except Exception as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PipelineError(f"rank {ctx.rank}: {what} failed or timed out (timeout {ctx.timeout:g}s): {text}") from e
-    if ctx.device.type == "cuda":  # NCCL's wait only orders the stream; the host must see the data
-        torch.cuda.synchronize(ctx.device)
+    wait_for(work, ctx.timeout, f"rank {ctx.rank}: {what}", ctx.device)
 
 
 def sync_clock(clock: Callable[[], float], rank: int, world: int, device: torch.device, timeout: float,
@@ -89,7 +82,7 @@ def sync_clock(clock: Callable[[], float], rank: int, world: int, device: torch.
                 if t - a < hi:
                     hi, mid = t - a, (a + b) / 2
     # leave together, as ranks leave a step (its loss AllReduce): a traced step then starts as an untraced one
-    _wait(dist.all_reduce(torch.zeros(1, device=device), async_op=True), ctx, "clock sync: closing barrier")
+    barrier(device, timeout, f"rank {rank}: clock sync: closing barrier")
     if rank == 0:
         return ClockSync(clock(), 0.0, 0.0)
     if lo > hi:  # impossible for clocks that do not jump: trust the tightest side, report the contradiction

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .._dist import PipelineError, timeout_seconds
+from .._dist import barrier, timeout_seconds, wait_for
 from .bandwidth import _device, _sync
 from .clocksync import sync_clock
 
@@ -54,37 +53,29 @@ def concurrent_sends(receivers: Sequence[int], nbytes: int = SHARING_BYTES, repe
     if len(receivers) != 2 or len(set(receivers)) != 2 or not all(0 < r < world for r in receivers):
         raise ValueError(f"link-sharing probe: expected two distinct receiver ranks in 1..{world - 1}, "
                          f"got {list(receivers)}")
-    device, wait = _device(), timedelta(seconds=timeout)
+    device = _device()
     clock = time.perf_counter
     offset = sync_clock(clock, rank, world, device, timeout).offset  # rank 0's clock = this one's + offset
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)  # (nbytes / 4,)
     stamp = torch.zeros(1, dtype=torch.float64, device=device)  # (1,) this rank's time, on rank 0's clock
     rounds: dict[str, list[list[float]]] = {"solo": [], "pair": []}
-    ready = torch.zeros(1, device=device)  # (1,) a timed barrier: an AllReduce every rank waits on
-
-    def wait_all(works: list, what: str) -> None:
-        for w in works:
-            try:
-                w.wait(timeout=wait)
-            except Exception as e:
-                text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise PipelineError(f"link-sharing probe, rank {rank}: {what} failed or timed out "
-                                    f"({timeout:g} s): {text}") from e
-
+    where = f"link-sharing probe, rank {rank}"
     for i in range(repeats + 1):
         for mode, targets in (("solo", receivers[:1]), ("pair", receivers)):
             works = [dist.irecv(buf, src=0)] if rank in targets else []
-            wait_all([dist.all_reduce(ready, async_op=True)], f"round {i} ({mode}): the barrier before the sends")
+            barrier(device, timeout, f"{where}: round {i} ({mode}): the barrier before the sends")
             _sync(device)
             t0 = clock()
             if rank == 0:
                 works = [dist.isend(buf, dst=r) for r in targets]
-            wait_all(works, f"a {nbytes}-byte transfer between rank 0 and ranks {list(targets)}")
+            for w in works:
+                wait_for(w, timeout, f"{where}: a {nbytes}-byte transfer between rank 0 and ranks {list(targets)}")
             _sync(device)
             stamp.fill_((clock() + offset) if rank in targets else t0)
             stamps = [torch.zeros_like(stamp) for _ in range(world)]
             # (world,) rank 0's start, the receivers' arrivals
-            wait_all([dist.all_gather(stamps, stamp, async_op=True)], f"round {i} ({mode}): gathering the times")
+            wait_for(dist.all_gather(stamps, stamp, async_op=True), timeout, f"{where}: round {i} ({mode}): gathering "
+                     f"the times")
             if i:  # the first round sets up the connections
                 rounds[mode].append([float(stamps[r].item()) - float(stamps[0].item()) for r in targets])
     solo = statistics.median(r[0] for r in rounds["solo"])

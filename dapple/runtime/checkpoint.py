@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .checkpoint_state import (FORMAT, describe, few, is_stored_tensor, load_targets, optimizer_info, save_state,
                                stage_tensors)
-from .comm import PipelineError
+from .._dist import PipelineError, first_line
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor (~1 s)
@@ -169,7 +169,7 @@ def _read_meta(path: Path) -> tuple[Metadata, dict]:
         md = _dcp().FileSystemReader(path).read_metadata()
     except Exception as e:
         raise ValueError(f"{path} is not a dapple checkpoint: it has no readable torch.distributed.checkpoint "
-                         f"metadata ({_first_line(e)})") from None
+                         f"metadata ({first_line(e)})") from None
     if META not in md.state_dict_metadata:
         raise ValueError(f"{path} is a torch.distributed.checkpoint checkpoint but not a dapple one (no {META!r} "
                          f"entry; it holds {few(sorted(md.state_dict_metadata), 4)}); read it with dcp.load")
@@ -227,12 +227,12 @@ def _agree(pipe: Pipeline, group: dist.ProcessGroup, payload: Any, error: BaseEx
     """All-gather every rank's payload or error (bounded by the group's timeout); if any failed, all raise."""
     rank = pipe.ctx.rank
     out: list[Any] = [None] * pipe.ctx.world_size
-    msg = None if error is None else f"{type(error).__name__}: {_first_line(error)}"
+    msg = None if error is None else f"{type(error).__name__}: {first_line(error)}"
     try:
         dist.all_gather_object(out, (None if error else payload, msg), group=group)
     except Exception as e:
         raise PipelineError(f"rank {rank} (stage {pipe.stage}): {what}: could not exchange with every rank within "
-                            f"{pipe.timeout:g}s (did every rank call it?): {_first_line(e)}") from e
+                            f"{pipe.timeout:g}s (did every rank call it?): {first_line(e)}") from e
     if error is not None:
         raise error
     failed = [(r, m) for r, (_, m) in enumerate(out) if m is not None]
@@ -240,8 +240,3 @@ def _agree(pipe: Pipeline, group: dist.ProcessGroup, payload: Any, error: BaseEx
         more = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
         raise PipelineError(f"rank {rank}: {what} stopped because rank {failed[0][0]} failed{more}: {failed[0][1]}")
     return [p for p, _ in out]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .._dist import PipelineError
+from .._dist import PipelineError, first_line
 from .program import Transfer
 
 __all__ = ["P2P", "PipelineError"]
@@ -90,7 +90,7 @@ class P2P:
 
     # ---- errors -------------------------------------------------------------------------------
     def _error(self, t: Transfer, peer: int, doing: str, e: BaseException) -> PipelineError:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = first_line(e)
         cause = "timed out" if "imeout" in text or "imed out" in text else "failed"
         what = (f"{WHAT[t.kind]} of micro-batch {t.micro_batch} ({self.value_name(t)}, rows {t.start}:{t.end})"
                 if t.micro_batch >= 0 else f"the {t.kind} channel check (before the first step)")

@@ -18,7 +18,7 @@ from ..planner.slices import routes, slice_bounds
 from ..profiler.exported import retarget_devices
 from ..profiler.layers import trace_layers
 from ..profiler.trace import LeafSpec
-from .._dist import timeout_seconds
+from .._dist import first_line, timeout_seconds
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
@@ -124,7 +124,7 @@ class Pipeline:
         try:
             return self._run(xs, ys)
         except BaseException as e:
-            self._failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._failed = first_line(e)
             raise
 
     def trace(self) -> Trace:

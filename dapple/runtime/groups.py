@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planner.plan import Plan
-from .comm import PipelineError
+from .._dist import PipelineError, first_line
 from .split import StageGraph
 
 BUCKET_BYTES = 25 * 2**20  # gradients are flattened into buckets of about this size, one AllReduce each
@@ -154,7 +154,7 @@ class GradReducer:
                 work.wait(timeout=timedelta(seconds=timeout))
             except Exception as e:
                 raise PipelineError(f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks}) failed or timed "
-                                    f"out (timeout {timeout:g}s): {_first_line(e)}") from e
+                                    f"out (timeout {timeout:g}s): {first_line(e)}") from e
             if rec is not None:
                 launched, during = self._launch_times[k]
                 rec.allreduce_bucket(k, launched, rec.clock(), g.label, g.ranks, flat.numel() * flat.element_size(),
@@ -179,8 +179,3 @@ def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Paramet
             out.append([p])
             size = nbytes
     return out
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -131,7 +131,7 @@ def test_probe_waits_are_bounded_and_say_what_they_waited_for():
     msg = run_ranks(_probe_without_a_peer, 2, timeout=120)[0]
     seconds, text = msg.split(" ", 1)
     assert text.startswith("PipelineError: bandwidth probe, rank 0: barrier (before the 1024-byte ping-pong of "
-                           "ranks 0 and 1) failed or timed out (1 s)"), msg
+                           "ranks 0 and 1) failed or timed out (timeout 1s)"), msg
     assert float(seconds) < 3.5, msg  # the timeout, not the peer's 4 s stall
 
 
