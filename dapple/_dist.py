@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MIN_TIMEOUT = 1e-3  # seconds: gloo and NCCL count whole milliseconds, and 0 ms means "no timeout"
+MIN_TIMEOUT = 1e-3  # seconds: waits take whole milliseconds, and gloo reads 0 ms as "no timeout" (measured)
 
 
 class PipelineError(RuntimeError):
