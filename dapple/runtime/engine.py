@@ -18,7 +18,7 @@ from ..planner.slices import routes, slice_bounds
 from ..profiler.exported import retarget_devices
 from ..profiler.layers import trace_layers
 from ..profiler.trace import LeafSpec
-from .._dist import first_line, timeout_seconds
+from .._dist import barrier, first_line, timeout_seconds, wait_for
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
@@ -193,11 +193,8 @@ class Pipeline:
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
         self._reducer.finish(self.timeout, where)
         start = rec.clock() if rec is not None else 0.0
-        try:  # the global mean loss lives on the last stage's replicas; every rank returns it
-            dist.all_reduce(loss_sum, async_op=True).wait(timeout=timedelta(seconds=self.timeout))
-        except Exception as e:
-            raise PipelineError(f"{where}: loss AllReduce over all ranks failed or timed out (timeout "
-                                f"{self.timeout:g}s): {str(e).strip()[:300]}") from e
+        # the global mean loss lives on the last stage's replicas; every rank returns it
+        wait_for(dist.all_reduce(loss_sum, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
         if rec is not None:
             rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")
         for p, old in stash.items():
@@ -332,12 +329,8 @@ class Pipeline:
             self._p2p.wait_recv(t)
         self._p2p.finish()
         for g in self._groups:
-            try:
-                dist.all_reduce(torch.zeros(1, device=self.ctx.device), group=g.group, async_op=True).wait(
-                    timeout=timedelta(seconds=self.timeout))
-            except Exception as e:
-                raise PipelineError(f"rank {rank} (stage {self.stage}): could not reach the ranks {g.ranks} of the "
-                                    f"{g.label} group within {self.timeout:g}s: {e}") from e
+            barrier(self.ctx.device, self.timeout, f"rank {rank} (stage {self.stage}): reaching the ranks {g.ranks} "
+                    f"of the {g.label} group", g.group)
 
 
 def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planner.plan import Plan
-from .._dist import PipelineError, first_line
+from .._dist import wait_for
 from .split import StageGraph
 
 BUCKET_BYTES = 25 * 2**20  # gradients are flattened into buckets of about this size, one AllReduce each
@@ -150,11 +150,7 @@ class GradReducer:
                 self._launch(k)
         for k, (g, _) in enumerate(self.buckets):
             grads, flat, work = self._launched[k]
-            try:
-                work.wait(timeout=timedelta(seconds=timeout))
-            except Exception as e:
-                raise PipelineError(f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks}) failed or timed "
-                                    f"out (timeout {timeout:g}s): {first_line(e)}") from e
+            wait_for(work, timeout, f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks})")
             if rec is not None:
                 launched, during = self._launch_times[k]
                 rec.allreduce_bucket(k, launched, rec.clock(), g.label, g.ranks, flat.numel() * flat.element_size(),
