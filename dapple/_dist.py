@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._checks import is_real
+
 MIN_TIMEOUT = 1e-3  # seconds: waits take whole milliseconds, and gloo reads 0 ms as "no timeout" (measured)
 
 
@@ -42,7 +44,7 @@ def barrier(device: torch.device, timeout: float, what: str, group: Any = None) 
 
 def timeout_seconds(name: str, value: Any) -> float:
     """``value`` as float seconds; ValueError unless it is a finite number >= :data:`MIN_TIMEOUT`."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_real(value) and math.isfinite(value)
     if not ok or value < MIN_TIMEOUT:
         raise ValueError(f"{name}: expected a finite number of seconds >= {MIN_TIMEOUT:g} (waits are bounded in "
                          f"whole milliseconds), got {value!r}")

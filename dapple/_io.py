@@ -9,6 +9,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
+from ._checks import is_int, is_real
+
 PathLike = str | os.PathLike
 
 
@@ -97,8 +99,7 @@ class Fields:
 
     def number(self, key: str, default: Any = None, minimum: float | None = 0.0, integer: bool = False) -> Any:
         v = self._get(key, _REQUIRED if default is None else default)
-        ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-        if not ok or isinstance(v, bool):
+        if not (is_int(v) if integer else is_real(v)):
             raise self._fail(key, "an integer" if integer else "a number", v)
         if minimum is not None and v < minimum:
             raise self._fail(key, f"a value >= {minimum}", v)
@@ -113,8 +114,7 @@ class Fields:
         if length is not None and len(v) != length:
             raise self._fail(key, f"a list of {length} {kind}", v)
         for i, x in enumerate(v):
-            ok = isinstance(x, int) if integer else isinstance(x, (int, float))
-            if not ok or isinstance(x, bool) or (minimum is not None and x < minimum):
+            if not (is_int(x) if integer else is_real(x)) or (minimum is not None and x < minimum):
                 bound = f" >= {minimum}" if minimum is not None else ""
                 raise DocumentError(f"{self.where}.{key}[{i}]: expected {kind[:-1]}{bound}, got {x!r}")
         return list(v)

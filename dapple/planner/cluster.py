@@ -9,7 +9,7 @@ from typing import Iterable
 import networkx as nx
 
 from .. import _io
-from .checks import number, positive_int
+from .._checks import is_int, is_real, number, positive_int
 
 VERSION = 1
 
@@ -54,12 +54,12 @@ class Cluster:
             number(f"Cluster.{key}", getattr(self, key), positive=True)
         for key in ("intra_latency", "inter_latency"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or v < 0:
+            if not is_real(v) or v < 0:
                 raise ValueError(f"Cluster.{key}: expected a number of seconds >= 0, got {v!r}")
         for key in ("intra_allreduce_bandwidth", "inter_allreduce_bandwidth", "intra_allreduce_latency",
                     "inter_allreduce_latency"):
             v = getattr(self, key)
-            if v is not None and (not isinstance(v, (int, float)) or v < 0 or (v == 0 and "bandwidth" in key)):
+            if v is not None and (not is_real(v) or v < 0 or (v == 0 and "bandwidth" in key)):
                 raise ValueError(f"Cluster.{key}: expected None or a positive number, got {v!r}")
         if self.intra_allreduce_by_size is not None:
             self.intra_allreduce_by_size = _by_size(self.intra_allreduce_by_size)
@@ -152,7 +152,7 @@ class Cluster:
         given; ``measure=False`` takes defaults instead of measuring. ``device_memory`` defaults to this
         machine's RAM shared by the processes.
         """
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        if not is_int(world_size, 1):
             raise ValueError(f"Cluster.local: world_size must be a positive integer, got {world_size!r}")
         if device_memory is None:
             device_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world_size
@@ -259,7 +259,7 @@ def _by_size(table: object) -> dict[int, list[float]]:
         if isinstance(r, bool) or not isinstance(r, (int, str)) or not str(r).isdigit() or int(r) < 2:
             raise ValueError(f"{where}: group sizes must be integers >= 2, got {r!r}")
         if (not isinstance(fit, (list, tuple)) or len(fit) != 2
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in fit)
+                or not all(is_real(v) for v in fit)
                 or fit[0] < 0 or fit[1] <= 0):
             raise ValueError(f"{where}[{r}]: expected [latency s >= 0, bandwidth B/s > 0], got {fit!r}")
         out[int(r)] = [float(fit[0]), float(fit[1])]

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .checks import number, positive_int
+from .._checks import number, positive_int
 from .comm import comm_tables
 from .slices import routes
 

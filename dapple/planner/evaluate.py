@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from .checks import positive_int, profile_and_cluster
+from .._checks import is_int, positive_int
+from .checks import profile_and_cluster
 from .cost import CostModel, Layout, layout_of
 from .latency import Latency, paper_latency
 from .memory import check_stage_memory, max_in_flight
@@ -56,7 +57,7 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
         else:
             raise ValueError(f"stages[{i}]: expected (layer_start, layer_end, [device ids]) or a Stage, got {s!r:.120}")
         lo, hi = st.layers
-        if not (isinstance(lo, int) and isinstance(hi, int)) or lo != start or hi <= lo:
+        if not (is_int(lo) and is_int(hi)) or lo != start or hi <= lo:
             raise ValueError(f"stages[{i}]: expected a non-empty layer range starting at layer {start} (ranges "
                              f"are contiguous from 0 and half-open), got [{lo}, {hi})")
         if hi > num_layers:
@@ -65,7 +66,7 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
         if not st.devices:
             raise ValueError(f"stages[{i}]: expected at least one device, got []")
         for d in st.devices:
-            if not isinstance(d, int) or not 0 <= d < cluster.num_devices:
+            if not is_int(d, 0) or d >= cluster.num_devices:
                 raise ValueError(f"stages[{i}]: device {d!r} is not in the cluster (ids 0..{cluster.num_devices - 1})")
             if d in seen:
                 raise ValueError(f"stages[{i}]: device {d} is already in stage {seen[d]}")

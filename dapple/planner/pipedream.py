@@ -8,6 +8,7 @@ import re
 import time
 from typing import Sequence
 
+from .._checks import is_int, is_real
 from ..profiler.profile import Profile
 from .cluster import Cluster
 from .pipedream_dp import SOURCE, _dp_time, analyze_partitioning, compute_partitioning
@@ -59,7 +60,7 @@ def _check_levels(cluster: Cluster, levels) -> list[tuple[int, float]]:
         lv = [(m, float(bw)) for m, bw in levels]
     except (TypeError, ValueError):
         lv = []
-    if not lv or any(not isinstance(m, int) or isinstance(m, bool) or m < 1 or not bw > 0 for m, bw in lv):
+    if not lv or any(not is_int(m, 1) or not bw > 0 for m, bw in lv):
         raise ValueError(f"pipedream_plan: levels must be (machines >= 1, bandwidth in B/s > 0) pairs, innermost "
                          f"first (PipeDream's -n 8 2 -b 5e10 3.125e9 is [(8, 5e10), (2, 3.125e9)]), got {levels!r}")
     if math.prod(m for m, _ in lv) > cluster.num_devices:
@@ -105,14 +106,14 @@ def pipedream_plan(prof: Profile, cluster: Cluster, global_batch_size: int, micr
     for key, v in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                    ("minibatch_size", minibatch_size), ("num_machines_in_first_level", num_machines_in_first_level),
                    ("max_states", max_states)):
-        if (v is not None or key == "global_batch_size") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        if (v is not None or key == "global_batch_size") and not is_int(v, 1):
             raise ValueError(f"pipedream_plan: {key} must be a positive integer, got {v!r}")
     if micro_batch_size is not None and global_batch_size % micro_batch_size:
         raise ValueError(f"pipedream_plan: global_batch_size {global_batch_size} is not divisible by "
                          f"micro_batch_size {micro_batch_size}")
-    if not (tie_break in ("first", "last") or (isinstance(tie_break, int) and not isinstance(tie_break, bool))):
+    if not (tie_break in ("first", "last") or is_int(tie_break)):
         raise ValueError(f"pipedream_plan: tie_break must be 'first', 'last' or an integer seed, got {tie_break!r}")
-    if not (isinstance(activation_compression_ratio, (int, float)) and activation_compression_ratio > 0):
+    if not (is_real(activation_compression_ratio) and activation_compression_ratio > 0):
         raise ValueError(f"pipedream_plan: activation_compression_ratio must be a number > 0, got "
                          f"{activation_compression_ratio!r}")
     lv = cluster_levels(cluster) if levels is None else _check_levels(cluster, levels)

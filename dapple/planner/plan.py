@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .. import _io
-from .checks import positive_int
+from .._checks import is_int, positive_int
 from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 
 VERSION = 1
@@ -139,7 +139,7 @@ class Plan:
                 raise ValueError(f"{where}.stages[{i}]: {len(s.devices)} replicas cannot split a micro-batch of "
                                  f"{b} rows (each replica needs at least one row)")
             for d in s.devices:
-                if not isinstance(d, int) or d < 0:
+                if not is_int(d, 0):
                     raise ValueError(f"{where}.stages[{i}].devices: expected device ids >= 0, got {d!r}")
                 if d in seen:
                     raise ValueError(f"{where}.stages[{i}].devices: device {d} is already in stage {seen[d]}")
@@ -153,7 +153,7 @@ class Plan:
         if self.layer_names is not None and len(self.layer_names) != start:
             raise ValueError(f"{where}: stages cover {start} layers but layer_names lists {len(self.layer_names)}")
         try:
-            validate_warmup(self.warmup, self.num_micro_batches)
+            validate_warmup([s.warmup for s in self.stages], self.num_micro_batches)  # as given, not int()'d
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 

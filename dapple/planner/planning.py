@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from .checks import non_negative_int, number, positive_int, profile_and_cluster
+from .._checks import is_int, is_real, non_negative_int, number, positive_int
+from .checks import profile_and_cluster
 from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
 from .plan import Plan, Stage
@@ -88,7 +89,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-    if not isinstance(gap, (int, float)) or isinstance(gap, bool) or not 0 <= gap < 1:
+    if not is_real(gap) or not 0 <= gap < 1:
         raise ValueError(f"gap: expected a fraction in [0, 1), e.g. 0.01 for 1%, got {gap!r}")
     if search not in SEARCHES:
         raise ValueError(f"search: expected one of {SEARCHES}, got {search!r}")
@@ -97,13 +98,12 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
     if micro_batch_size is not None:
-        if not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool) or micro_batch_size < 1 \
-                or g % micro_batch_size:
+        if not is_int(micro_batch_size, 1) or g % micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a positive divisor of the global batch {g}, "
                              f"got {micro_batch_size!r}")
         candidates = [micro_batch_size]
     elif micro_batch_sizes is not None:
-        bad = [x for x in micro_batch_sizes if not isinstance(x, int) or isinstance(x, bool) or x < 1 or g % x]
+        bad = [x for x in micro_batch_sizes if not is_int(x, 1) or g % x]
         if bad or not micro_batch_sizes:
             raise ValueError(f"micro_batch_sizes: expected divisors of the global batch {g}, got "
                              f"{list(micro_batch_sizes)!r}" + (f" ({bad} are not)" if bad else ""))

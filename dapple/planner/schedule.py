@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from .checks import positive_int
+from .._checks import is_int, positive_int
 
 SCHEDULES = ("dapple", "gpipe")
 WARMUP_POLICIES = ("A", "B")
@@ -58,7 +58,7 @@ def validate_warmup(warmup: Sequence[int], num_micro_batches: int) -> None:
     runs every forward first). A K_i above M acts as M (:func:`stage_ops`).
     """
     for i, k in enumerate(warmup):
-        if not isinstance(k, int) or k < 1:
+        if not is_int(k, 1):
             raise ValueError(f"stage {i}: warmup K_{i} must be a positive integer, got {k!r}")
     for i in range(1, len(warmup)):
         if warmup[i] > warmup[i - 1] and warmup[i - 1] < num_micro_batches:

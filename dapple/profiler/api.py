@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .._checks import is_int
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .exported import retarget_devices
 from .layers import LayerGraph, trace_layers
@@ -48,7 +49,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     for key, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if not is_int(value, least):
             raise ValueError(f"{key}: expected an integer >= {least}, got {value!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn: expected a callable loss_fn(output, *targets), got {type(loss_fn).__name__}")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .._checks import is_int
 from .._dist import barrier, group_device, timeout_seconds, wait_for
 
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
@@ -38,10 +39,10 @@ def fit_line(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, 
 def check_probe(sizes: Sequence[int], repeats: int) -> None:
     """ValueError, before any process starts or byte moves, unless ``sizes`` holds two or more distinct positive
     byte counts (the fit needs two) and ``repeats`` is a positive integer."""
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+    if not is_int(repeats, 1):
         raise ValueError(f"repeats: expected a positive integer (timed transfers per size), got {repeats!r}")
     sizes = list(sizes)
-    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes) or len(set(sizes)) < 2:
+    if any(not is_int(n, 1) for n in sizes) or len(set(sizes)) < 2:
         raise ValueError(f"sizes: expected two or more distinct positive byte counts (latency + bytes / bandwidth is "
                          f"fitted to them), got {sizes}")
 
@@ -198,7 +199,7 @@ def probe_local(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repea
     """Start ``world_size`` gloo processes on this machine and :func:`measure` their links."""
     import torch.multiprocessing as mp
 
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
+    if not is_int(world_size, 2):
         raise ValueError(f"probe_local: world_size must be an integer >= 2 to measure a link, got {world_size!r}")
     check_probe(sizes, repeats)
     with socket.socket() as s:

@@ -7,6 +7,8 @@ from typing import Any, Sequence, Union
 import torch
 from torch import Tensor
 
+from .._checks import is_int
+
 Batch = Union[Tensor, Sequence[Tensor]]  # one tensor, or a tuple of tensors sharing batch dim 0
 
 
@@ -51,7 +53,7 @@ def check_batch_sizes(batch_sizes: Any, example: int) -> list[int]:
         raise TypeError(f"batch_sizes: expected a sequence of positive integers, got {batch_sizes!r}") from None
     if not values:
         raise ValueError("batch_sizes: expected at least one batch size, got an empty sequence")
-    bad = [b for b in values if isinstance(b, bool) or not isinstance(b, int) or b <= 0]
+    bad = [b for b in values if not is_int(b, 1)]
     if bad:
         raise ValueError(f"batch_sizes: expected positive integers, got {values} (bad: {bad})")
     return sorted(set(values))

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .._checks import is_int
 from .._dist import barrier, timeout_seconds, wait_for
 from .bandwidth import _device, _sync
 from .clocksync import sync_clock
@@ -48,7 +49,7 @@ def concurrent_sends(receivers: Sequence[int], nbytes: int = SHARING_BYTES, repe
     rank, world = dist.get_rank(), dist.get_world_size()
     timeout = timeout_seconds("timeout", timeout)
     for name, v in (("nbytes", nbytes), ("repeats", repeats)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not is_int(v, 1):
             raise ValueError(f"link-sharing probe: {name}: expected a positive integer, got {v!r}")
     if len(receivers) != 2 or len(set(receivers)) != 2 or not all(0 < r < world for r in receivers):
         raise ValueError(f"link-sharing probe: expected two distinct receiver ranks in 1..{world - 1}, "

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .. import _io
+from .._checks import is_int
 
 VERSION = 1
 
@@ -122,7 +123,7 @@ class Profile:
         n = len(self.batch_sizes)
         if n == 0:
             raise ValueError(f"{where}.batch_sizes: expected at least one batch size, got []")
-        if any(not isinstance(b, int) or b <= 0 for b in self.batch_sizes) or sorted(set(self.batch_sizes)) != list(
+        if any(not is_int(b, 1) for b in self.batch_sizes) or sorted(set(self.batch_sizes)) != list(
                 self.batch_sizes):
             raise ValueError(f"{where}.batch_sizes: expected strictly increasing positive integers, "
                              f"got {self.batch_sizes}")
@@ -212,7 +213,7 @@ _EDGE = re.compile(r"^\s+(node\d+) -- (node\d+)\s*$")
 
 
 def _from_pipedream(path: Path, batch_size: int) -> Profile:
-    if not isinstance(batch_size, int) or batch_size <= 0:
+    if not is_int(batch_size, 1):
         raise ValueError(f"from_pipedream: batch_size must be a positive integer (the batch size {path.name} was "
                          f"profiled at), got {batch_size!r}")
     try:

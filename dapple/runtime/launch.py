@@ -6,6 +6,7 @@ import os
 import uuid
 from typing import Any, Callable
 
+from .._checks import is_int
 from .distributed import free_port
 
 
@@ -21,7 +22,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, start_timeout: float
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if not is_int(nprocs, 1):
         raise ValueError(f"nprocs: expected a positive integer, got {nprocs!r}")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"dapple-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,

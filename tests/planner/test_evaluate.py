@@ -52,6 +52,7 @@ def test_stage_forms_and_plans_are_accepted():
     ([(0, 2, [0]), (2, 3, [1])], {}, r"cover layers \[0, 3\) but the profile has 4"),
     ([(0, 2, [0, 1]), (2, 4, [1])], {}, r"device 1 is already in stage 0"),
     ([(0, 2, [0]), (2, 4, [9])], {}, r"device 9 is not in the cluster \(ids 0..3\)"),
+    ([(0, 2, [0]), (2, 4, [True])], {}, r"device True is not in the cluster"),  # a flag is not a device id
     ([(0, 4, [0, 1, 2, 3])], {"micro_batch_size": 2, "global_batch_size": 8}, r"4 replicas cannot split .* of 2"),
     ([(0, 4, [0])], {"micro_batch_size": 3}, r"not divisible by micro_batch_size 3"),
     ([(0, 4, [0])], {"model": "exact"}, r"model: expected one of"),

@@ -327,6 +327,7 @@ def test_interleaved_stages_become_contiguous_ranges():
     (dict(global_batch_size=1024, levels=[(8, 5e10), (4, 1e9)]), ValueError, "need 32 devices but the cluster has 16"),
     (dict(global_batch_size=1024, levels=[(0, 5e10)]), ValueError, "levels must be \\(machines >= 1"),
     (dict(global_batch_size=1024, activation_compression_ratio=0), ValueError, "must be a number > 0, got 0"),
+    (dict(global_batch_size=1024, activation_compression_ratio=True), ValueError, "must be a number > 0, got True"),
     (dict(global_batch_size=1024, num_machines_in_first_level=9), ValueError, "exceeds the 8 machines of level 1"),
 ])
 def test_bad_input_names_the_value(kw, err, message):

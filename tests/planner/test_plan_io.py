@@ -38,6 +38,9 @@ def test_plan_shape_in_the_papers_notation():
     (dict(stages=[Stage((0, 2), [0]), Stage((3, 5), [1])]), "starting at layer 2"),
     (dict(stages=[Stage((0, 3), [0, 1]), Stage((3, 5), [1])]), "device 1 is already in stage 0"),
     (dict(stages=[Stage((0, 3), [0]), Stage((3, 5), [2])]), "device ids must be 0..1"),
+    (dict(stages=[Stage((0, 3), [0]), Stage((3, 5), [True])]), "expected device ids >= 0, got True"),
+    (dict(stages=[Stage((0, 3), [0], True), Stage((3, 5), [1], 1)]), "K_0 must be a positive integer, got True"),
+    (dict(stages=[Stage((0, 3), [0], 2.5), Stage((3, 5), [1], 1)]), "K_0 must be a positive integer, got 2.5"),
     (dict(stages=[Stage((0, 5), [0, 1, 2, 3, 4])]), "5 replicas cannot split a micro-batch of 4"),
     (dict(schedule="1f1b"), "schedule: expected one of"),
     (dict(stages=[Stage((0, 3), [0], 1), Stage((3, 5), [1], 2)]), "K_1=2 exceeds K_0=1"),
@@ -77,6 +80,11 @@ def test_cluster_round_trip_and_errors(tmp_path):
     assert Cluster.load(tmp_path / "c.yaml") == c
     with pytest.raises(ValueError, match=r"devices_per_server: expected a positive integer, got 0"):
         Cluster(servers=1, devices_per_server=0, intra_bandwidth=1, inter_bandwidth=1)
+    for bad in (float("nan"), True):  # neither is a number of seconds
+        with pytest.raises(ValueError, match=rf"Cluster.inter_latency: expected a number of seconds >= 0, got {bad}"):
+            Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, inter_latency=bad)
+        with pytest.raises(ValueError, match=rf"Cluster.inter_allreduce_latency: expected None .* got {bad}"):
+            Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, inter_allreduce_latency=bad)
     assert Cluster.local(3, measure=False).num_devices == 3
     shared = Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, link_sharing="shared")
     shared.save(tmp_path / "s.yaml")

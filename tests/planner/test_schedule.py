@@ -42,8 +42,9 @@ def test_increasing_warmup_is_rejected_with_values():
     with pytest.raises(ValueError, match=r"K_1=3 exceeds K_0=2"):
         validate_warmup([2, 3], 8)
     validate_warmup([8, 9], 8)  # K_0 = M: stage 0 runs every forward first, nothing to wait on
-    with pytest.raises(ValueError, match="positive integer"):
-        validate_warmup([0], 8)
+    for bad in (0, True, 1.0):
+        with pytest.raises(ValueError, match=f"K_0 must be a positive integer, got {bad}"):
+            validate_warmup([bad], 8)
 
 
 def test_unknown_names():

@@ -32,6 +32,8 @@ def test_yaml_round_trip(tmp_path):
     (lambda d: d["layers"][1].update(forward_ms=[1.0]), "layers[1].forward_ms: expected a list of 2 numbers"),
     (lambda d: d["layers"][2].pop("param_bytes"), "layers[2]: missing field 'param_bytes'"),
     (lambda d: d["layers"][0].update(saved_bytes=[1, -5]), "layers[0].saved_bytes[1]: expected number >= 0"),
+    (lambda d: d["layers"][0].update(forward_ms=[1.0, float("nan")]), "layers[0].forward_ms[1]: expected number"),
+    (lambda d: d["layers"][2].update(param_bytes=float("nan")), "layers[2].param_bytes: expected a number"),
     (lambda d: d.update(batch_sizes=[8, 4]), "batch_sizes: expected strictly increasing"),
 ])
 def test_bad_yaml_names_file_and_field(tmp_path, edit, message):

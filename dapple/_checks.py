@@ -1,0 +1,33 @@
+"""Argument checks shared by the profiler, planner and runtime: a bool is neither a count nor a number."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_int(value: Any, least: int | None = None) -> bool:
+    """True for an int that is not a bool (flags are not counts) and, when ``least`` is given, >= ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
+
+
+def is_real(value: Any) -> bool:
+    """True for an int or float that is neither a bool nor NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def positive_int(name: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is an int >= 1."""
+    if not is_int(value, 1):
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+
+def non_negative_int(name: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is an int >= 0."""
+    if not is_int(value, 0):
+        raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
+
+
+def number(name: str, value: Any, *, positive: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a real number >= 0 (> 0 with ``positive``)."""
+    if not is_real(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'} number, got {value!r}")
