@@ -21,26 +21,28 @@ def _add_show(sub: "argparse._SubParsersAction") -> None:
 
 
 def _run_show(args: argparse.Namespace) -> int:
-    import yaml
-
-    from . import Cluster, Plan, Profile
+    from . import Cluster, Plan, Profile, _io
+    from .planner.cluster import VERSION as CLUSTER_VERSION
+    from .planner.plan import VERSION as PLAN_VERSION
+    from .profiler.profile import VERSION as PROFILE_VERSION
 
     if str(args.path).endswith(".json"):
         return _show_trace(args.path, args.png)
-    with open(args.path) as f:
-        head = yaml.safe_load(f) or {}
-    kinds = {"dapple_plan": Plan, "dapple_profile": Profile, "dapple_cluster": Cluster}
-    for key, cls in kinds.items():
-        if isinstance(head, dict) and key in head:
-            doc = cls.load(args.path)
-            print(doc)
-            if key == "dapple_plan" and (args.png or args.json):
-                return _show_simulated(doc, args)
-            if args.png:
-                raise SystemExit(f"dapple show: --png draws a trace (.json) or a plan; {args.path} is a "
-                                 f"{key[7:]} document")
-            return 0
-    raise SystemExit(f"dapple show: {args.path} is not a dapple document (expected one of {sorted(kinds)})")
+    kinds = {"dapple_plan": (Plan, PLAN_VERSION), "dapple_profile": (Profile, PROFILE_VERSION),
+             "dapple_cluster": (Cluster, CLUSTER_VERSION)}
+    head = _io.read(args.path, "dapple", f"one of the headers {sorted(kinds)}")
+    key = next((k for k in kinds if k in head), None)
+    if key is None:
+        raise SystemExit(f"dapple show: {args.path} is not a dapple document (expected one of {sorted(kinds)})")
+    cls, version = kinds[key]
+    _io.check_header(head, args.path, key, version)
+    doc = cls.from_dict(head, where=str(args.path))
+    print(doc)
+    if key == "dapple_plan" and (args.png or args.json):
+        return _show_simulated(doc, args)
+    if args.png:
+        raise SystemExit(f"dapple show: --png draws a trace (.json) or a plan; {args.path} is a {key[7:]} document")
+    return 0
 
 
 def _show_simulated(plan, args: argparse.Namespace) -> int:
@@ -56,8 +58,9 @@ def _show_simulated(plan, args: argparse.Namespace) -> int:
     if args.png:
         sim = draw_plan(plan, prof, cluster, args.png, overlap=args.overlap)
         print(f"{sim}\nwrote {args.png}")
-    if args.json:
+    else:
         sim = simulate(plan, prof, cluster, overlap=args.overlap)
+    if args.json:
         save_chrome_trace(from_simulation(sim), args.json, metadata={"simulated": True, "plan": plan.to_dict()},
                           process_names=device_labels(sim))
         print(f"wrote {args.json}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,13 @@ MIN_TIMEOUT = 1e-3  # seconds: waits take whole milliseconds, and gloo reads 0 m
 
 class PipelineError(RuntimeError):
     """A transfer or collective failed or timed out; the message names the rank, stage, peer and micro-batch."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def first_line(e: BaseException) -> str:

@@ -53,8 +53,9 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-def load(path: PathLike, kind: str, version: int) -> dict[str, Any]:
-    """Load a document whose header key ``kind`` (e.g. ``dapple_plan``) must equal ``version``."""
+def read(path: PathLike, kind: str, header: str) -> dict[str, Any]:
+    """The YAML mapping in ``path`` (a ``kind`` document, whose ``header`` the errors quote); DocumentError naming
+    the file if it cannot be read or parsed."""
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -64,12 +65,23 @@ def load(path: PathLike, kind: str, version: int) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise DocumentError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(doc, dict):
-        raise DocumentError(f"{path}: expected a YAML mapping with '{kind}: {version}', got {type(doc).__name__}")
+        raise DocumentError(f"{path}: expected a YAML mapping with {header}, got {type(doc).__name__}")
+    return doc
+
+
+def check_header(doc: Mapping[str, Any], path: PathLike, kind: str, version: int) -> None:
+    """DocumentError unless the header key ``kind`` (e.g. ``dapple_plan``) of ``doc`` equals ``version``."""
     if kind not in doc:
         raise DocumentError(f"{path}: missing header field '{kind}' (expected '{kind}: {version}'); "
                             f"is this the right kind of document? top-level keys: {sorted(doc)}")
     if doc[kind] != version:
         raise DocumentError(f"{path}: {kind} is {doc[kind]!r}, this dapple reads version {version}")
+
+
+def load(path: PathLike, kind: str, version: int) -> dict[str, Any]:
+    """Load a document whose header key ``kind`` (e.g. ``dapple_plan``) must equal ``version``."""
+    doc = read(path, kind, f"'{kind}: {version}'")
+    check_header(doc, path, kind, version)
     return doc
 
 

@@ -155,9 +155,8 @@ def _add_probe(sub: "argparse._SubParsersAction") -> None:
 
 
 def _run_probe(args: argparse.Namespace) -> int:
-    import os
-
     from . import Cluster
+    from .planner.cluster import ram_per_process
     from .profiler.bandwidth import DEFAULT_SIZES, measure, probe_local
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: every rank measures
@@ -171,7 +170,7 @@ def _run_probe(args: argparse.Namespace) -> int:
         memory = args.device_memory
         if memory is None:
             memory = (torch.cuda.get_device_properties(ctx.device).total_memory if ctx.device.type == "cuda" else
-                      os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / fits["devices_per_server"])
+                      ram_per_process(fits["devices_per_server"]))
         if ctx.rank == 0:
             cluster = Cluster.from_probe(fits, device_memory=float(memory))
             cluster.save(args.output)
@@ -179,7 +178,7 @@ def _run_probe(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return 0
     fits = probe_local(args.nproc, DEFAULT_SIZES, args.repeats)
-    memory = args.device_memory or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / args.nproc
+    memory = args.device_memory or ram_per_process(args.nproc)
     cluster = Cluster.from_probe(fits, device_memory=float(memory))
     cluster.name = "local"
     cluster.save(args.output)

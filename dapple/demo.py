@@ -70,8 +70,7 @@ def run(cfg: DemoConfig) -> dict:
           f"profiled in {prof.meta['profiling_seconds']:.1f} s")
     print(f"[2/4] measuring the links between {cfg.nproc} local processes ...", flush=True)
     memory = cfg.memory_fraction * static + activations
-    cluster = dapple.Cluster.local(cfg.nproc, device_memory=memory) if cfg.nproc > 1 else \
-        dapple.Cluster.local(1, device_memory=memory, measure=False)
+    cluster = dapple.Cluster.local(cfg.nproc, device_memory=memory)  # measures the links when nproc > 1
     print(f"      {cluster}")
     print(f"      device memory capped at {memory / 1e6:.2f} MB per process: the parameters with their Adam state "
           f"need {static / 1e6:.2f} MB, more than a process holds beside the activations, so the model must be "

@@ -155,7 +155,7 @@ class Cluster:
         if not is_int(world_size, 1):
             raise ValueError(f"Cluster.local: world_size must be a positive integer, got {world_size!r}")
         if device_memory is None:
-            device_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world_size
+            device_memory = ram_per_process(world_size)
         if measure is None:
             measure = (bandwidth is None or latency is None) and world_size > 1
         if measure:
@@ -246,6 +246,11 @@ class Cluster:
                 f"intra {self.intra_bandwidth / gb:.3g} GB/s + {self.intra_latency * 1e6:.3g} us, "
                 f"inter {self.inter_bandwidth / gb:.3g} GB/s + {self.inter_latency * 1e6:.3g} us, "
                 f"{self.device_memory / gb:.3g} GB per device")
+
+
+def ram_per_process(processes: int) -> float:
+    """This machine's RAM in bytes shared by ``processes`` (a CPU process's "device memory")."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / processes
 
 
 def _by_size(table: object) -> dict[int, list[float]]:

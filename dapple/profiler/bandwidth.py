@@ -7,14 +7,14 @@ import socket
 import statistics
 import time
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .._checks import is_int
-from .._dist import barrier, group_device, timeout_seconds, wait_for
+from .._dist import PipelineError, barrier, first_line, free_port, group_device, timeout_seconds, wait_for
 
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
@@ -57,6 +57,16 @@ def _wait(work, what: str, timeout: float) -> None:
 
 def _barrier(device: torch.device, what: str, timeout: float, group=None) -> None:
     barrier(device, timeout, f"bandwidth probe, rank {dist.get_rank()}: barrier ({what})", group)
+
+
+def _bounded(what: str, limit: float, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``: a blocking step bounded by a group timeout of ``limit`` seconds (creating a
+    group, an object collective); its failure a PipelineError that says what it was."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as e:
+        raise PipelineError(f"bandwidth probe, rank {dist.get_rank()}: {what} failed or timed out "
+                            f"(timeout {limit:g}s): {first_line(e)}") from e
 
 
 def _sync(device: torch.device) -> None:
@@ -120,15 +130,18 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
     below its device count and for all of it, "hosts", "link_sharing": {"intra" and/or "inter":
     :func:`link_sharing.concurrent_sends` from rank 0 to two ranks of its server / of the next server} (with 3
     or more ranks per server / 2 or more on each of 2 or more servers)}``. ``timeout``: seconds for the groups
-    it makes and the link-sharing waits (the rest are bounded by the default group's timeout).
+    it makes (a gloo one for the host names and the results) and for every wait.
     """
     check_probe(sizes, repeats)
     wait = timedelta(seconds=timeout_seconds("timeout", timeout))
     world = dist.get_world_size()
     if world < 2:
         raise ValueError(f"the bandwidth probe needs at least 2 ranks, the world has {world}")
+    objects = _bounded("creating its gloo group (does every rank call measure?)", timeout, dist.new_group,
+                       list(range(world)), timeout=wait, backend="gloo")  # for the object collectives
     hosts: list = [None] * world  # DAPPLE_PROBE_HOST overrides the host name (e.g. to test several servers)
-    dist.all_gather_object(hosts, os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname())
+    _bounded("gathering the host names", timeout, dist.all_gather_object, hosts,
+              os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname(), group=objects)
     names = list(dict.fromkeys(hosts))
     per = hosts.count(names[0])
     expect = [h for h in names for _ in range(per)]
@@ -144,14 +157,16 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
         result["inter"] = fit_line(list(t), list(t.values())) if t else None
     result["allreduce"] = _ring_fit(allreduce_times(sizes, repeats, timeout=timeout), world)
     if len(names) > 1 and per > 1:  # an AllReduce inside one server, for stages that do not span servers
-        server0 = dist.new_group(list(range(per)), timeout=wait)  # every rank creates it, only server 0 uses it
+        server0 = _bounded("creating the group of server 0", timeout, dist.new_group, list(range(per)),
+                           timeout=wait)  # every rank creates it, only server 0 uses it
         if dist.get_rank() < per:
             result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, server0, timeout), per)
     if per > 1:  # smaller groups inside server 0: the cost per byte may depend on the group size
         by_size = {per: result.get("allreduce_intra") if len(names) > 1 else result["allreduce"]}  # rank 0's
         r = 2
         while r < per:
-            group = dist.new_group(list(range(r)), timeout=wait)  # every rank creates it, ranks 0..r-1 use it
+            group = _bounded(f"creating the group of ranks 0..{r - 1}", timeout, dist.new_group, list(range(r)),
+                             timeout=wait)  # every rank creates it, ranks 0..r-1 use it
             if dist.get_rank() < r:
                 by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group, timeout), r)
             _barrier(_device(), f"after the AllReduce of ranks 0..{r - 1}", timeout)
@@ -167,7 +182,8 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
         if sharing:
             result["link_sharing"] = sharing
     fits = [result]
-    dist.broadcast_object_list(fits, src=0)  # rank 0 timed the ping-pongs: everyone gets its numbers
+    # rank 0 timed the ping-pongs: everyone gets its numbers
+    _bounded("receiving rank 0's results", timeout, dist.broadcast_object_list, fits, 0, group=objects)
     return fits[0]
 
 
@@ -186,7 +202,7 @@ def _worker(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int
         fits = measure(sizes, repeats)
         if rank == 0:
             queue.put(fits)
-        dist.barrier()  # nobody closes its connections while a peer still reads from them
+        _barrier(_device(), "after the probe", 120.0)  # nobody closes its connections while a peer still reads
     except Exception as e:  # rank 0's own error (e.g. a noisy fit) reaches the caller, not just "peer closed"
         if rank == 0:
             queue.put(e)
@@ -202,9 +218,7 @@ def probe_local(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repea
     if not is_int(world_size, 2):
         raise ValueError(f"probe_local: world_size must be an integer >= 2 to measure a link, got {world_size!r}")
     check_probe(sizes, repeats)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     try:

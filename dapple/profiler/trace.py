@@ -11,6 +11,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .._dist import first_line
+
 LeafSpec = Iterable[type | str]  # module classes, or qualified module names ("blocks.3")
 
 
@@ -66,7 +68,7 @@ def _explain(model: nn.Module, exc: BaseException) -> str:
     if frame is not None:
         code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
         where = f"\n  at {frame.filename}:{frame.lineno}, in {frame.name}:\n      {code}"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc)
     return (
         f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {first}{where}\n"
         "What to do:\n"

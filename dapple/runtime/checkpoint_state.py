@@ -32,14 +32,9 @@ class StageTensor:
     tensor: torch.Tensor
 
 
-def model_names(pipe: Pipeline) -> tuple[dict[int, list[str]], list[str]]:
-    """id(tensor) -> its names in the original model's state_dict, over ALL stages; and every name in order."""
-    return pipe.state_names, pipe.state_order
-
-
 def stage_tensors(pipe: Pipeline) -> list[StageTensor]:
     """This rank's stage parameters and buffers, each once, with their checkpoint keys and all their names."""
-    aliases, _ = model_names(pipe)
+    aliases = pipe.state_names  # id(tensor) -> its names in the original model's state_dict, all stages
     pname = {id(p): n for n, p in pipe.named_parameters()}
     out, seen = [], set()
     for name, t in pipe.module.state_dict(keep_vars=True).items():
@@ -63,6 +58,11 @@ def _plain(v: Any) -> Any:
     return v.detach().cpu() if isinstance(v, torch.Tensor) else v
 
 
+def _foreign(i: int, p: torch.Tensor) -> ValueError:
+    return ValueError(f"optimizer.param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                      f"of this rank's stage (build the optimizer from pipe.parameters())")
+
+
 def optimizer_info(optimizer: torch.optim.Optimizer, local: list[StageTensor]) -> dict:
     """Class, param groups (hyperparameters + parameter names) and state entry kinds, by original name."""
     key = {id(t.tensor): t.key for t in local if t.kind == "parameter"}
@@ -71,8 +71,7 @@ def optimizer_info(optimizer: torch.optim.Optimizer, local: list[StageTensor]) -
         names = []
         for p in group["params"]:
             if id(p) not in key:
-                raise ValueError(f"optimizer.param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not "
-                                 f"a parameter of this rank's stage (build the optimizer from pipe.parameters())")
+                raise _foreign(i, p)
             names.append(key[id(p)])
             state[key[id(p)]] = {k: "tensor" if isinstance(v, torch.Tensor) else "object"
                                  for k, v in optimizer.state.get(p, {}).items()}
@@ -99,7 +98,7 @@ def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
     """The checkpoint's description, merged on rank 0 from every rank's part."""
     import dapple
 
-    _, order = model_names(pipe)
+    order = pipe.state_order  # every name of the original model's state_dict, in order
     pos = {n: i for i, n in enumerate(order)}
     tensors: dict[str, dict] = {}
     for info in infos:
@@ -127,7 +126,7 @@ def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: 
     tensors = meta["tensors"]
     key_of = {n: k for k, info in tensors.items() for n in info["names"]}
     local = stage_tensors(pipe)
-    _, all_names = model_names(pipe)
+    all_names = set(pipe.state_order)
     where = f"stage {pipe.stage} (rank {pipe.ctx.rank})"
     missing, shapes, extra_copies, keys = [], [], [], {}
     for t in local:
@@ -150,7 +149,7 @@ def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: 
     if shapes:
         raise ValueError(f"{path}: shape mismatch on {where}: {'; '.join(shapes[:6])}"
                          f"{' ...' if len(shapes) > 6 else ''} (saved from a model of another size?)")
-    unused = [k for k, info in tensors.items() if not set(info["names"]) & set(all_names)]
+    unused = [k for k, info in tensors.items() if all_names.isdisjoint(info["names"])]
     if unused:  # like load_state_dict(strict=True): nothing of the checkpoint may be left over
         raise ValueError(f"{path}: the checkpoint holds {len(unused)} tensor(s) this model lacks: {few(unused)} "
                          f"(saved from another model?)")
@@ -185,8 +184,7 @@ def _optimizer_targets(optimizer: torch.optim.Optimizer, path: Path, md: Metadat
         for p in group["params"]:
             key = keys.get(id(p))
             if key is None:
-                raise ValueError(f"optimizer.param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not "
-                                 f"a parameter of this rank's stage (build the optimizer from pipe.parameters())")
+                raise _foreign(i, p)
             if key not in om["state"] or key not in hyper_of:
                 raise ValueError(f"{path}: no optimizer state for parameter {key!r} (its optimizer did not hold it)")
             for s, kind in om["state"][key].items():

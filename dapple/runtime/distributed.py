@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .._dist import group_device, local_rank, timeout_seconds
+from .._dist import free_port, group_device, local_rank, timeout_seconds
 
 
 @dataclass(frozen=True)
@@ -26,13 +25,6 @@ class DistContext:
 def default_backend() -> str:
     """NCCL when CUDA is available, gloo otherwise (chosen at run time; one code path for both)."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistContext:

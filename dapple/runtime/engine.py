@@ -14,7 +14,7 @@ from torch import nn
 
 from ..planner.plan import Plan
 from ..planner.schedule import Op
-from ..planner.slices import routes, slice_bounds
+from ..planner.slices import slice_bounds
 from ..profiler.exported import retarget_devices
 from ..profiler.layers import trace_layers
 from ..profiler.trace import LeafSpec
@@ -22,7 +22,7 @@ from .._dist import barrier, first_line, timeout_seconds, wait_for
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
-from .program import Instr, Layout, Transfer, op_receives, rank_program
+from .program import Instr, Layout, Transfer, cut_routes, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
 from .split import StageGraph, resolve_output, split_stages, state_names
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder
@@ -311,10 +311,9 @@ class Pipeline:
         plan, rank = self.plan, self.ctx.rank
         channels = set()
         for c in range(plan.num_stages - 1):
-            src, dst = plan.stages[c].devices, plan.stages[c + 1].devices
-            for r in routes(plan.micro_batch_size, len(src), len(dst)):
-                channels.add((src[r.src], dst[r.dst], "act"))
-                channels.add((dst[r.dst], src[r.src], "grad"))
+            for _, src, dst in cut_routes(plan, c):
+                channels.add((src, dst, "act"))
+                channels.add((dst, src, "grad"))
         mine = []
         for ch in sorted(channels):
             if rank in ch[:2]:

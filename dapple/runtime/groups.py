@@ -37,11 +37,9 @@ def canonical_names(model: nn.Module) -> dict[int, str]:
 def tied_owners(stages: Sequence[StageGraph], names: dict[int, str]) -> dict[tuple[int, ...], list[str]]:
     """Parameters used by more than one stage, grouped by the set of stages using them."""
     users: dict[int, list[int]] = {}
-    params: dict[int, nn.Parameter] = {}
     for st in stages:
         for p in st.parameters():
             users.setdefault(id(p), []).append(st.index)
-            params[id(p)] = p
     tied: dict[tuple[int, ...], list[str]] = {}
     for pid, owners in users.items():
         if len(owners) > 1:
@@ -89,10 +87,14 @@ class GradReducer:
 
     def __init__(self, groups: Sequence[GradGroup], bucket_bytes: int = BUCKET_BYTES):
         self.buckets: list[tuple[GradGroup, list[nn.Parameter]]] = []
+        self._in_group: list[list[int]] = []  # per group: its bucket indices, in launch order
         for g in groups:  # same group order and bucket layout on every member
-            self.buckets += [(g, b) for b in _buckets([p for p in reversed(g.params) if p.requires_grad],
-                                                      bucket_bytes)]
+            mine = _buckets([p for p in reversed(g.params) if p.requires_grad], bucket_bytes)
+            self._in_group.append(list(range(len(self.buckets), len(self.buckets) + len(mine))))
+            self.buckets += [(g, b) for b in mine]
         self._bucket_of = {id(p): i for i, (_, b) in enumerate(self.buckets) for p in b}
+        self._group_of = [gi for gi, ks in enumerate(self._in_group) for _ in ks]  # bucket -> its group's index
+        self._next: list[int] = []  # per group: how many of its buckets are launched (always a prefix)
         self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)  # each bucket's flat gradient buffer
         self._armed = False
         self._left: list[int] = []
@@ -107,6 +109,7 @@ class GradReducer:
         """From now on (the step's last backward), launch each bucket once its gradients are final."""
         self._left = [len(b) for _, b in self.buckets]
         self._launched = [None] * len(self.buckets)
+        self._next = [0] * len(self._in_group)
         self._armed = True
         if self.rec is not None:
             self._launch_times = [(0.0, "")] * len(self.buckets)
@@ -116,12 +119,12 @@ class GradReducer:
         if not self._armed or i is None:
             return
         self._left[i] -= 1
-        group = self.buckets[i][0]
-        for k, (g, _) in enumerate(self.buckets):  # launch this group's buckets in order, while ready
-            if g is group and self._launched[k] is None:
-                if self._left[k] > 0:
-                    break
-                self._launch(k)
+        gi = self._group_of[i]
+        ks, n = self._in_group[gi], self._next[gi]
+        while n < len(ks) and self._left[ks[n]] == 0:  # launch this group's buckets in order, while ready
+            self._launch(ks[n])
+            n += 1
+        self._next[gi] = n
 
     def _launch(self, k: int) -> None:
         g, bucket = self.buckets[k]

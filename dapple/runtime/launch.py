@@ -7,7 +7,7 @@ import uuid
 from typing import Any, Callable
 
 from .._checks import is_int
-from .distributed import free_port
+from .._dist import free_port
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, start_timeout: float = 120.0,

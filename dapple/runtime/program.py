@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from ..planner.plan import Plan
 from ..planner.schedule import Op, stage_ops
-from ..planner.slices import routes, slice_bounds
+from ..planner.slices import Route, routes
 
 LOOKAHEAD = 1  # receives are posted for the current op and the next one, so transfers overlap compute
 
@@ -59,40 +59,37 @@ class Layout:
     grads: tuple[tuple[int, ...], ...]  # per cut: indices of values whose gradient is sent back
 
 
-def _slice_of(plan: Plan, stage: int, replica: int) -> tuple[int, int]:
-    return slice_bounds(plan.micro_batch_size, plan.stages[stage].replicas)[replica]
+def cut_routes(plan: Plan, c: int) -> Iterator[tuple[Route, int, int]]:
+    """The split-concat routes across the cut after stage c, each with its sender's and receiver's global rank."""
+    src_ranks, dst_ranks = plan.stages[c].devices, plan.stages[c + 1].devices
+    for r in routes(plan.micro_batch_size, len(src_ranks), len(dst_ranks)):
+        yield r, src_ranks[r.src], dst_ranks[r.dst]
 
 
 def op_transfers(plan: Plan, layout: Layout, rank: int, op: Op) -> tuple[list[Transfer], list[Transfer]]:
     """(receives, sends) of ``rank`` for one op, in posting order: by route (sender, then receiver), then value."""
     s = plan.stage_of_device(rank)
     me = plan.stages[s].devices.index(rank)
-    b, j = plan.micro_batch_size, op.micro_batch
+    j = op.micro_batch
     recvs: list[Transfer] = []
     sends: list[Transfer] = []
-
-    def cut_routes(c: int):  # routes across the cut after stage c, with global ranks
-        src_ranks, dst_ranks = plan.stages[c].devices, plan.stages[c + 1].devices
-        for r in routes(b, len(src_ranks), len(dst_ranks)):
-            yield r, src_ranks[r.src], dst_ranks[r.dst]
-
     if op.kind == "F":
         if s > 0:  # activations from the previous stage (split-concat, paper V-B2)
-            for r, src, dst in cut_routes(s - 1):
+            for r, src, dst in cut_routes(plan, s - 1):
                 if r.dst == me:
                     recvs += [Transfer("act", s - 1, j, v, src, dst, r.start, r.end)
                               for v in range(layout.values[s - 1])]
         if s < plan.num_stages - 1:
-            for r, src, dst in cut_routes(s):
+            for r, src, dst in cut_routes(plan, s):
                 if r.src == me:
                     sends += [Transfer("act", s, j, v, src, dst, r.start, r.end) for v in range(layout.values[s])]
     else:
         if s < plan.num_stages - 1:  # gradients of what this stage sent, back along the same routes
-            for r, src, dst in cut_routes(s):
+            for r, src, dst in cut_routes(plan, s):
                 if r.src == me:
                     recvs += [Transfer("grad", s, j, v, dst, src, r.start, r.end) for v in layout.grads[s]]
         if s > 0:
-            for r, src, dst in cut_routes(s - 1):
+            for r, src, dst in cut_routes(plan, s - 1):
                 if r.dst == me:
                     sends += [Transfer("grad", s - 1, j, v, dst, src, r.start, r.end) for v in layout.grads[s - 1]]
     return recvs, sends

@@ -47,12 +47,12 @@ class Recorder:
     The hot path appends a plain tuple per event (no formatting); :attr:`events` builds the ``Event`` objects.
     """
 
-    def __init__(self, rank: int, stage: int, max_steps: int | None = None,
+    def __init__(self, rank: int, max_steps: int | None = None,
                  value_name: Callable[[Transfer], str] = lambda t: f"value {t.value}", device: Any = None):
         self.clock = self.base_clock = CLOCK  # base_clock: the same time base, without a device sync
         if device is not None and torch.device(device).type == "cuda":  # kernels and NCCL run asynchronously:
             self.clock = _synced(CLOCK, torch.device(device))  # a time is taken once the GPU has caught up
-        self.rank, self.stage = rank, stage
+        self.rank = rank
         self.value_name = value_name  # boundary value -> its name in the model's graph
         self.steps: deque[tuple[int, list[tuple]]] = deque(maxlen=max_steps)  # (step, its raw events)
         self.syncs: list[ClockSync] = []
@@ -165,9 +165,9 @@ class Trace:
     """``with pipe.trace() as t: pipe.train_step(...)`` records the steps run in the block (enter it on every
     rank: starting syncs clocks); then ``t.save("trace.json")`` on every rank writes one merged Chrome trace."""
 
-    def __init__(self, pipe: "Pipeline", recorder: Recorder | None = None):
+    def __init__(self, pipe: "Pipeline"):
         self._pipe = pipe
-        self.recorder = recorder
+        self.recorder: Recorder | None = None
         self._previous: Recorder | None = None
 
     def __enter__(self) -> "Trace":
@@ -197,7 +197,7 @@ class Trace:
 
 def start_recorder(pipe: "Pipeline", max_steps: int | None = None) -> Recorder:
     """A new recorder for ``pipe``'s rank with a first clock sync (collective)."""
-    rec = Recorder(pipe.ctx.rank, pipe.stage, max_steps, pipe._value_name, pipe.ctx.device)
+    rec = Recorder(pipe.ctx.rank, max_steps, pipe._value_name, pipe.ctx.device)
     rec.syncs.append(sync_clock(rec.base_clock, pipe.ctx.rank, pipe.ctx.world_size, pipe.ctx.device, pipe.timeout))
     return rec
 

@@ -28,7 +28,7 @@ def test_probe_three_local_processes(tmp_path):
     fits = probe_local(3, sizes=(1 << 16, 1 << 20, 1 << 23), repeats=3)
     assert fits["servers"] == 1 and fits["devices_per_server"] == 3 and fits["inter"] is None
     lat, bw = fits["intra"]
-    assert lat >= 0 and 1e6 < bw < 1e12  # loopback moves between a MB/s and a TB/s
+    assert 0 <= lat < 0.01 and 1e6 < bw < 1e12  # loopback: under 10 ms, between a MB/s and a TB/s
     assert fits["allreduce"][1] > 1e6
     assert sorted(fits["allreduce_by_size"]) == [2, 3] and fits["allreduce_by_size"][3] == fits["allreduce"]
     assert fits["allreduce_by_size"][2][1] > 1e6  # a group of ranks 0, 1 measured on its own
@@ -123,6 +123,35 @@ def _probe_without_a_peer() -> str | None:
     except Exception as e:
         return f"{time.perf_counter() - start:.1f} {type(e).__name__}: {e}"
     return "no error"
+
+
+def _measure_without_a_peer() -> str | None:
+    """Rank 1 stalls past the timeout before it joins ``measure``; rank 0 returns the error it gets."""
+    import time
+
+    import torch.distributed as dist
+
+    from dapple.profiler import bandwidth
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        time.sleep(4)
+        return None
+    start = time.perf_counter()
+    try:
+        bandwidth.measure(sizes=(1024, 4096), repeats=1, timeout=1.0)
+    except Exception as e:
+        return f"{time.perf_counter() - start:.1f} {type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_measure_is_bounded_from_its_first_exchange():
+    from tests.runtime._spawn import run_ranks
+
+    msg = run_ranks(_measure_without_a_peer, 2, timeout=120)[0]
+    seconds, text = msg.split(" ", 1)
+    assert float(seconds) < 3.5, msg  # the timeout, not the peer's 4 s stall
+    assert text.startswith("PipelineError: bandwidth probe, rank 0: creating its gloo group (does every rank call "
+                           "measure?) failed or timed out (timeout 1s)"), msg
 
 
 def test_probe_waits_are_bounded_and_say_what_they_waited_for():

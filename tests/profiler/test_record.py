@@ -17,9 +17,9 @@ def _replay(model, inputs):
     values = record_inputs(lg, layers, inputs)
     for lm in layers[:-1]:
         out = lm.gm(*[fresh(values[a]) for a in lm.inputs])
-        for node, value in zip(lm.outputs, out):
-            if node in values:
-                torch.testing.assert_close(value, values[node], rtol=0, atol=0)
+        for node, value in zip(lm.outputs, out):  # every output but the model's is a later layer's input
+            assert node in values, node
+            torch.testing.assert_close(value, values[node], rtol=0, atol=0)
     last = layers[-1]
     return lg, values, last.gm(*[fresh(values[a]) for a in last.inputs])
 

@@ -161,6 +161,12 @@ def test_show_rejects_png_for_yaml_and_bad_json(tmp_path):
                        "inter_bandwidth: 1e9\n")
     with pytest.raises(SystemExit, match=r"--png draws a trace \(\.json\) or a plan"):
         cli(["show", str(cluster), "--png", str(tmp_path / "x.png")])
+    for text, message in (("a: [1, 2", "not valid YAML"), ("- 1\n", "expected a YAML mapping with one of the headers"),
+                          ("a: 1\n", "is not a dapple document"), ("dapple_plan: 9\n", "dapple_plan is 9")):
+        doc = tmp_path / "d.yaml"
+        doc.write_text(text)
+        with pytest.raises(SystemExit, match=message):  # no traceback, not even for YAML that does not parse
+            cli(["show", str(doc)])
     bad = tmp_path / "t.json"
     bad.write_text("[1, 2")
     with pytest.raises(SystemExit, match="cannot read a Chrome-trace JSON"):
@@ -178,7 +184,7 @@ def test_correction_interpolates_drift():
 
 
 def test_merge_moves_each_rank_onto_rank_0s_clock():
-    rec = Recorder(rank=1, stage=0)
+    rec = Recorder(rank=1)
     rec.clock = iter([100.0, 102.0]).__next__  # read by begin_step and end_step
     rec.begin_step(1)
     rec.compute("F", 0, 100.5, 101.0)
