@@ -29,3 +29,10 @@ def pipedream_path(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"shared PipeDream profile {path} not found")
     return path
+
+
+def pipedream_profile(name: str):
+    """The shared PipeDream profile ``name`` as a dapple Profile, at the batch size it was profiled at."""
+    from dapple import Profile
+
+    return Profile.from_pipedream(pipedream_path(name), PIPEDREAM_MODELS[name])

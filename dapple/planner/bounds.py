@@ -33,8 +33,8 @@ def allreduce_floor(cm: "CostModel", replicas: int, params: np.ndarray) -> np.nd
     where = (True,) if replicas > cl.devices_per_server else ((False, True) if cl.servers > 1 else (False,))
     best = None
     for spans in where:
-        bw, lat = cl.allreduce_link(spans_servers=spans, replicas=replicas)
-        t = (2 * (replicas - 1) / replicas * params / bw + 2 * (replicas - 1) * lat) * 1e3
+        share, bw, steps = cm._ring(replicas, spans)  # the cost model's ring, over a whole array of sizes
+        t = (share * params / bw + steps) * 1e3
         best = t if best is None else np.minimum(best, t)
     return np.where(params > 0, best, 0.0)
 
@@ -47,7 +47,7 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, check_memory: 
 
     Both latency models satisfy L >= M (F_s + B_s) for every stage s; the refined model also L >= (the
     first micro-batch's forwards before s) + M (F_s + B_s) + max(the last gradient's backwards before s,
-    AR_s) (``refined.refined_latencies``: a stage's chain ends with the longer of its AllReduce and the way
+    AR_s) (``refined.refined_chains``: a stage's chain ends with the longer of its AllReduce and the way
     down). Without ``allreduce`` the bound takes the backwards (``fill``: T of every earlier stage, AllReduce
     0); with it the AllReduce (at least :func:`allreduce_floor`; F of every earlier stage, no backwards):
     two valid bounds, whose larger one the search uses. The min over splits of the max over stages is a DP

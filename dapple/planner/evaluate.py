@@ -198,10 +198,3 @@ def make_estimate(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], pc: P
     r = 6  # as Estimate.to_dict writes them: a saved and reloaded plan compares equal
     return Estimate(latency_ms=round(lat.total, r), warmup_ms=round(lat.warmup, r), steady_ms=round(lat.steady, r),
                     ending_ms=round(lat.ending, r), pivot_stage=q // 2, details=details)
-
-
-def estimate_plan(plan: Plan, profile: "Profile", cluster: "Cluster", **kw) -> Estimate:
-    """:func:`evaluate` of a Plan with its own schedule and warmup K_i."""
-    kw.setdefault("schedule", plan.schedule)
-    return evaluate(profile, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size,
-                    warmup_policy=plan.warmup_policy, **kw)

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from .._checks import is_int, is_real
 from ..profiler.profile import Profile
+from .checks import instance
 from .cluster import Cluster
 from .pipedream_dp import SOURCE, _dp_time, analyze_partitioning, compute_partitioning
 from .pipedream_graph import Graph, State, build_states
@@ -99,10 +100,8 @@ def pipedream_plan(prof: Profile, cluster: Cluster, global_batch_size: int, micr
     them with that seed.
     """
     t0 = time.perf_counter()
-    if not isinstance(prof, Profile):
-        raise TypeError(f"pipedream_plan: prof must be a dapple Profile, got {type(prof).__name__}")
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"pipedream_plan: cluster must be a dapple Cluster, got {type(cluster).__name__}")
+    instance("pipedream_plan", "prof", prof, Profile)
+    instance("pipedream_plan", "cluster", cluster, Cluster)
     for key, v in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                    ("minibatch_size", minibatch_size), ("num_machines_in_first_level", num_machines_in_first_level),
                    ("max_states", max_states)):

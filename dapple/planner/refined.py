@@ -38,14 +38,7 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
       after that backward starts, instead of B_s + AR_s;
     - stages after the pivot: their own chains, not formula 2's negative terms.
     """
-    return refined_latencies(F, B, AR, E, [K], M, link_period, chain)[0]
-
-
-def refined_latencies(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
-                      Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
-                      chain: Sequence[float] | None = None) -> list[Latency]:
-    """:func:`refined_latency` for several warmup choices ``Ks`` (e.g. policies A and B) sharing the work."""
-    return [Latency(*parts) for _, parts in refined_chains(F, B, AR, E, Ks, M, link_period, chain)]
+    return Latency(*refined_chains(F, B, AR, E, [K], M, link_period, chain)[0][1])
 
 
 def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,

@@ -84,7 +84,6 @@ class _DP(_Pruning, _StageCosts, _Memo):
     def _run(self) -> None:
         N, M, b, ns, dps, cm, rho = self.N, self.M, self.b, self.ns, self.dps, self.cm, self.rho
         states: list[dict] = [dict() for _ in range(N + 1)]
-        self.table = states  # the memo: states[j][key id] = [best prefixes] (kept for inspection; ids: self._kid)
         all_free = tuple([dps] * ns)
         lay0 = tuple(s for s in range(ns) for _ in range(dps))
         if self.G <= b:  # j = 0: pure data parallelism, the whole model as one stage on every device

@@ -168,7 +168,7 @@ class _Sim:
         self.timeline.append(TimelineOp(d, i, op.kind, op.micro_batch, t, end, rows=self.rows[i][k]))
         self.push(end, "op", (d,))
 
-    def send(self, t: float, src: int, dst: int, kind: str, mb: int, layer: int, rows: int) -> None:
+    def send(self, src: int, dst: int, kind: str, mb: int, layer: int, rows: int) -> None:
         si, ti = self.cluster.server_of(src), self.cluster.server_of(dst)
         self.seq += 1
         self.waiting.append((self.seq, src, dst, kind, mb, layer, rows, route_links(src, dst, si, ti), si, ti))
@@ -209,11 +209,11 @@ class _Sim:
         if op.kind == "F" and i < self.S - 1:
             for r in self.routes[i]:
                 if r.src == k:
-                    self.send(t, d, st[i + 1].devices[r.dst], "F", op.micro_batch, st[i].layers[1] - 1, r.rows)
+                    self.send(d, st[i + 1].devices[r.dst], "F", op.micro_batch, st[i].layers[1] - 1, r.rows)
         if op.kind == "B" and i > 0:
             for r in self.routes[i - 1]:
                 if r.dst == k:
-                    self.send(t, d, st[i - 1].devices[r.src], "B", op.micro_batch, st[i - 1].layers[1] - 1, r.rows)
+                    self.send(d, st[i - 1].devices[r.src], "B", op.micro_batch, st[i - 1].layers[1] - 1, r.rows)
         if self.ptr[d] == len(self.ops[d]):
             self.done_at[d] = t
         self.try_start(d, t)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -72,16 +72,19 @@ def fresh(t: Any) -> Any:
     return t.clone()
 
 
-class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, keep: set[fx.Node]):
+class NodeRecorder(fx.Interpreter):
+    """Runs the graph, keeping the values of the nodes in ``keep`` (each passed through ``transform``)."""
+
+    def __init__(self, gm: fx.GraphModule, keep: set[fx.Node], transform: Callable[[Any], Any] | None = _keep):
         super().__init__(gm)
         self.keep = keep
+        self.transform = transform
         self.values: dict[fx.Node, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         if n in self.keep:
-            self.values[n] = tree_map(_keep, out)
+            self.values[n] = out if self.transform is None else tree_map(self.transform, out)
         return out
 
 
@@ -91,7 +94,7 @@ def record_inputs(lg: LayerGraph, layers: list[LayerModule], inputs: tuple[Tenso
     Returns node -> value (detached copies; tensors keep the requires_grad they had in the model).
     """
     keep = {a for lm in layers for a in lm.inputs}
-    rec = _Recorder(lg.gm, keep)
+    rec = NodeRecorder(lg.gm, keep)
     with torch.enable_grad():
         rec.run(*inputs)
     return rec.values

@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..profiler.record import NodeRecorder
+
 
 class Spec(NamedTuple):
     """A boundary tensor of one slice: its shape (rows first), dtype, and whether a gradient flows back."""
@@ -23,21 +25,6 @@ InputKey = tuple  # per model input: (shape without the batch dimension, dtype)
 
 def input_key(inputs: Sequence[torch.Tensor]) -> InputKey:
     return tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
-
-
-class _Recorder(fx.Interpreter):
-    """Runs the graph, keeping the values of the nodes whose names are in ``wanted``."""
-
-    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
-        super().__init__(gm)
-        self.wanted: set[str] = wanted
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        if n.name in self.wanted:
-            self.values[n.name] = out
-        return out
 
 
 def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -75,13 +62,14 @@ class BoundaryShapes:
         return self._cache[(key, rows)]
 
     def _propagate(self, key: InputKey, rows: int) -> list[list[Spec]]:
-        rec = _Recorder(self.gm, {v for cut in self.boundary for v in cut})
+        wanted = {v for cut in self.boundary for v in cut}
+        rec = NodeRecorder(self.gm, {n for n in self.gm.graph.nodes if n.name in wanted}, transform=None)
         metas = [torch.empty((rows, *shape), dtype=dtype, device="meta") for shape, dtype in key]
         # enable_grad: requires_grad tells which values carry a gradient back. Identity saved-tensor hooks
         # shield the caller's own hooks (offloading, memory meters) from these meta tensors.
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             rec.run(*metas)
-        values = rec.values
+        values = {n.name: v for n, v in rec.values.items()}
         out = []
         for c, names in enumerate(self.boundary):
             specs = []

@@ -13,14 +13,11 @@ from dapple import Cluster, Plan, Profile
 from dapple.planner import pipedream_plan
 from dapple.planner.pipedream_graph import Graph, build_states
 from dapple.profiler.profile import LayerProfile
-from tests.conftest import PIPEDREAM_MODELS, pipedream_path
+from tests.conftest import pipedream_profile
 
 # The paper's experiments: 2 servers x 8 GPUs, PipeDream's `-n 8 2 -b 5e10 3.125e9`, activations counted.
 PAPER = Cluster(servers=2, devices_per_server=8, intra_bandwidth=5e10, inter_bandwidth=3.125e9)
 
-
-def _load(name: str) -> Profile:
-    return Profile.from_pipedream(pipedream_path(name), PIPEDREAM_MODELS[name])
 
 
 def _raw(plan: Plan) -> list[tuple[int, int, int]]:
@@ -37,7 +34,7 @@ def _raw(plan: Plan) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("tie_break", ["first", "last"])
 def test_vgg19_reproduces_paper_table6_row(tie_break):
     # (0, 11) @ [G0-G7]  (11, 17) @ [G8-G13]  (17, 19) @ G14  (19, 25) @ G15
-    plan = pipedream_plan(_load("vgg19"), PAPER, global_batch_size=1024, tie_break=tie_break)
+    plan = pipedream_plan(pipedream_profile("vgg19"), PAPER, global_batch_size=1024, tie_break=tie_break)
     assert _raw(plan) == [(0, 11, 8), (11, 17, 6), (17, 19, 1), (19, 25, 1)]
     assert [(s.layers, s.devices) for s in plan.stages] == [
         ((0, 12), list(range(0, 8))), ((12, 18), list(range(8, 14))), ((18, 20), [14]), ((20, 26), [15])]
@@ -47,7 +44,7 @@ def test_vgg19_reproduces_paper_table6_row(tie_break):
     pd = plan.meta["pipedream"]
     # what bounds it is the cut between the servers, after MaxPool2d_3 (our layer 11): its activations of the
     # 32-sample minibatch cross the 3.125e9 B/s link both ways, 2 x 24e6 B (the file's size) = 15.36 ms
-    boundary = _load("vgg19").costs(32).boundary_bytes[11]
+    boundary = pipedream_profile("vgg19").costs(32).boundary_bytes[11]
     assert boundary == 24e6 and pd["pipeline_time_ms"] == pytest.approx(2 * boundary / 3.125e9 * 1e3, abs=1e-9)
     assert pd["stages"][0]["compute_ms"] == pytest.approx(sum(3 * f for f in (
         3.4, 7.2, 0.65, 3.4, 5.0, 0.3, 2.3, 3.55, 3.55, 3.55, 0.165)))  # backward = 2 x forward in this file
@@ -56,19 +53,19 @@ def test_vgg19_reproduces_paper_table6_row(tie_break):
 def test_bert_large_reproduces_paper_table6_row():
     # (0, 4) @ [G0, G1]  (4, 13) @ [G2-G7]  (13, 16) @ [G8, G9]  (16, 19) @ [G10, G11]  (19, 22) @ [G12, G13]
     # (22, 26) @ [G14, G15]; with the default tie_break ("first"); other orders give plans of equal PipeDream time
-    plan = pipedream_plan(_load("bert_large"), PAPER, global_batch_size=128)
+    plan = pipedream_plan(pipedream_profile("bert_large"), PAPER, global_batch_size=128)
     assert _raw(plan) == [(0, 4, 2), (4, 13, 6), (13, 16, 2), (16, 19, 2), (19, 22, 2), (22, 26, 2)]
     assert [len(s.devices) for s in plan.stages] == [2, 6, 2, 2, 2, 2]
     assert plan.stages[-1].devices == [14, 15] and plan.num_layers == 29
     assert plan.micro_batch_size == 8  # profiled at 2 rows; 6 replicas need >= 6: smallest multiple of 2 dividing 128
-    last = pipedream_plan(_load("bert_large"), PAPER, global_batch_size=128, tie_break="last")
+    last = pipedream_plan(pipedream_profile("bert_large"), PAPER, global_batch_size=128, tie_break="last")
     assert _raw(last) != _raw(plan)
     assert last.meta["pipedream"]["pipeline_time_ms"] == plan.meta["pipedream"]["pipeline_time_ms"]
 
 
 @pytest.mark.parametrize("tie_break", ["first", "last"])
 def test_amoebanet_36_is_straight_as_in_paper(tie_break):
-    plan = pipedream_plan(_load("amoebanet_36"), PAPER, global_batch_size=128, tie_break=tie_break)
+    plan = pipedream_plan(pipedream_profile("amoebanet_36"), PAPER, global_batch_size=128, tie_break=tie_break)
     assert plan.num_stages == 16 and all(s.devices == [i] for i, s in enumerate(plan.stages))
     assert _raw(plan)[-1][1] == 43
 
@@ -77,7 +74,7 @@ def test_xlnet_36_straight_is_one_of_pipedreams_tied_optima():
     # The paper prints "straight". XLNet's 36 identical layers make many splits tie exactly in PipeDream's
     # objective; its DP keeps the first it meets in a Python set's order. Scanning splits last-first gives
     # the straight pipeline, first-first a 14-stage one with a 3-way replicated stage, at the same time.
-    prof = _load("xlnet_36")
+    prof = pipedream_profile("xlnet_36")
     last = pipedream_plan(prof, PAPER, global_batch_size=128, tie_break="last")
     assert last.num_stages == 16 and all(s.replicas == 1 for s in last.stages) and _raw(last)[-1][1] == 41
     first = pipedream_plan(prof, PAPER, global_batch_size=128)
@@ -91,7 +88,7 @@ def test_xlnet_36_straight_is_one_of_pipedreams_tied_optima():
 
 @pytest.mark.parametrize("name", ["vgg19", "bert_large", "xlnet_36", "amoebanet_36", "bert_48"])
 def test_plans_are_valid_and_round_trip(name, tmp_path):
-    prof = _load(name)
+    prof = pipedream_profile(name)
     plan = pipedream_plan(prof, PAPER, global_batch_size=1024 if name == "vgg19" else 128)
     assert plan.num_devices == 16 and plan.layer_names == prof.layer_names and plan.num_layers == prof.num_layers
     assert plan.meta["pipedream"]["moved_layers"] == []  # these graphs' stages are contiguous in node order
@@ -242,8 +239,8 @@ def test_dp_equals_pipedreams_code_on_random_dags(monkeypatch, flags):
 def test_dp_equals_pipedreams_code_on_vgg19_and_bert_large(monkeypatch):
     calls: list = []
     _check_against_literal(monkeypatch, calls)
-    pipedream_plan(_load("vgg19"), PAPER, global_batch_size=1024)
-    pipedream_plan(_load("bert_large"), PAPER, global_batch_size=128, activation_transfer=False)
+    pipedream_plan(pipedream_profile("vgg19"), PAPER, global_batch_size=1024)
+    pipedream_plan(pipedream_profile("bert_large"), PAPER, global_batch_size=128, activation_transfer=False)
     assert len(calls) == 4
 
 
@@ -267,7 +264,7 @@ def test_data_parallel_cost_and_inner_level_substitution():
 
 
 def test_activation_transfer_only_adds_terms():
-    prof = _load("vgg19")
+    prof = pipedream_profile("vgg19")
     with_tx = pipedream_plan(prof, PAPER, global_batch_size=1024)
     without = pipedream_plan(prof, PAPER, global_batch_size=1024, activation_transfer=False)
     assert without.meta["pipedream"]["pipeline_time_ms"] <= with_tx.meta["pipedream"]["pipeline_time_ms"]
@@ -280,7 +277,7 @@ def test_levels_from_cluster_and_explicit():
     assert pdm.cluster_levels(Cluster.preset("B")) == [(16, Cluster.preset("B").inter_bandwidth)]
     assert pdm.cluster_levels(Cluster(servers=1, devices_per_server=4, intra_bandwidth=1e9,
                                       inter_bandwidth=1e8)) == [(4, 1e9)]
-    prof = _load("vgg19")
+    prof = pipedream_profile("vgg19")
     same = pipedream_plan(prof, Cluster.preset("A"), global_batch_size=1024, levels=[(8, 5e10), (2, 3.125e9)])
     assert _raw(same) == [(0, 11, 8), (11, 17, 6), (17, 19, 1), (19, 25, 1)]
     one_server = pipedream_plan(prof, PAPER, global_batch_size=1024, levels=[(8, 5e10)])
@@ -289,7 +286,7 @@ def test_levels_from_cluster_and_explicit():
 
 def test_activation_sizes_recovered_from_boundary_bytes():
     for name in ("vgg19", "bert_large", "xlnet_36", "amoebanet_36"):
-        prof = _load(name)
+        prof = pipedream_profile(name)
         got = pdm._activation_sizes(prof, prof.batch_sizes[0])
         assert got == pytest.approx([float(layer.saved_bytes[0]) for layer in prof.layers], abs=1.0)  # file's sizes
 
@@ -332,14 +329,14 @@ def test_interleaved_stages_become_contiguous_ranges():
 ])
 def test_bad_input_names_the_value(kw, err, message):
     with pytest.raises(err, match=message):
-        pipedream_plan(_load("vgg19"), PAPER, **kw)
+        pipedream_plan(pipedream_profile("vgg19"), PAPER, **kw)
 
 
 def test_bad_types():
     with pytest.raises(TypeError, match="prof must be a dapple Profile, got str"):
         pipedream_plan("vgg19.txt", PAPER, 1024)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="cluster must be a dapple Cluster"):
-        pipedream_plan(_load("vgg19"), "A", 1024)  # type: ignore[arg-type]
+        pipedream_plan(pipedream_profile("vgg19"), "A", 1024)  # type: ignore[arg-type]
 
 
 def test_input_source_joins_stage_0_and_removed_sink_its_producer():

@@ -32,10 +32,12 @@ def test_at_most_k_alive_whatever_m(m, k):
     assert sorted(ops) == sorted([Op("F", j) for j in range(m)] + [Op("B", j) for j in range(m)])
     assert max_in_flight(ops) == min(k, m)
     seen = set()
-    for op in ops:  # every backward after its forward, backwards oldest first
+    for op in ops:  # every backward after its forward
         if op.kind == "B":
             assert op.micro_batch in seen
         seen.add(op.micro_batch)
+    for kind in "FB":  # forwards and backwards each oldest first
+        assert [o.micro_batch for o in ops if o.kind == kind] == list(range(m))
 
 
 def test_increasing_warmup_is_rejected_with_values():

@@ -5,21 +5,18 @@ from __future__ import annotations
 import pytest
 
 import dapple
-from dapple import Cluster, Plan, Profile
+from dapple import Cluster, Plan
 from dapple.planner import Stage, simulate
 
-from ..conftest import PIPEDREAM_MODELS, pipedream_path
+from ..conftest import pipedream_profile
 
-
-def _profile(name: str) -> Profile:
-    return Profile.from_pipedream(pipedream_path(name), PIPEDREAM_MODELS[name])
 
 
 @pytest.mark.parametrize("name, global_batch", [("xlnet_36", 128), ("bert_48", 64), ("amoebanet_36", 128)])
 def test_uniform_models_get_one_stage_per_server(name, global_batch):
     """Table VII: two stages of 8 devices, each on its own server (activations cross the slow link once, each
     stage's AllReduce stays on NVLink); the split lands near the paper's (22:19, 13:13 of 26, 30:13)."""
-    prof = _profile(name)
+    prof = pipedream_profile(name)
     A = Cluster.preset("A")
     plan = dapple.plan(prof, A, global_batch)
     assert [sorted(s.devices) for s in plan.stages] == [list(range(8)), list(range(8, 16))]
@@ -35,7 +32,7 @@ def test_vgg19_keeps_the_fully_connected_tail_off_the_replicated_stage():
     """Table VII prints 14:2 with the conv5 block and the FC layers on 2 devices. Under this cost model the DP
     finds 11:4:1 (FC layers on one device, no AllReduce of FC1's 392 MB), which the simulator finds faster
     than the paper's plan and than data parallelism; see the report for why the split differs."""
-    prof = _profile("vgg19")
+    prof = pipedream_profile("vgg19")
     A = Cluster.preset("A")
     plan = dapple.plan(prof, A, 1024)
     fc1 = prof.layer_names.index("node23:FC1")
