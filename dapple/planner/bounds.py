@@ -39,8 +39,8 @@ def allreduce_floor(cm: "CostModel", replicas: int, params: np.ndarray) -> np.nd
     return np.where(params > 0, best, 0.0)
 
 
-def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, check_memory: bool = True,
-               allreduce: bool = False, cut: float = INF) -> np.ndarray:
+def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: bool = False,
+               cut: float = INF) -> np.ndarray:
     """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every
     split into stages of at most ``cm.micro`` replicas (a stage of r replicas takes T = F + B of its slice of
     ceil(micro / r) rows, communication taken as 0).
@@ -57,39 +57,21 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, check_memory: 
     whose M T + least AllReduce reaches it (their own chain does: the bound then holds for every plan below
     ``cut``). Computed with numpy over all (c, R) at once per (j, r): about N x sqrt(micro) vector operations.
     """
-    N, b = cm.num_layers, cm.micro
-    G = devices
+    N, G = cm.num_layers, devices
     Q = np.full((N + 1, G + 1), INF)
     Q[N, :] = 0.0
-    reps = efficient_replicas(b, G)
-    fb = {}  # prefix sums of F + B and of F per slice size; memory: static and saved bytes prefix sums
-    for r in reps:
-        rows = cm.rows(r)
-        f, bk, sv = cm._sums(rows)
-        fb[r] = (np.asarray(f) + np.asarray(bk), np.asarray(f), np.asarray(sv))
-    params = np.asarray(cm._pre_params)
-    static = params * cm.optimizer_factor
-    mem = cm.cluster.device_memory
+    first = _FirstStages(cm, M, G, cut)
     for j in range(N - 1, -1, -1):
         best = np.full(G + 1, INF)
-        for r in reps:
-            if r > G:
-                break
-            pre, fpre, sv = fb[r]
-            T = pre[j + 1:] - pre[j]  # (N - j,): F + B of [j, c) for c = j+1..N
-            ar = allreduce_floor(cm, r, params[j + 1:] - params[j]) if allreduce or cut < INF else None
-            ok = _allowed(M, T, ar, cut, (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]) if check_memory
-                          else None, mem)
-            n = len(T)
-            if ok is not None:
-                n = _span(ok)
-                if not n:
-                    continue
-                T = np.where(ok[:n], T[:n], INF)  # stages [j, c) for c = j+1..j+n: no later end is allowed
+        for r in first.reps:
+            T, ok, ar, n = first(j, r, allreduce)
+            if not n:
+                continue
+            T = np.where(ok[:n], T[:n], INF)  # stages [j, c) for c = j+1..j+n: no later end is allowed
             # cand[c, R] = max(M T_c (+ AR_c), offset_c + Q[c, R - r]) for R = r..G
             rest = Q[j + 1:j + 1 + n, : G + 1 - r]
             if allreduce:
-                own = M * T + ar[:n]
+                own, fpre = M * T + ar[:n], first.f[r]
                 cand = np.maximum(own[:, None], (fpre[j + 1:j + 1 + n] - fpre[j])[:, None] + rest)
             else:
                 cand = np.maximum(M * T[:, None], T[:, None] + rest if fill else rest)
@@ -104,27 +86,16 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
     memory and, with ``cut``, whose M T + least AllReduce is below it, as in :func:`rest_bound`; INF where
     none does). A DP from the last layer backwards, V[k, j, R] = min over the first stage [j, c) on r
     replicas of T + V[k, c, R - r], over all thresholds at once: :func:`period_bound` reads it."""
-    N, b, G = cm.num_layers, cm.micro, devices
+    N, G = cm.num_layers, devices
     K = len(taus)
     V = np.full((K, N + 1, G + 1), INF)
     V[:, N, :] = 0.0
-    reps = efficient_replicas(b, G)
-    params = np.asarray(cm._pre_params)
-    static = params * cm.optimizer_factor
-    mem = cm.cluster.device_memory
-    sums = {}
-    for r in reps:
-        f, bk, sv = cm._sums(cm.rows(r))
-        sums[r] = (np.asarray(f) + np.asarray(bk), np.asarray(sv))
+    first = _FirstStages(cm, M, G, cut)
     tau = np.asarray(taus, dtype=float)[:, None]  # (K, 1)
     for j in range(N - 1, -1, -1):
         best = np.full((K, G + 1), INF)
-        for r in reps:
-            pre, sv = sums[r]
-            T = pre[j + 1:] - pre[j]  # (N - j,): T of [j, c) for c = j+1..N
-            ar = allreduce_floor(cm, r, params[j + 1:] - params[j]) if cut < INF else None
-            fits = _allowed(M, T, ar, cut, (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]), mem)
-            n = _span(fits)  # stages [j, c) for c = j+1..j+n: no later end is allowed
+        for r in first.reps:
+            T, fits, _, n = first(j, r, False)  # stages [j, c) for c = j+1..j+n: no later end is allowed
             if not n:
                 continue
             ok = (T[None, :n] <= tau) & fits[None, :n]  # (K, n)
@@ -156,15 +127,30 @@ def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, th
     return taus.tolist(), V.tolist(), S.tolist()
 
 
-def _allowed(M: int, T: np.ndarray, ar: np.ndarray | None, cut: float, nbytes: np.ndarray | None,
-             mem: float) -> np.ndarray | None:
-    """Which stages a bound may use: those that fit in memory (``nbytes``: static + one saved slice, None:
-    unchecked) and, below ``cut``, whose own chain M T + AllReduce floor ``ar`` stays below it (None: all)."""
-    ok = None if nbytes is None else nbytes <= mem
-    if cut < INF:
-        own = M * T + ar < cut
-        ok = own if ok is None else ok & own
-    return ok
+class _FirstStages:
+    """The candidate first stages [j, c) of the bounds' DPs over the rest of the model, for c = j+1..N."""
+
+    def __init__(self, cm: "CostModel", M: int, devices: int, cut: float):
+        self.cm, self.M, self.cut = cm, M, cut
+        self.reps = efficient_replicas(cm.micro, devices)  # replica counts r <= min(micro, devices)
+        self.fb, self.f, self.saved = {}, {}, {}  # per r: prefix sums of F + B, F and saved bytes of a slice
+        for r in self.reps:
+            f, bk, sv = cm._sums(cm.rows(r))
+            self.fb[r], self.f[r], self.saved[r] = np.asarray(f) + np.asarray(bk), np.asarray(f), np.asarray(sv)
+        self.params = np.asarray(cm._pre_params)
+        self.static = self.params * cm.optimizer_factor
+
+    def __call__(self, j: int, r: int, allreduce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        """(T = F + B of each, which a bound may use, their AllReduce floor (with ``allreduce`` or a cut, else
+        None), n: ends past j + n are never allowed). Allowed: fits in device memory (parameters x optimizer
+        factor + one saved slice) and, below the cut, its own chain M T + AllReduce floor stays below it."""
+        pre, sv, params, static = self.fb[r], self.saved[r], self.params, self.static
+        T = pre[j + 1:] - pre[j]  # (N - j,)
+        ar = allreduce_floor(self.cm, r, params[j + 1:] - params[j]) if allreduce or self.cut < INF else None
+        ok = (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]) <= self.cm.cluster.device_memory
+        if self.cut < INF:
+            ok &= self.M * T + ar < self.cut
+        return T, ok, ar, _span(ok)
 
 
 def _span(ok: np.ndarray) -> int:
