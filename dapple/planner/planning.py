@@ -11,7 +11,7 @@ from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
 from .plan import Plan, Stage
 from .schedule import SCHEDULES, WARMUP_POLICIES
-from .search import INF, SearchResult, _DP, _gc_paused
+from .search import INF, SearchResult, _DP, _gc_paused, can_occupy, most_stages
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
@@ -110,10 +110,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         candidates = sorted(set(micro_batch_sizes))
     else:
         candidates = divisors(g)
-    depth = profile.num_layers if max_stages is None else min(max_stages, profile.num_layers)  # most stages
+    depth = most_stages(profile.num_layers, max_stages)
     dps = []
-    for b in sorted(candidates, reverse=True):  # larger micro-batches first: they win ties
-        if g % b == 0 and cluster.num_devices <= depth * b:
+    for b in sorted(candidates, reverse=True):  # larger micro-batches first: they win ties (all divide g)
+        if can_occupy(cluster.num_devices, profile.num_layers, b, max_stages):
             dp = _DP(profile, cluster, g, b, model, overlap, warmup_policy if model == "refined" else None,
                      optimizer_factor, beam, INF, max_stages, 1 if search == "compact" else None, float(gap))
             dp.seed()

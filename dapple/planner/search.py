@@ -265,6 +265,16 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 del bucket[self.beam:]
 
 
+def most_stages(num_layers: int, max_stages: int | None) -> int:
+    """How many stages a plan can have: one layer each at least, and no more than ``max_stages``."""
+    return num_layers if max_stages is None else min(max_stages, num_layers)
+
+
+def can_occupy(devices: int, num_layers: int, micro_batch_size: int, max_stages: int | None) -> bool:
+    """Whether a plan can use every device: a stage has at most one replica per micro-batch row."""
+    return devices <= most_stages(num_layers, max_stages) * micro_batch_size
+
+
 def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
               model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
               optimizer_factor: float = 4.0, beam: int = 1, incumbent: float = INF,
@@ -296,10 +306,11 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     cannot beat the best plan so far by more than this fraction (the result is within 1 + gap of the search's
     without it). Returns None when nothing beats ``incumbent``.
     """
+    if global_batch_size % micro_batch_size or not can_occupy(cluster.num_devices, profile.num_layers,
+                                                              micro_batch_size, max_stages):
+        return None  # no plan of this micro-batch size: decided before the DP's tables are built
     dp = _DP(profile, cluster, global_batch_size, micro_batch_size, model, overlap, warmup_policy,
              optimizer_factor, beam, incumbent, max_stages, partial_kinds, gap)
-    if global_batch_size % micro_batch_size or dp.G > dp.N * dp.b:
-        return None  # not enough layers to give every device a stage of at most b replicas
     if seed:
         dp.seed()
     if time_limit is not None:
