@@ -222,6 +222,13 @@ class CostModel:
             out.append((low, size))
         return out
 
+    def bucket_ready(self, a: int, c: int, rows: int) -> list[tuple[float, float]]:
+        """Per bucket of :meth:`buckets`: (ms from the start of the last backward of a ``rows``-row slice until
+        it has produced the bucket's gradients, bytes). That backward runs layers c-1 .. a; a bucket is done
+        after its lowest layer."""
+        bsum = self._sums(rows)[1]
+        return [(bsum[c] - bsum[low], nbytes) for low, nbytes in self.buckets(a, c)]
+
     def overlapped_ending(self, a: int, c: int, layout: Layout, rows: int | None = None) -> float:
         """Ms from the start of the stage's last backward to the end of its AllReduce, when each bucket is
         reduced as soon as the last backward has produced it (DDP-style overlap); >= that backward's time."""
@@ -229,10 +236,8 @@ class CostModel:
         _, b = self.compute_rows(a, c, rows)
         if len(layout) <= 1:
             return b
-        bsum = self._sums(rows)[1]
         end = 0.0
-        for low, nbytes in self.buckets(a, c):
-            ready = bsum[c] - bsum[low]  # the last backward runs layers c-1 .. a; bucket done after layer `low`
+        for ready, nbytes in self.bucket_ready(a, c, rows):
             end = max(end, ready) + self.ring_allreduce_ms(nbytes, layout)
         return max(end, b)
 

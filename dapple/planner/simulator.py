@@ -228,14 +228,11 @@ class _Sim:
             if not self.overlap:
                 t0 = max(self.done_at[d] for d in st.devices)
                 steps = [(t0, self.cm.params(a, c))]
-            else:  # bucket ready when every replica's last backward has passed the bucket's lowest layer
+            else:  # bucket ready when every replica's last backward has produced it
+                per = [self.cm.bucket_ready(a, c, self.rows[i][k]) for k in range(len(st.devices))]  # per replica
                 steps = []
-                for low, nbytes in self.cm.buckets(a, c):
-                    ready = 0.0
-                    for k, d in enumerate(st.devices):
-                        bsum = self.cm._sums(self.rows[i][k])[1]
-                        ready = max(ready, self.last_b_start[d] + bsum[c] - bsum[low])
-                    steps.append((ready, nbytes))
+                for n, (_, nbytes) in enumerate(per[0]):
+                    steps.append((max(self.last_b_start[d] + per[k][n][0] for k, d in enumerate(st.devices)), nbytes))
             end = 0.0
             for ready, nbytes in steps:
                 start = max(end, ready)
