@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from .._checks import is_int, positive_int
+from .._checks import positive_int
 from .checks import profile_and_cluster
 from .cost import CostModel, Layout, layout_of
 from .latency import Latency, paper_latency
 from .memory import check_stage_memory, max_in_flight
-from .plan import Estimate, Plan, Stage
+from .plan import Estimate, Plan, Stage, check_fit, check_stages
 from .refined import refined_latency
 from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 
@@ -48,35 +48,16 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
     if not isinstance(stages, (list, tuple)) or not stages:
         raise ValueError(f"stages: expected a non-empty list of (layer_start, layer_end, [device ids]) or Stage, "
                          f"got {stages!r:.120}")
-    out, start, seen = [], 0, {}
+    out = []
     for i, s in enumerate(stages):
         if isinstance(s, Stage):
-            st = Stage(s.layers, s.devices, s.warmup)
+            out.append(Stage(s.layers, s.devices, s.warmup))
         elif isinstance(s, (list, tuple)) and len(s) in (3, 4):
-            st = Stage((s[0], s[1]), list(s[2]), s[3] if len(s) == 4 else None)
+            out.append(Stage((s[0], s[1]), list(s[2]), s[3] if len(s) == 4 else None))
         else:
             raise ValueError(f"stages[{i}]: expected (layer_start, layer_end, [device ids]) or a Stage, got {s!r:.120}")
-        lo, hi = st.layers
-        if not (is_int(lo) and is_int(hi)) or lo != start or hi <= lo:
-            raise ValueError(f"stages[{i}]: expected a non-empty layer range starting at layer {start} (ranges "
-                             f"are contiguous from 0 and half-open), got [{lo}, {hi})")
-        if hi > num_layers:
-            raise ValueError(f"stages[{i}]: layer range [{lo}, {hi}) goes past the profile's {num_layers} layers")
-        start = hi
-        if not st.devices:
-            raise ValueError(f"stages[{i}]: expected at least one device, got []")
-        for d in st.devices:
-            if not is_int(d, 0) or d >= cluster.num_devices:
-                raise ValueError(f"stages[{i}]: device {d!r} is not in the cluster (ids 0..{cluster.num_devices - 1})")
-            if d in seen:
-                raise ValueError(f"stages[{i}]: device {d} is already in stage {seen[d]}")
-            seen[d] = i
-        if st.replicas > micro_batch_size:
-            raise ValueError(f"stages[{i}]: {st.replicas} replicas cannot split a micro-batch of {micro_batch_size} "
-                             f"rows (each replica needs at least one row)")
-        out.append(st)
-    if start != num_layers:
-        raise ValueError(f"stages cover layers [0, {start}) but the profile has {num_layers} layers")
+    check_stages(out, micro_batch_size, "evaluate")
+    check_fit(out, num_layers, cluster.num_devices, "evaluate")
     return out
 
 

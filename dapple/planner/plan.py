@@ -54,6 +54,43 @@ class Estimate:
                    pivot_stage=f.number("pivot_stage", integer=True), details=dict(f.data.get("details") or {}))
 
 
+def check_stages(stages: Sequence[Stage], micro_batch_size: int, where: str) -> int:
+    """ValueError naming the stage and value unless the layer ranges are half-open, non-empty and contiguous from
+    0, and every stage has devices (ids >= 0, each in one stage) but no more than the micro-batch has rows.
+    Returns the number of layers the stages cover."""
+    start, seen = 0, {}
+    for i, s in enumerate(stages):
+        lo, hi = s.layers
+        if not (is_int(lo) and is_int(hi)) or lo != start or hi <= lo:
+            raise ValueError(f"{where}.stages[{i}].layers: expected a non-empty range starting at layer {start} "
+                             f"(ranges are half-open and contiguous from 0), got [{lo}, {hi})")
+        start = hi
+        if not s.devices:
+            raise ValueError(f"{where}.stages[{i}].devices: expected at least one device, got []")
+        if micro_batch_size < len(s.devices):
+            raise ValueError(f"{where}.stages[{i}]: {len(s.devices)} replicas cannot split a micro-batch of "
+                             f"{micro_batch_size} rows (each replica needs at least one row)")
+        for d in s.devices:
+            if not is_int(d, 0):
+                raise ValueError(f"{where}.stages[{i}].devices: expected device ids >= 0, got {d!r}")
+            if d in seen:
+                raise ValueError(f"{where}.stages[{i}].devices: device {d} is already in stage {seen[d]}")
+            seen[d] = i
+    return start
+
+
+def check_fit(stages: Sequence[Stage], num_layers: int, num_devices: int, where: str) -> None:
+    """ValueError unless ``stages`` (checked by :func:`check_stages`) cover exactly the profile's ``num_layers``
+    layers and use only the cluster's devices 0..``num_devices`` - 1."""
+    end = stages[-1].layers[1]
+    if end != num_layers:
+        raise ValueError(f"{where}: stages cover layers [0, {end}) but the profile has {num_layers} layers")
+    for i, s in enumerate(stages):
+        for d in s.devices:
+            if d >= num_devices:
+                raise ValueError(f"{where}.stages[{i}]: device {d} is not in the cluster (ids 0..{num_devices - 1})")
+
+
 @dataclass
 class Plan:
     """How to run a model: see DESIGN.md, 'The three YAML documents'. Validated on construction."""
@@ -125,31 +162,14 @@ class Plan:
             raise ValueError(f"{where}.warmup_policy: expected one of {WARMUP_POLICIES}, got {self.warmup_policy!r}")
         if not self.stages:
             raise ValueError(f"{where}.stages: expected at least one stage, got none")
-        start = 0
-        seen: dict[int, int] = {}
+        start = check_stages(self.stages, b, where)
         for i, s in enumerate(self.stages):
-            lo, hi = s.layers
-            if lo != start or hi <= lo:
-                raise ValueError(f"{where}.stages[{i}].layers: expected a non-empty range starting at layer {start} "
-                                 f"(ranges must be contiguous from 0), got [{lo}, {hi})")
-            start = hi
-            if not s.devices:
-                raise ValueError(f"{where}.stages[{i}].devices: expected at least one device, got []")
-            if b < len(s.devices):
-                raise ValueError(f"{where}.stages[{i}]: {len(s.devices)} replicas cannot split a micro-batch of "
-                                 f"{b} rows (each replica needs at least one row)")
-            for d in s.devices:
-                if not is_int(d, 0):
-                    raise ValueError(f"{where}.stages[{i}].devices: expected device ids >= 0, got {d!r}")
-                if d in seen:
-                    raise ValueError(f"{where}.stages[{i}].devices: device {d} is already in stage {seen[d]}")
-                seen[d] = i
             if s.warmup is None:
                 raise ValueError(f"{where}.stages[{i}].warmup: missing while other stages give one; give K_i for "
                                  f"every stage or for none")
-        if sorted(seen) != list(range(len(seen))):
-            raise ValueError(f"{where}: device ids must be 0..{len(seen) - 1} (device id == global rank), "
-                             f"got {sorted(seen)}")
+        ids = sorted(d for s in self.stages for d in s.devices)
+        if ids != list(range(len(ids))):
+            raise ValueError(f"{where}: device ids must be 0..{len(ids) - 1} (device id == global rank), got {ids}")
         if self.layer_names is not None and len(self.layer_names) != start:
             raise ValueError(f"{where}: stages cover {start} layers but layer_names lists {len(self.layer_names)}")
         try:

@@ -11,7 +11,7 @@ from .cluster import LINK_SHARING
 from .comm import route_links
 from .cost import DDP_BUCKET_BYTES, CostModel, layout_of
 from .network import SharedLinks
-from .plan import Plan
+from .plan import Plan, check_fit
 from .schedule import max_in_flight, stage_ops
 from .slices import routes, slice_bounds
 
@@ -98,13 +98,7 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     if link_sharing not in LINK_SHARING:
         raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")
     schedule = schedule or plan.schedule
-    if plan.num_layers != profile.num_layers:
-        raise ValueError(f"plan covers {plan.num_layers} layers but the profile has {profile.num_layers}")
-    for i, s in enumerate(plan.stages):
-        for d in s.devices:
-            if not 0 <= d < cluster.num_devices:
-                raise ValueError(f"plan stage {i} uses device {d}, the cluster has devices "
-                                 f"0..{cluster.num_devices - 1}")
+    check_fit(plan.stages, profile.num_layers, cluster.num_devices, "simulate")
     cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
     return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
 

@@ -48,11 +48,12 @@ def test_stage_forms_and_plans_are_accepted():
 
 @pytest.mark.parametrize("stages, kw, message", [
     ([(0, 2, [0]), (3, 4, [1])], {}, r"starting at layer 2"),
-    ([(0, 2, [0]), (2, 5, [1])], {}, r"goes past the profile's 4 layers"),
+    ([(0, 2, [0]), (2, 5, [1])], {}, r"evaluate: stages cover layers \[0, 5\) but the profile has 4 layers"),
     ([(0, 2, [0]), (2, 3, [1])], {}, r"cover layers \[0, 3\) but the profile has 4"),
     ([(0, 2, [0, 1]), (2, 4, [1])], {}, r"device 1 is already in stage 0"),
     ([(0, 2, [0]), (2, 4, [9])], {}, r"device 9 is not in the cluster \(ids 0..3\)"),
-    ([(0, 2, [0]), (2, 4, [True])], {}, r"device True is not in the cluster"),  # a flag is not a device id
+    ([(0, 2, [0]), (2, 4, [True])], {}, r"expected device ids >= 0, got True"),  # a flag is not a device id
+    ([(0, 2.0, [0]), (2, 4, [1])], {}, r"evaluate.stages\[0\].layers: expected a non-empty range .* got \[0, 2.0\)"),
     ([(0, 4, [0, 1, 2, 3])], {"micro_batch_size": 2, "global_batch_size": 8}, r"4 replicas cannot split .* of 2"),
     ([(0, 4, [0])], {"micro_batch_size": 3}, r"not divisible by micro_batch_size 3"),
     ([(0, 4, [0])], {"model": "exact"}, r"model: expected one of"),

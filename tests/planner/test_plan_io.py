@@ -36,6 +36,7 @@ def test_plan_shape_in_the_papers_notation():
 @pytest.mark.parametrize("kw, message", [
     (dict(micro_batch_size=5), "not divisible by micro_batch_size 5"),
     (dict(stages=[Stage((0, 2), [0]), Stage((3, 5), [1])]), "starting at layer 2"),
+    (dict(stages=[Stage((0, 3.0), [0]), Stage((3, 5), [1])]), "stages[0].layers: expected a non-empty range"),
     (dict(stages=[Stage((0, 3), [0, 1]), Stage((3, 5), [1])]), "device 1 is already in stage 0"),
     (dict(stages=[Stage((0, 3), [0]), Stage((3, 5), [2])]), "device ids must be 0..1"),
     (dict(stages=[Stage((0, 3), [0]), Stage((3, 5), [True])]), "expected device ids >= 0, got True"),
