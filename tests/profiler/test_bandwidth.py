@@ -106,8 +106,9 @@ def test_probe_rounds_time_every_size_once():
     assert p2p == [1024, 4096, 16384] * 3
 
 
-def _probe_without_a_peer() -> str | None:
-    """Rank 1 stalls past the timeout instead of probing; rank 0 returns the error it gets."""
+def _probe_without_a_peer(what: str) -> str | None:
+    """Rank 1 stalls past the timeout instead of probing; rank 0 runs ``what`` ("ping_pong" or "measure", 1 s
+    timeout) and returns the error it gets, after how many seconds."""
     import time
 
     import torch.distributed as dist
@@ -119,26 +120,10 @@ def _probe_without_a_peer() -> str | None:
         return None
     start = time.perf_counter()
     try:
-        bandwidth.ping_pong(0, 1, sizes=(1024, 4096), repeats=1, timeout=1.0)
-    except Exception as e:
-        return f"{time.perf_counter() - start:.1f} {type(e).__name__}: {e}"
-    return "no error"
-
-
-def _measure_without_a_peer() -> str | None:
-    """Rank 1 stalls past the timeout before it joins ``measure``; rank 0 returns the error it gets."""
-    import time
-
-    import torch.distributed as dist
-
-    from dapple.profiler import bandwidth
-    dist.init_process_group("gloo")
-    if dist.get_rank() == 1:
-        time.sleep(4)
-        return None
-    start = time.perf_counter()
-    try:
-        bandwidth.measure(sizes=(1024, 4096), repeats=1, timeout=1.0)
+        if what == "ping_pong":
+            bandwidth.ping_pong(0, 1, sizes=(1024, 4096), repeats=1, timeout=1.0)
+        else:
+            bandwidth.measure(sizes=(1024, 4096), repeats=1, timeout=1.0)
     except Exception as e:
         return f"{time.perf_counter() - start:.1f} {type(e).__name__}: {e}"
     return "no error"
@@ -147,7 +132,7 @@ def _measure_without_a_peer() -> str | None:
 def test_measure_is_bounded_from_its_first_exchange():
     from tests.runtime._spawn import run_ranks
 
-    msg = run_ranks(_measure_without_a_peer, 2, timeout=120)[0]
+    msg = run_ranks(_probe_without_a_peer, 2, "measure", timeout=120)[0]
     seconds, text = msg.split(" ", 1)
     assert float(seconds) < 3.5, msg  # the timeout, not the peer's 4 s stall
     assert text.startswith("PipelineError: bandwidth probe, rank 0: creating its gloo group (does every rank call "
@@ -157,7 +142,7 @@ def test_measure_is_bounded_from_its_first_exchange():
 def test_probe_waits_are_bounded_and_say_what_they_waited_for():
     from tests.runtime._spawn import run_ranks
 
-    msg = run_ranks(_probe_without_a_peer, 2, timeout=120)[0]
+    msg = run_ranks(_probe_without_a_peer, 2, "ping_pong", timeout=120)[0]
     seconds, text = msg.split(" ", 1)
     assert text.startswith("PipelineError: bandwidth probe, rank 0: barrier (before the 1024-byte ping-pong of "
                            "ranks 0 and 1) failed or timed out (timeout 1s)"), msg
