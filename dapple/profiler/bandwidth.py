@@ -141,7 +141,7 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
                        list(range(world)), timeout=wait, backend="gloo")  # for the object collectives
     hosts: list = [None] * world  # DAPPLE_PROBE_HOST overrides the host name (e.g. to test several servers)
     _bounded("gathering the host names", timeout, dist.all_gather_object, hosts,
-              os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname(), group=objects)
+             os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname(), group=objects)
     names = list(dict.fromkeys(hosts))
     per = hosts.count(names[0])
     expect = [h for h in names for _ in range(per)]
