@@ -6,7 +6,7 @@ import math
 import os
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,14 +33,20 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def wait_for(work: Any, timeout: float, what: str, device: torch.device | None = None) -> None:
-    """Wait on an async transfer or collective for at most ``timeout`` seconds; if it fails or times out, a
-    PipelineError "``what`` failed or timed out (timeout ...s): <its first line>". On a CUDA ``device`` the host
-    then waits for the data too (NCCL's wait only orders the stream)."""
+def bounded(timeout: float, what: str, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, a step bounded by ``timeout`` seconds (a wait, or a blocking step on a group
+    with that timeout); if it fails or times out, a PipelineError "``what`` failed or timed out (timeout ...s):
+    <its first line>"."""
     try:
-        work.wait(timeout=timedelta(seconds=timeout))
+        return call(*args, **kwargs)
     except Exception as e:
         raise PipelineError(f"{what} failed or timed out (timeout {timeout:g}s): {first_line(e)}") from e
+
+
+def wait_for(work: Any, timeout: float, what: str, device: torch.device | None = None) -> None:
+    """Wait on an async transfer or collective for at most ``timeout`` seconds (:func:`bounded`). On a CUDA
+    ``device`` the host then waits for the data too (NCCL's wait only orders the stream)."""
+    bounded(timeout, what, work.wait, timeout=timedelta(seconds=timeout))
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 

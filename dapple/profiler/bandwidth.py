@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import is_int
-from .._dist import PipelineError, barrier, first_line, free_port, group_device, timeout_seconds, wait_for
+from .._dist import barrier, bounded, free_port, group_device, timeout_seconds, wait_for
 
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
@@ -60,13 +60,8 @@ def _barrier(device: torch.device, what: str, timeout: float, group=None) -> Non
 
 
 def _bounded(what: str, limit: float, call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)``: a blocking step bounded by a group timeout of ``limit`` seconds (creating a
-    group, an object collective); its failure a PipelineError that says what it was."""
-    try:
-        return call(*args, **kwargs)
-    except Exception as e:
-        raise PipelineError(f"bandwidth probe, rank {dist.get_rank()}: {what} failed or timed out "
-                            f"(timeout {limit:g}s): {first_line(e)}") from e
+    """A blocking step on a group whose timeout is ``limit`` seconds (creating a group, an object collective)."""
+    return bounded(limit, f"bandwidth probe, rank {dist.get_rank()}: {what}", call, *args, **kwargs)
 
 
 def _sync(device: torch.device) -> None:
