@@ -45,8 +45,11 @@ def bounded(timeout: float, what: str, call: Callable[..., Any], /, *args: Any, 
 
 def wait_for(work: Any, timeout: float, what: str, device: torch.device | None = None) -> None:
     """Wait on an async transfer or collective for at most ``timeout`` seconds (:func:`bounded`). On a CUDA
-    ``device`` the host then waits for the data too (NCCL's wait only orders the stream)."""
-    bounded(timeout, what, work.wait, timeout=timedelta(seconds=timeout))
+    ``device`` the host then waits for the data too (NCCL's wait only orders the stream). ``Work.wait`` is
+    typed to return a bool: a backend that returns False instead of raising has not finished, so that is a
+    timeout too."""
+    if bounded(timeout, what, work.wait, timeout=timedelta(seconds=timeout)) is False:
+        raise PipelineError(f"{what} failed or timed out (timeout {timeout:g}s): the wait returned False")
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -1,4 +1,4 @@
-"""dapple/_dist.py: which device a process group's tensors live on, and the timeout check."""
+"""dapple/_dist.py: which device a process group's tensors live on, the timeout check, bounded waits."""
 
 from __future__ import annotations
 
@@ -51,3 +51,29 @@ def test_timeout_must_be_a_finite_number_of_milliseconds_or_more(bad):
 
 def test_timeout_seconds_returns_a_float():
     assert _dist.timeout_seconds("timeout", 2) == 2.0 and isinstance(_dist.timeout_seconds("t", 2), float)
+
+
+class _Work:
+    """A stand-in for torch.distributed's Work: ``wait`` returns ``done`` or raises it."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def wait(self, timeout):
+        if isinstance(self.done, Exception):
+            raise self.done
+        return self.done
+
+
+def test_wait_for_names_the_step_when_the_wait_raises():
+    with pytest.raises(_dist.PipelineError, match=r"^stage 1: recv of micro-batch 3 failed or timed out "
+                                                  r"\(timeout 2s\): Timed out waiting 2000ms$"):
+        _dist.wait_for(_Work(RuntimeError("Timed out waiting 2000ms\nat gloo/...")), 2,
+                       "stage 1: recv of micro-batch 3")
+
+
+def test_wait_for_treats_a_wait_that_returns_false_as_a_timeout():
+    _dist.wait_for(_Work(True), 2, "fine")
+    with pytest.raises(_dist.PipelineError, match=r"^stage 0: send of micro-batch 1 failed or timed out "
+                                                  r"\(timeout 0.5s\): the wait returned False$"):
+        _dist.wait_for(_Work(False), 0.5, "stage 0: send of micro-batch 1")
