@@ -27,7 +27,7 @@ from .shapes import BoundaryShapes, Spec, input_key
 from .split import StageGraph, resolve_output, split_stages, state_names
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder
 from .tracing import _write as _write_trace
-from .validate import as_tuple, check_batch, check_layers, check_plan
+from .validate import as_tuple, check_batch, check_layers, check_plan, check_same_inputs
 
 
 class _MicroBatch:
@@ -121,6 +121,16 @@ class Pipeline:
         check_batch(self.plan, xs, ys, self._input_names, self._required)
         self.step += 1
         self._p2p.step = self.step
+        try:
+            check_same_inputs(input_key(xs), self.ctx.device, self.timeout,
+                              f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}")
+        except ValueError:  # every rank raises it, with nothing in flight: no step ran, the pipeline is usable
+            self.step -= 1
+            self._p2p.step = self.step
+            raise
+        except PipelineError as e:
+            self._failed = first_line(e)
+            raise
         try:
             return self._run(xs, ys)
         except BaseException as e:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
+from .._dist import bounded, wait_for
 from ..planner.plan import Plan
 from ..planner.schedule import validate_warmup
 
@@ -59,3 +62,21 @@ def check_batch(plan: Plan, inputs: Sequence[torch.Tensor], targets: Sequence[to
                 raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)}; expected the global batch of "
                                  f"{g} rows (plan.global_batch_size) in dimension 0, split into "
                                  f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}")
+
+
+def check_same_inputs(key: Any, device: torch.device, timeout: float, where: str) -> None:
+    """Every rank was given inputs of the same shapes and dtypes (``key``), as the global batch must be: the
+    receivers allocate each activation from their own inputs' shapes, and a sender whose shapes differ would
+    fill their buffers only in part. One MAX AllReduce of a fingerprint and its negation (max == -min: all
+    agree); where ranks differ, every rank learns it at once and raises a ValueError naming each rank's."""
+    fp = float(zlib.crc32(repr(key).encode()))  # < 2**32: exact in float64
+    both = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
+    wait_for(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout,
+             f"{where}: checking that every rank has inputs of the same shapes")
+    if both[0].item() == -both[1].item():
+        return
+    keys: list[Any] = [None] * dist.get_world_size()
+    bounded(timeout, f"{where}: gathering every rank's input shapes", dist.all_gather_object, keys, key)
+    shown = "; ".join(f"rank {r}: {[(list(shape), str(dtype)) for shape, dtype in k]}" for r, k in enumerate(keys))
+    raise ValueError(f"{where}: the ranks were given inputs of different shapes or dtypes (every rank must get the "
+                     f"same global batch); per input, (shape after the batch dimension, dtype): {shown}")

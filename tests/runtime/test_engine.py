@@ -9,7 +9,7 @@ from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
 
 TOL = 1e-9
-SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned")]
+SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ")]
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,15 @@ def test_each_rank_keeps_only_its_stage(results):
     for rank, owned in enumerate(r["owned"] for r in results):
         assert owned["alive"] == owned["mine"] and owned["mine"], (rank, owned)
     assert "wte.weight" in results[3]["owned"]["mine"]  # the tied head, under its first name
+
+
+@pytest.mark.slow
+def test_ranks_given_inputs_of_different_shapes_all_raise_before_any_transfer(results):
+    for rank, out in enumerate(r["inputs_differ"] for r in results):
+        assert out["error"] is not None and out["error"].startswith(
+            f"rank {rank} (stage {[0, 0, 1, 2][rank]}), step 1: the ranks were given inputs of "
+            "different shapes or dtypes"), (rank, out["error"])
+        assert "rank 2: [([8], 'torch.int64')]; rank 3: [([5], 'torch.int64')]" in out["error"], out["error"]
+        # nothing was in flight: the next step, with the same batch everywhere, is step 1 and is exact
+        assert out["step"] == 1 and out["after"]["loss"] <= TOL, (rank, out)
+        assert all(e <= TOL for e in out["after"]["grads"].values()), (rank, out["after"])

@@ -160,6 +160,23 @@ def case_gpt(stages, gbs, mbs, seqs=(8,)) -> list[dict]:
     return out
 
 
+def case_inputs_differ(stages, gbs, mbs) -> dict[str, Any]:
+    """Rank 3 is given sequences of 5 tokens, the others 8: every rank raises before any transfer (stage 1
+    would receive (4, 8, 8) activations into (4, 5, 8) buffers); then a step with the same batch everywhere."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()
+    pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), lm_loss, timeout=30)
+    seq = 5 if int(os.environ["RANK"]) == 3 else 8
+    try:
+        pipe.train_step(*dapple.models.random_tokens(gbs, seq, 32))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    x, y = dapple.models.random_tokens(gbs, 8, 32, generator=torch.Generator().manual_seed(0))
+    ref_loss, ref = _reference(model, lm_loss, x, y)
+    return {"error": error, "after": _compare(pipe, pipe.train_step(x, y), ref_loss, ref), "step": pipe.step}
+
+
 def case_nanogpt_export(stages, gbs, mbs, seqs=(8, 12)) -> list[dict]:
     """nanoGPT as written (length assert, buffer-sliced attention): only torch.export traces it."""
     from tests.nanogpt import VOCAB, NanoGPT
@@ -255,6 +272,7 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "nanogpt_export": (case_nanogpt_export, ([((0, 3), [0]), ((3, 4), [1, 2]), ((4, 7), [3])], 6, 3), {}),
     # cut before stem.2, a ReLU(inplace=True): the received activation is changed in place
     "resnet_2_to_2": (case_resnet, ([((0, 2), [0, 1]), ((2, 7), [2, 3])], 6, 3), {}),
+    "inputs_differ": (case_inputs_differ, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
     "memory": (case_memory, (), {}),
     "owned": (case_owned, (), {}),
 }
