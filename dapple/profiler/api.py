@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from .._checks import is_int
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .exported import retarget_devices
-from .layers import LayerGraph, trace_layers
+from .layers import LayerGraph, arity, trace_layers
 from .measure import LayerMeasurement, LayerTimer, time_rounds
 from .profile import LayerProfile, Profile
 from .record import layer_module, record_inputs
@@ -66,10 +66,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     cast = tuple(to_model(t, t.device, model_dtype(model)) for t in inputs)  # torch.export traces with these
     lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
                       example_inputs=cast, dynamic_shapes=dynamic_shapes)  # TraceError before any work
-    required = [n for n in lg.gm.graph.nodes if n.op == "placeholder" and not n.args]  # no default value
-    if not len(required) <= len(inputs) <= len(lg.inputs):
-        raise ValueError(f"example_inputs: {type(model).__name__}.forward takes {lg.inputs} "
-                         f"({len(required)} without a default), got {len(inputs)} tensor(s)")
+    arity(lg.gm).check(len(inputs), "example_inputs")
     named = {f"example_inputs[{i}] ({lg.inputs[i]})": t for i, t in enumerate(inputs)}
     named.update({f"targets[{i}]" if len(target_list) > 1 else "targets": t for i, t in enumerate(target_list)})
     example = common_batch_size(named)

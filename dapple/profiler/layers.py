@@ -15,6 +15,37 @@ from .trace import LeafSpec
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
+@dataclass(frozen=True)
+class Arity:
+    """How many positional inputs a traced model takes: at least ``need``, at most ``len(names)``."""
+
+    names: list[str]  # the graph's inputs (forward's arguments; fx renames concrete ones, e.g. flag_1)
+    need: int  # up to the last without a default, or whose default None the graph uses as a tensor
+    traced_none: list[str]  # inputs defaulting to None that the graph uses as tensors
+
+    def check(self, given: int, what: str) -> None:
+        """ValueError naming the inputs unless ``given`` of them are enough and not too many."""
+        if self.need <= given <= len(self.names):
+            return
+        want = f"{self.need}" if self.need == len(self.names) else f"{self.need} to {len(self.names)}"
+        why = ""
+        if given < self.need and self.traced_none:
+            nones = ", ".join(f"{n!r}: None" for n in self.traced_none)
+            why = (f"; {self.traced_none} default to None but the model was traced with them as tensors (torch.fx "
+                   f"takes `if x is not None` branches): pass them, or trace with concrete_args={{{nones}}}")
+        raise ValueError(f"{what}: the model takes {want} inputs {self.names}, got {given}{why}")
+
+
+def arity(gm: fx.GraphModule) -> Arity:
+    """The inputs a call of traced ``gm`` must give. A placeholder defaulting to None is used as a tensor unless
+    its only users are fx's ``_assert_is_none`` (what ``concrete_args={'mask': None}`` leaves)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    traced_none = [n.name for n in nodes if n.args and n.args[0] is None
+                   and any(getattr(u.target, "__name__", None) != "_assert_is_none" for u in n.users)]
+    need = max((i + 1 for i, n in enumerate(nodes) if not n.args or n.name in traced_none), default=0)
+    return Arity([n.name for n in nodes], need, traced_none)
+
+
 @dataclass
 class LayerGraph:
     """A traced model whose every call node belongs to exactly one layer.

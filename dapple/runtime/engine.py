@@ -16,7 +16,7 @@ from ..planner.plan import Plan
 from ..planner.schedule import Op
 from ..planner.slices import slice_bounds
 from ..profiler.exported import retarget_devices
-from ..profiler.layers import trace_layers
+from ..profiler.layers import arity, trace_layers
 from ..profiler.trace import LeafSpec
 from .._dist import barrier, first_line, timeout_seconds, wait_for
 from .comm import P2P, PipelineError
@@ -77,7 +77,7 @@ class Pipeline:
         placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
         self._input_names = [n.name for n in placeholders]
         self._defaults = {n.name: n.args[0] for n in placeholders if n.args}  # forward(x, mask=None): mask
-        self._required = len([n for n in placeholders if not n.args])
+        self._arity = arity(lg.gm)
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
         self._shapes = BoundaryShapes(lg.gm, self._input_names, self._boundary)  # keeps a meta copy only
         self._rows = slice_bounds(plan.micro_batch_size, plan.stages[self.stage].replicas)[self.replica]
@@ -118,7 +118,7 @@ class Pipeline:
             raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
                                 f"groups are unusable; restart the job ({self._failed})")
         xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
-        check_batch(self.plan, xs, ys, self._input_names, self._required)
+        check_batch(self.plan, xs, ys, self._arity)
         self.step += 1
         self._p2p.step = self.step
         try:

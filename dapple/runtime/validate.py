@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .._dist import bounded, wait_for
 from ..planner.plan import Plan
+from ..profiler.layers import Arity
 from ..planner.schedule import validate_warmup
 
 
@@ -47,14 +48,10 @@ def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
     return xs
 
 
-def check_batch(plan: Plan, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-                input_names: Sequence[str], required: int | None = None) -> None:
-    """Inputs match the model's arguments (the first ``required`` have no default) and every input/target
-    holds the global batch in dimension 0."""
-    required = len(input_names) if required is None else required
-    if not required <= len(inputs) <= len(input_names):
-        want = f"{required}" if required == len(input_names) else f"{required} to {len(input_names)}"
-        raise ValueError(f"the model takes {want} inputs {list(input_names)}, got {len(inputs)}")
+def check_batch(plan: Plan, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], arity: Arity) -> None:
+    """Inputs match the model's arguments (``arity``) and every input/target holds the global batch in
+    dimension 0."""
+    arity.check(len(inputs), "inputs")
     g = plan.global_batch_size
     for what, xs in (("inputs", inputs), ("targets", targets)):
         for i, t in enumerate(xs):

@@ -12,6 +12,7 @@ from torch import nn
 import dapple
 from dapple.models import GPT, EmulatedNet, ResNet, lm_loss, random_tokens
 from dapple.profiler import TraceError
+from tests.profiler.test_layers import Masked
 
 FAST = dict(repeats=1, warmup=0, device="cpu")
 F32 = 4  # bytes per float32
@@ -188,6 +189,14 @@ def test_untraceable_model_raises_trace_error():
         dapple.profile(Untraceable(), torch.randn(2, 4), **FAST)
 
 
+def test_a_mask_traced_as_a_tensor_is_asked_for_before_any_work():
+    with pytest.raises(ValueError, match=r"example_inputs: the model takes 2 to 3 inputs .* got 1; \['mask'\] "
+                                         r"default to None .* concrete_args=\{'mask': None\}"):
+        dapple.profile(Masked(), torch.randn(4, 4), **FAST)
+    prof = dapple.profile(Masked(), torch.randn(4, 4), concrete_args={"mask": None}, **FAST)
+    assert prof.layer_names == ["a", "b"]
+
+
 class TwoInputs(nn.Module):
     def __init__(self):
         super().__init__()
@@ -208,7 +217,8 @@ class TwoInputs(nn.Module):
      "loss_fn was given without targets"),
     (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss, targets=torch.randn(3, 4)),
      ValueError, r"targets \(3, 4\)"),
-    (lambda m: dapple.profile(m, torch.randn(2, 4)), ValueError, r"forward takes \['x', 'z'\]"),
+    (lambda m: dapple.profile(m, torch.randn(2, 4)), ValueError,
+     r"example_inputs: the model takes 2 inputs \['x', 'z'\], got 1"),
     (lambda m: dapple.profile(m, (torch.randn(2, 4), 3)), TypeError, r"example_inputs\[1\]: expected a tensor"),
     (lambda m: dapple.profile(m, (torch.randn(2, 4), torch.randn(2, 4)), repeats=0), ValueError,
      "repeats: expected an integer >= 1, got 0"),

@@ -8,6 +8,7 @@ from torch import nn
 
 from dapple.models import GPT, EmulatedNet, ResNet
 from dapple.profiler import TraceError, trace_layers
+from dapple.profiler.layers import arity
 
 
 def _check_monotone(lg):
@@ -119,3 +120,34 @@ def test_leaf_module_makes_untraceable_block_traceable():
 def test_emulated_layers_trace_as_one_call_each():
     lg = trace_layers(EmulatedNet([0.0, 0.0, 0.0]))
     assert lg.names == ["layers.0", "layers.1", "layers.2", "head"]
+
+
+class Masked(nn.Module):
+    """forward(x, mask=None) with an ``if mask is not None`` branch, as attention models have."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, mask=None, scale=1.0):
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        return self.b(h) * scale
+
+
+def test_a_none_default_traced_as_a_tensor_must_be_given():
+    traced = arity(trace_layers(Masked()).gm)  # fx takes the branch: mask is used as a tensor
+    assert (traced.names, traced.need, traced.traced_none) == (["x", "mask", "scale"], 2, ["mask"])
+    traced.check(2, "inputs")
+    traced.check(3, "inputs")
+    with pytest.raises(ValueError, match=r"^inputs: the model takes 2 to 3 inputs \['x', 'mask', 'scale'\], got 1; "
+                                         r"\['mask'\] default to None but the model was traced with them as tensors "
+                                         r".*trace with concrete_args=\{'mask': None\}$"):
+        traced.check(1, "inputs")
+    kept = arity(trace_layers(Masked(), concrete_args={"mask": None}).gm)  # only fx's _assert_is_none reads it
+    assert (kept.need, kept.traced_none) == (1, [])
+    kept.check(1, "inputs")
+    with pytest.raises(ValueError, match=r"^inputs: the model takes 1 to 3 inputs \['x', 'mask_1', 'scale'\], "
+                                         r"got 4$"):
+        kept.check(4, "inputs")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import dapple
 from dapple.planner import Plan, Stage
+from tests.profiler.test_layers import Masked
 from tests.runtime.workers import Chain, _chain_data, _plan
 
 
@@ -96,6 +97,22 @@ def test_arguments_with_defaults_may_be_left_out():
                                                            rel=1e-12)
     with pytest.raises(ValueError, match=r"the model takes 1 to 3 inputs \['x', 'scale', 'flag_1'\], got 4"):
         pipe.train_step((x, x, x, x), y)
+
+
+def test_a_mask_traced_as_a_tensor_must_be_passed_or_traced_as_none():
+    """forward(x, mask=None): fx traces the mask branch, so train_step(x) would run it with None."""
+    model = Masked().double()
+    plan = Plan(global_batch_size=8, micro_batch_size=4, stages=[Stage((0, 2), [0])], layer_names=["a", "b"])
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 2, (8,))
+    pipe = dapple.pipeline(model, plan, F.cross_entropy)
+    with pytest.raises(ValueError, match=r"inputs: the model takes 2 to 3 inputs \['x', 'mask', 'scale'\], got 1; "
+                                         r"\['mask'\] default to None .* concrete_args=\{'mask': None\}"):
+        pipe.train_step(x, y)
+    assert pipe.step == 0
+    mask = torch.rand(8, 4, dtype=torch.float64)
+    assert pipe.train_step((x, mask), y) == pytest.approx(float(F.cross_entropy(model(x, mask), y).detach()), rel=1e-12)
+    plain = dapple.pipeline(model, plan, F.cross_entropy, concrete_args={"mask": None})
+    assert plain.train_step(x, y) == pytest.approx(float(F.cross_entropy(model(x), y).detach()), rel=1e-12)
 
 
 def test_single_rank_accumulates_micro_batches_exactly():
