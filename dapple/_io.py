@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -92,6 +93,17 @@ class Fields:
         if not isinstance(data, Mapping):
             raise DocumentError(f"{where}: expected a mapping, got {type(data).__name__} {data!r:.80}")
         self.data, self.where = data, where
+
+    def known(self, *keys: str) -> "Fields":
+        """DocumentError naming the first field not among ``keys`` (a misspelt ``warmup_polcy`` must not leave
+        the default in force unsaid), with the closest known name when there is one."""
+        for key in self.data:
+            if key not in keys:
+                close = difflib.get_close_matches(str(key), keys, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                extra = "; free-form values go under 'meta'" if "meta" in keys else ""
+                raise DocumentError(f"{self.where}: unknown field {key!r}{hint}; known: {', '.join(keys)}{extra}")
+        return self
 
     def _get(self, key: str, default: Any) -> Any:
         if key in self.data:

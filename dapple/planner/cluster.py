@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable
 
 import networkx as nx
@@ -217,7 +217,7 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Cluster") -> "Cluster":
-        f = _io.Fields(doc, where)
+        f = _io.Fields(doc, where).known("dapple_cluster", *(x.name for x in fields(cls)))
         try:
             return cls(servers=f.number("servers", integer=True, minimum=1),
                        devices_per_server=f.number("devices_per_server", integer=True, minimum=1),

@@ -49,6 +49,7 @@ class Estimate:
 
     @classmethod
     def from_dict(cls, f: _io.Fields) -> "Estimate":
+        f.known("latency_ms", "warmup_ms", "steady_ms", "ending_ms", "pivot_stage", "details")
         return cls(latency_ms=f.number("latency_ms"), warmup_ms=f.number("warmup_ms"),
                    steady_ms=f.number("steady_ms", minimum=None), ending_ms=f.number("ending_ms", minimum=None),
                    pivot_stage=f.number("pivot_stage", integer=True), details=dict(f.data.get("details") or {}))
@@ -106,6 +107,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, Stage) else Stage(*s) for s in self.stages]
+        self._check_batches("Plan")  # before the policy's K_i, which divide by micro_batch_size
         if all(s.warmup is None for s in self.stages):
             for s, k in zip(self.stages, warmup_counts(len(self.stages), self.num_micro_batches,
                                                        self.warmup_policy)):
@@ -151,18 +153,14 @@ class Plan:
     # ---- validation ----------------------------------------------------------------------------
     def validate(self, where: str = "Plan") -> None:
         """Raise ValueError naming the offending field and value if the plan is inconsistent."""
-        g, b = self.global_batch_size, self.micro_batch_size
-        positive_int(f"{where}.global_batch_size", g)
-        positive_int(f"{where}.micro_batch_size", b)
-        if g % b:
-            raise ValueError(f"{where}: global_batch_size {g} is not divisible by micro_batch_size {b}")
+        self._check_batches(where)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{where}.schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
         if self.warmup_policy not in WARMUP_POLICIES:
             raise ValueError(f"{where}.warmup_policy: expected one of {WARMUP_POLICIES}, got {self.warmup_policy!r}")
         if not self.stages:
             raise ValueError(f"{where}.stages: expected at least one stage, got none")
-        start = check_stages(self.stages, b, where)
+        start = check_stages(self.stages, self.micro_batch_size, where)
         for i, s in enumerate(self.stages):
             if s.warmup is None:
                 raise ValueError(f"{where}.stages[{i}].warmup: missing while other stages give one; give K_i for "
@@ -176,6 +174,13 @@ class Plan:
             validate_warmup([s.warmup for s in self.stages], self.num_micro_batches)  # as given, not int()'d
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+
+    def _check_batches(self, where: str) -> None:
+        g, b = self.global_batch_size, self.micro_batch_size
+        positive_int(f"{where}.global_batch_size", g)
+        positive_int(f"{where}.micro_batch_size", b)
+        if g % b:
+            raise ValueError(f"{where}: global_batch_size {g} is not divisible by micro_batch_size {b}")
 
     # ---- YAML ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -197,9 +202,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Plan") -> "Plan":
-        f = _io.Fields(doc, where)
+        f = _io.Fields(doc, where).known("dapple_plan", "global_batch_size", "micro_batch_size", "schedule",
+                                         "warmup_policy", "stages", "layer_names", "estimate", "meta")
 
         def stage(g: _io.Fields) -> Stage:
+            g.known("layers", "devices", "warmup")
             layers = g.numbers("layers", length=2, integer=True)
             warmup = g.number("warmup", integer=True, minimum=1) if g.data.get("warmup") is not None else None
             return Stage(layers=(layers[0], layers[1]), devices=g.numbers("devices", integer=True), warmup=warmup)

@@ -165,11 +165,12 @@ class Profile:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Profile") -> "Profile":
-        f = _io.Fields(doc, where)
+        f = _io.Fields(doc, where).known("dapple_profile", "model", "device", "batch_sizes", "layers", "meta")
         batch_sizes = f.numbers("batch_sizes", integer=True, minimum=1)
         n = len(batch_sizes)
 
         def layer(g: _io.Fields) -> LayerProfile:
+            g.known("name", "forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "param_bytes", "inputs")
             inputs = g.numbers("inputs", integer=True, default=[]) if "inputs" in g.data else None
             return LayerProfile(name=g.str("name"), forward_ms=g.numbers("forward_ms", n),
                                 backward_ms=g.numbers("backward_ms", n),

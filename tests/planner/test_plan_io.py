@@ -35,6 +35,11 @@ def test_plan_shape_in_the_papers_notation():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(micro_batch_size=5), "not divisible by micro_batch_size 5"),
+    # no K_i given: checked before the policy's K_i are worked out from M = global / micro
+    (dict(micro_batch_size=0), "Plan.micro_batch_size: expected a positive integer, got 0"),
+    (dict(micro_batch_size=-2), "Plan.micro_batch_size: expected a positive integer, got -2"),
+    (dict(micro_batch_size=32), "global_batch_size 16 is not divisible by micro_batch_size 32"),
+    (dict(global_batch_size=True), "Plan.global_batch_size: expected a positive integer, got True"),
     (dict(stages=[Stage((0, 2), [0]), Stage((3, 5), [1])]), "starting at layer 2"),
     (dict(stages=[Stage((0, 3.0), [0]), Stage((3, 5), [1])]), "stages[0].layers: expected a non-empty range"),
     (dict(stages=[Stage((0, 3), [0, 1]), Stage((3, 5), [1])]), "device 1 is already in stage 0"),
@@ -59,6 +64,26 @@ def test_bad_plan_file_names_file(tmp_path):
     path.write_text(yaml.safe_dump(d))
     with pytest.raises(DocumentError, match=r"p.yaml.stages\[1\].devices: expected a list of integers"):
         Plan.load(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(warmup_polcy="B"), "p.yaml: unknown field 'warmup_polcy' (did you mean 'warmup_policy'?); "
+                                           "known: dapple_plan, global_batch_size"),
+    (lambda d: d.update(schedul="gpipe"), "unknown field 'schedul' (did you mean 'schedule'?)"),
+    (lambda d: d.update(note="x"), "p.yaml: unknown field 'note'; known: dapple_plan, global_batch_size, "
+                                   "micro_batch_size, schedule, warmup_policy, stages, layer_names, estimate, meta; "
+                                   "free-form values go under 'meta'"),
+    (lambda d: d["stages"][1].update(warmpu=4), "p.yaml.stages[1]: unknown field 'warmpu' (did you mean 'warmup'?)"),
+    (lambda d: d["estimate"].update(latency=1.0), "p.yaml.estimate: unknown field 'latency' (did you mean "),
+])
+def test_a_misspelt_field_is_named_not_ignored(tmp_path, edit, message):
+    d = _plan(estimate=Estimate(10.0, 2.0, 6.0, 2.0, 1)).to_dict()
+    edit(d)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(DocumentError) as e:
+        Plan.load(path)
+    assert message in str(e.value)
 
 
 def test_cluster_presets_and_links():
@@ -92,6 +117,12 @@ def test_cluster_round_trip_and_errors(tmp_path):
     assert Cluster.load(tmp_path / "s.yaml").link_sharing == "shared" and c.link_sharing == "held"
     with pytest.raises(ValueError, match=r"link_sharing: expected one of \('held', 'shared'\), got 'fair'"):
         Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, link_sharing="fair")
+    d = c.to_dict()
+    d["inter_bandwith"] = d.pop("inter_bandwidth")
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(DocumentError, match=r"typo.yaml: unknown field 'inter_bandwith' \(did you mean "
+                                            r"'inter_bandwidth'\?\)"):
+        Cluster.load(tmp_path / "typo.yaml")
 
 
 def test_measured_allreduce_numbers_override_the_links():

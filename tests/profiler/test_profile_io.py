@@ -35,6 +35,9 @@ def test_yaml_round_trip(tmp_path):
     (lambda d: d["layers"][0].update(forward_ms=[1.0, float("nan")]), "layers[0].forward_ms[1]: expected number"),
     (lambda d: d["layers"][2].update(param_bytes=float("nan")), "layers[2].param_bytes: expected a number"),
     (lambda d: d.update(batch_sizes=[8, 4]), "batch_sizes: expected strictly increasing"),
+    (lambda d: d.update(batch_size=[4, 8]), "unknown field 'batch_size' (did you mean 'batch_sizes'?)"),
+    (lambda d: d["layers"][1].update(forward=[1.0, 2.0]), "layers[1]: unknown field 'forward' (did you mean "
+                                                          "'forward_ms'?)"),
 ])
 def test_bad_yaml_names_file_and_field(tmp_path, edit, message):
     d = _profile().to_dict()
