@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .checkpoint_state import (FORMAT, describe, few, is_stored_tensor, load_targets, optimizer_info, save_state,
                                stage_tensors)
-from .._dist import PipelineError, first_line
+from .._dist import PipelineError, bounded, first_line
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor (~1 s)
@@ -48,7 +48,7 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     extra = dict(extra or {})
     target = Path(os.path.abspath(path))
     tmp = target.with_name(target.name + SAVING)
-    group, rank = _group(pipe), pipe.ctx.rank
+    group, rank = _group(pipe, f"save_checkpoint({str(target)!r})"), pipe.ctx.rank
     error, info = None, None
     try:
         local = stage_tensors(pipe)
@@ -101,7 +101,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     """
     _check_args(pipe, optimizer)
     target = Path(os.path.abspath(path))
-    group = _group(pipe)
+    group = _group(pipe, f"load_checkpoint({str(target)!r})")
     error, finish = None, None
     sd: dict[str, Any] = {}
     meta: dict = {}
@@ -146,11 +146,14 @@ def _check_args(pipe: Any, optimizer: Any) -> None:
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
 
 
-def _group(pipe: Pipeline) -> dist.ProcessGroup:
-    """A gloo group of all ranks with the pipeline's timeout, for DCP's object collectives (made once per pipe)."""
+def _group(pipe: Pipeline, what: str) -> dist.ProcessGroup:
+    """A gloo group of all ranks with the pipeline's timeout, for DCP's object collectives (made once per pipe,
+    by the first save or load: every rank must call it)."""
     if pipe not in _groups:
-        _groups[pipe] = dist.new_group(list(range(pipe.ctx.world_size)), timeout=timedelta(seconds=pipe.timeout),
-                                       backend="gloo")
+        _groups[pipe] = bounded(pipe.timeout, f"rank {pipe.ctx.rank} (stage {pipe.stage}): {what}: creating the "
+                                f"gloo group of every rank (did every rank call it?)", dist.new_group,
+                                list(range(pipe.ctx.world_size)), timeout=timedelta(seconds=pipe.timeout),
+                                backend="gloo")
     return _groups[pipe]
 
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._dist import free_port, group_device, local_rank, timeout_seconds
+from .._dist import bounded, free_port, group_device, local_rank, timeout_seconds
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,9 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistC
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if backend == "nccl":
                 torch.cuda.set_device(local_rank())
-            dist.init_process_group(backend, timeout=seconds)
+            bounded(timeout, f"rank {os.environ['RANK']}: joining the default process group of "
+                    f"{os.environ['WORLD_SIZE']} ranks (did every rank start?)",
+                    dist.init_process_group, backend, timeout=seconds)
         else:  # not launched by torchrun: a world of one process
             store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=seconds)
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=seconds)

@@ -18,7 +18,7 @@ from ..planner.slices import slice_bounds
 from ..profiler.exported import retarget_devices
 from ..profiler.layers import arity, trace_layers
 from ..profiler.trace import LeafSpec
-from .._dist import barrier, first_line, timeout_seconds, wait_for
+from .._dist import barrier, bounded, first_line, timeout_seconds, wait_for
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
@@ -85,10 +85,12 @@ class Pipeline:
         self.step = 0
         self._failed: str | None = None
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
-        pg_timeout = timedelta(seconds=self.timeout)
-        grad_p2p = dist.new_group(list(range(self.ctx.world_size)), timeout=pg_timeout) if plan.num_stages > 1 \
-            else None
-        self._groups: list[GradGroup] = make_grad_groups(plan, graphs, self._names, rank, self.timeout)
+        where = f"rank {rank} (stage {self.stage}): dapple.pipeline"
+        grad_p2p = bounded(self.timeout, f"{where}: creating the gradients' group of every rank (does every rank "
+                           f"call dapple.pipeline with the same plan?)", dist.new_group,
+                           list(range(self.ctx.world_size)), timeout=timedelta(seconds=self.timeout)) \
+            if plan.num_stages > 1 else None
+        self._groups: list[GradGroup] = make_grad_groups(plan, graphs, self._names, rank, self.timeout, where)
         self._reducer = GradReducer(self._groups)
         self._p2p = P2P(rank, plan.stage_of_device, None, grad_p2p, self.timeout, self._value_name)
         self._handshake()

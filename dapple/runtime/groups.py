@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planner.plan import Plan
-from .._dist import wait_for
+from .._dist import bounded, wait_for
 from .split import StageGraph
 
 BUCKET_BYTES = 25 * 2**20  # gradients are flattened into buckets of about this size, one AllReduce each
@@ -48,7 +48,7 @@ def tied_owners(stages: Sequence[StageGraph], names: dict[int, str]) -> dict[tup
 
 
 def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, str], rank: int,
-                     timeout: float) -> list[GradGroup]:
+                     timeout: float, where: str) -> list[GradGroup]:
     """Create the gradient groups on every rank, in the same order; return those with their members.
 
     Order: replicated stages by index, then tied-parameter owner sets in sorted order. A tied parameter is
@@ -68,7 +68,8 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
     my_stage = stages[plan.stage_of_device(rank)]
     mine = {names[id(p)]: p for p in my_stage.parameters()}
     for spec in specs:
-        group = dist.new_group(spec.ranks, timeout=timedelta(seconds=timeout))  # every rank calls, in order
+        group = bounded(timeout, f"{where}: creating the group of the {spec.label} (ranks {spec.ranks})",
+                        dist.new_group, spec.ranks, timeout=timedelta(seconds=timeout))  # every rank, in order
         if rank in spec.ranks:
             spec.group = group
             spec.params = [mine[n] for n in spec.names]

@@ -154,7 +154,7 @@ def resume(root: str) -> bytes:
     # a rank that never joins: the others fail within the pipeline's timeout instead of hanging
     model = gpt()
     tpipe = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=2)
-    dapple.runtime.checkpoint._group(tpipe)  # made while all are present (creating a group waits on the store)
+    dapple.runtime.checkpoint._group(tpipe, "warm-up")  # made while all are present (it waits on the store)
     if tpipe.ctx.rank == 2:
         time.sleep(3.5)
         out["timeout"] = None
@@ -162,6 +162,15 @@ def resume(root: str) -> bytes:
         t0 = time.monotonic()
         msg = _error(lambda: dapple.load_checkpoint(f"{root}/ckpt1", tpipe))
         out["timeout"] = (time.monotonic() - t0, msg)
+    # the same on the first save of a pipeline, which creates the group (`if rank == 0: save_checkpoint(...)`)
+    fresh = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=2)
+    if fresh.ctx.rank == 2:
+        time.sleep(3.5)
+        out["first_save"] = None
+    else:
+        t0 = time.monotonic()
+        msg = _error(lambda: dapple.save_checkpoint(f"{root}/never", fresh))
+        out["first_save"] = (time.monotonic() - t0, msg)
     return pack(out)
 
 
@@ -304,6 +313,10 @@ def test_errors_are_clear_and_on_every_rank(run):
         seconds, msg = run["resumed"][rank]["timeout"]
         assert msg.startswith("PipelineError") and "within 2s" in msg, msg
         assert seconds < 2 + 5, (seconds, msg)  # the timeout, plus slack for a loaded machine
+        seconds, msg = run["resumed"][rank]["first_save"]
+        assert msg.startswith(f"PipelineError: rank {rank} (stage 0): save_checkpoint(") and "/never'): creating " \
+            "the gloo group of every rank (did every rank call it?) failed or timed out (timeout 2s)" in msg, msg
+        assert seconds < 2 + 5, (seconds, msg)
 
 
 def test_full_state_dict_errors(tmp_path):

@@ -47,3 +47,11 @@ def test_stalled_rank_times_out_the_others(outcomes):
     assert "rank 0 (stage 0), step 2: timed out waiting for gradients of micro-batch 2 " in msg, msg
     assert "from rank 1 (stage 1)" in msg, msg
     assert 1.2 < _seconds(msg) < 5.9, msg  # the timeout, not the stall (then "Connection closed by peer")
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_calls_pipeline_is_named_within_the_timeout():
+    msg = run_ranks(workers.run_absent_rank, 2, 1.5, timeout=60)[0]
+    assert "rank 0: joining the default process group of 2 ranks (did every rank start?) failed or timed out " \
+        "(timeout 1.5s)" in msg, msg
+    assert _seconds(msg) < 1.5 + 5, msg

@@ -320,3 +320,18 @@ def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall
         except dapple.runtime.PipelineError as e:
             return f"after {time.monotonic() - t0:.1f}s: {e}"
     return "no error"
+
+
+def run_absent_rank(timeout: float) -> str | None:
+    """Rank 1 never calls dapple.pipeline (it sleeps past the timeout, then exits); what rank 0 saw, and when."""
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(timeout + 2)
+        return None
+    model = Chain().double()
+    plan = _plan(model, [((0, 2), [0]), ((2, 5), [1])], 8, 2)
+    t0 = time.monotonic()
+    try:
+        dapple.pipeline(model, plan, F.cross_entropy, timeout=timeout)
+    except dapple.runtime.PipelineError as e:
+        return f"after {time.monotonic() - t0:.1f}s: {e}"
+    return "no error"
