@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -80,6 +81,7 @@ class Pipeline:
         self._arity = arity(lg.gm)
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
         self._shapes = BoundaryShapes(lg.gm, self._input_names, self._boundary)  # keeps a meta copy only
+        self._layers = f"[{plan.stages[self.stage].layers[0]}, {plan.stages[self.stage].layers[1]})"  # for notes
         self._rows = slice_bounds(plan.micro_batch_size, plan.stages[self.stage].replicas)[self.replica]
         self._programs: dict[Layout, tuple[list[Instr], dict]] = {}
         self.step = 0
@@ -232,18 +234,15 @@ class Pipeline:
                 x = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])  # (rows, ...)
                 leaves.append(x.requires_grad_(v in grads))
                 env[name] = x.clone() if name in g.modified and x.requires_grad else x  # leaves stay intact
-        outs = self.module(*[env[a] for a in g.args])
+        where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
+        with _noted(f"{where}: in the forward of layers {self._layers}"):
+            outs = self.module(*[env[a] for a in g.args])
         env.update(zip(g.outs, outs))
         if self.stage == self.plan.num_stages - 1:
             out = resolve_output(g.output, env)
             tgt = [y[lo:hi].to(self.ctx.device, non_blocking=True) for y in ys]
-            where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
-            try:
-                loss = self.loss_fn(out, *tgt)
-            except Exception as e:  # the user's function: keep its error, say where and with what it was called
-                if hasattr(e, "add_note"):  # Python 3.11+
-                    e.add_note(f"{where}: in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})")
-                raise
+            with _noted(f"{where}: in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})"):
+                loss = self.loss_fn(out, *tgt)  # the user's function: its error, and with what it was called
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"{where}: loss_fn must return a scalar tensor (the mean over the rows it is given), "
                                 f"got {loss!r:.80}")
@@ -256,18 +255,20 @@ class Pipeline:
     def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch], layout: Layout
                   ) -> list[torch.Tensor | None]:
         m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations
-        if m.loss is not None:
-            if m.loss.requires_grad:
-                m.loss.backward()
-        else:
-            roots, grads = [], []
-            for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
-                g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
-                if m.sent[v].requires_grad:
-                    roots.append(m.sent[v])
-                    grads.append(g.to(m.sent[v].dtype))
-            if roots:
-                torch.autograd.backward(roots, grads)
+        where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
+        with _noted(f"{where}: in the backward of layers {self._layers}"):
+            if m.loss is not None:
+                if m.loss.requires_grad:
+                    m.loss.backward()
+            else:
+                roots, grads = [], []
+                for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
+                    g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
+                    if m.sent[v].requires_grad:
+                        roots.append(m.sent[v])
+                        grads.append(g.to(m.sent[v].dtype))
+                if roots:
+                    torch.autograd.backward(roots, grads)
         if self.stage == 0:
             return []
         out: list[torch.Tensor | None] = []
@@ -364,6 +365,17 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace)
+
+
+@contextmanager
+def _noted(note: str) -> Iterator[None]:
+    """Errors from the user's model pass through as they are, with a note of where they were raised."""
+    try:
+        yield
+    except Exception as e:
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(note)
+        raise
 
 
 def _shape(x: Any) -> Any:

@@ -130,6 +130,36 @@ def test_single_rank_accumulates_micro_batches_exactly():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
 
 
+class Tripwire(torch.nn.Module):
+    """Identity, but its call number ``bad_call`` (from 0) raises in the forward, or later in the backward.
+    Traced as a leaf module, so it runs as Python in every micro-batch."""
+
+    def __init__(self, bad_call: int, backward: bool):
+        super().__init__()
+        self.bad_call, self.backward, self.calls = bad_call, backward, 0
+
+    def forward(self, h):
+        self.calls += 1
+        if self.calls - 1 == self.bad_call:
+            if not self.backward:
+                raise RuntimeError("boom in forward")
+            h = h * 1.0
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom in backward")))
+        return h
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11+")
+@pytest.mark.parametrize("backward", [False, True])
+def test_an_error_in_the_model_is_noted_with_rank_stage_step_and_micro_batch(backward):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), Tripwire(2, backward), torch.nn.Linear(6, 3)).double()
+    plan = Plan(global_batch_size=8, micro_batch_size=2, stages=[Stage((0, 3), [0])], layer_names=["0", "1", "2"])
+    pipe = dapple.pipeline(model, plan, F.cross_entropy, leaf_modules=[Tripwire])
+    with pytest.raises(RuntimeError, match=f"boom in {'backward' if backward else 'forward'}") as err:
+        pipe.train_step(*_chain_data(8))
+    want = f"rank 0 (stage 0), step 1, micro-batch 2: in the {'backward' if backward else 'forward'} of layers [0, 3)"
+    assert want in getattr(err.value, "__notes__", []), err.value
+
+
 def test_a_failing_loss_fn_is_reported_with_where_and_what_it_was_given():
     model = Chain().double()
     x, y = _chain_data(8)
