@@ -72,9 +72,9 @@ def run(cfg: DemoConfig) -> dict:
     memory = cfg.memory_fraction * static + activations
     cluster = dapple.Cluster.local(cfg.nproc, device_memory=memory)  # measures the links when nproc > 1
     print(f"      {cluster}")
-    print(f"      device memory capped at {memory / 1e6:.2f} MB per process: the parameters with their Adam state "
-          f"need {static / 1e6:.2f} MB, more than a process holds beside the activations, so the model must be "
-          f"split")
+    print(f"      device memory capped at {memory / 1e6:.2f} MB per process: {cfg.memory_fraction:g} x the "
+          f"{static / 1e6:.2f} MB of parameters with their Adam state, + {activations / 1e6:.2f} MB of activations "
+          f"(1/{cfg.nproc} of the batch); the planner splits the model, or micro-batches it, to fit")
     print("[3/4] planning ...", flush=True)
     plan = dapple.plan(prof, cluster, cfg.global_batch, overlap=True)
     print(plan)
