@@ -27,7 +27,8 @@ def non_negative_int(name: str, value: Any) -> None:
         raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
 
 
-def number(name: str, value: Any, *, positive: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a real number >= 0 (> 0 with ``positive``)."""
-    if not is_real(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'} number, got {value!r}")
+def number(name: str, value: Any, *, positive: bool = False, finite: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a real number >= 0 (> 0 with ``positive``; not inf with ``finite``)."""
+    if not is_real(value) or value < 0 or (positive and value == 0) or (finite and value == float("inf")):
+        raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'}"
+                         f"{' finite' if finite else ''} number, got {value!r}")

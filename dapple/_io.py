@@ -143,6 +143,13 @@ class Fields:
                 raise DocumentError(f"{self.where}.{key}[{i}]: expected {kind[:-1]}{bound}, got {x!r}")
         return list(v)
 
+    def mapping(self, key: str) -> dict:
+        """An optional free-form mapping (``meta``, ``details``) as a dict; {} when absent or null."""
+        v = self.data.get(key)
+        if v is not None and not isinstance(v, Mapping):
+            raise self._fail(key, "a mapping", v)
+        return dict(v or {})
+
     def list(self, key: str, default: Any = None) -> Sequence[Any]:
         v = self._get(key, _REQUIRED if default is None else default)
         if not isinstance(v, (list, tuple)):

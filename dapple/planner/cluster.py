@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable
@@ -50,16 +51,16 @@ class Cluster:
     def __post_init__(self) -> None:
         for key in ("servers", "devices_per_server"):
             positive_int(f"Cluster.{key}", getattr(self, key))
-        for key in ("intra_bandwidth", "inter_bandwidth", "device_memory"):
-            number(f"Cluster.{key}", getattr(self, key), positive=True)
+        for key in ("intra_bandwidth", "inter_bandwidth", "device_memory"):  # inf memory overflowed D (V-C)
+            number(f"Cluster.{key}", getattr(self, key), positive=True, finite=True)
         for key in ("intra_latency", "inter_latency"):
             v = getattr(self, key)
-            if not is_real(v) or v < 0:
-                raise ValueError(f"Cluster.{key}: expected a number of seconds >= 0, got {v!r}")
+            if not is_real(v) or not 0 <= v < math.inf:  # an inf latency made the model's estimate 0 ms
+                raise ValueError(f"Cluster.{key}: expected a finite number of seconds >= 0, got {v!r}")
         for key in ("intra_allreduce_bandwidth", "inter_allreduce_bandwidth", "intra_allreduce_latency",
                     "inter_allreduce_latency"):
             v = getattr(self, key)
-            if v is not None and (not is_real(v) or v < 0 or (v == 0 and "bandwidth" in key)):
+            if v is not None and (not is_real(v) or not 0 <= v < math.inf or (v == 0 and "bandwidth" in key)):
                 raise ValueError(f"Cluster.{key}: expected None or a positive number, got {v!r}")
         if self.intra_allreduce_by_size is not None:
             self.intra_allreduce_by_size = _by_size(self.intra_allreduce_by_size)
@@ -133,6 +134,8 @@ class Cluster:
     def preset(cls, name: str, servers: int | None = None) -> "Cluster":
         """Paper Table 3: "A" 2x8 V100 NVLink + 25 Gbps, "B" 16x1 25 Gbps, "C" 16x1 10 Gbps (16 GB each)."""
         key = str(name).upper()
+        if servers is not None:
+            positive_int("Cluster.preset: servers", servers)
         if key == "A":
             return cls(servers=servers or 2, devices_per_server=8, intra_bandwidth=130e9, inter_bandwidth=25 * GBPS,
                        intra_latency=5e-6, inter_latency=30e-6, device_memory=16e9, name="A")
@@ -225,7 +228,7 @@ class Cluster:
                        intra_latency=f.number("intra_latency", default=5e-6),
                        inter_latency=f.number("inter_latency", default=30e-6),
                        device_memory=f.number("device_memory", default=16e9), name=str(doc.get("name", "")),
-                       meta=dict(doc.get("meta") or {}),
+                       meta=f.mapping("meta"),
                        **{k: f.number(k) for k in ("intra_allreduce_bandwidth", "intra_allreduce_latency",
                                                    "inter_allreduce_bandwidth", "inter_allreduce_latency")
                           if doc.get(k) is not None},

@@ -52,7 +52,7 @@ class Estimate:
         f.known("latency_ms", "warmup_ms", "steady_ms", "ending_ms", "pivot_stage", "details")
         return cls(latency_ms=f.number("latency_ms"), warmup_ms=f.number("warmup_ms"),
                    steady_ms=f.number("steady_ms", minimum=None), ending_ms=f.number("ending_ms", minimum=None),
-                   pivot_stage=f.number("pivot_stage", integer=True), details=dict(f.data.get("details") or {}))
+                   pivot_stage=f.number("pivot_stage", integer=True), details=f.mapping("details"))
 
 
 def check_stages(stages: Sequence[Stage], micro_batch_size: int, where: str) -> int:
@@ -220,7 +220,7 @@ class Plan:
                        micro_batch_size=f.number("micro_batch_size", integer=True, minimum=1),
                        stages=f.each("stages", stage), schedule=f.str("schedule", default="dapple"),
                        warmup_policy=str(f.data.get("warmup_policy", "A")), layer_names=names, estimate=estimate,
-                       meta=dict(f.data.get("meta") or {}))
+                       meta=f.mapping("meta"))
         except _io.DocumentError:
             raise
         except ValueError as e:

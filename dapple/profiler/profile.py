@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import bisect
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from .. import _io
-from .._checks import is_int
+from .._checks import is_int, is_real
 
 VERSION = 1
 
@@ -130,15 +131,21 @@ class Profile:
         if not self.layers:
             raise ValueError(f"{where}.layers: expected at least one layer, got none")
         for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerProfile):
+                raise TypeError(f"{where}.layers[{i}]: expected a LayerProfile, got {type(layer).__name__}")
+            if not isinstance(layer.name, str):
+                raise TypeError(f"{where}.layers[{i}].name: expected a string (the module path), got {layer.name!r}")
             for key in ("forward_ms", "backward_ms", "boundary_bytes", "saved_bytes"):
                 values = getattr(layer, key)
-                if len(values) != n:
+                if not isinstance(values, (list, tuple)) or len(values) != n:
                     raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: expected {n} values, one per "
-                                     f"batch size {self.batch_sizes}, got {len(values)}: {values}")
-                if any(v < 0 for v in values):
-                    raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: negative value in {values}")
-            if layer.param_bytes < 0:
-                raise ValueError(f"{where}.layers[{i}] ({layer.name}).param_bytes: negative: {layer.param_bytes}")
+                                     f"batch size {self.batch_sizes}, got {values!r:.120}")
+                if not all(is_real(v) and 0 <= v < math.inf for v in values):  # a NaN would fit as 0 ms
+                    raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: expected finite numbers >= 0, got "
+                                     f"{values}")
+            if not (is_real(layer.param_bytes) and 0 <= layer.param_bytes < math.inf):
+                raise ValueError(f"{where}.layers[{i}] ({layer.name}).param_bytes: expected a finite number >= 0, "
+                                 f"got {layer.param_bytes!r}")
             if layer.inputs is not None and any(not 0 <= j < i for j in layer.inputs):
                 raise ValueError(f"{where}.layers[{i}] ({layer.name}).inputs: expected indices of earlier layers "
                                  f"(0..{i - 1}), got {layer.inputs}")
@@ -179,7 +186,7 @@ class Profile:
                                 param_bytes=g.number("param_bytes", integer=False), inputs=inputs)
 
         layers = f.each("layers", layer)
-        meta = dict(f.data.get("meta") or {})
+        meta = f.mapping("meta")
         try:
             return cls(model=f.str("model"), device=f.str("device"), batch_sizes=batch_sizes, layers=layers,
                        meta=meta)

@@ -75,6 +75,7 @@ def test_bad_plan_file_names_file(tmp_path):
                                    "free-form values go under 'meta'"),
     (lambda d: d["stages"][1].update(warmpu=4), "p.yaml.stages[1]: unknown field 'warmpu' (did you mean 'warmup'?)"),
     (lambda d: d["estimate"].update(latency=1.0), "p.yaml.estimate: unknown field 'latency' (did you mean "),
+    (lambda d: d.update(meta=[1, 2]), "p.yaml.meta: expected a mapping, got [1, 2]"),
 ])
 def test_a_misspelt_field_is_named_not_ignored(tmp_path, edit, message):
     d = _plan(estimate=Estimate(10.0, 2.0, 6.0, 2.0, 1)).to_dict()
@@ -106,11 +107,18 @@ def test_cluster_round_trip_and_errors(tmp_path):
     assert Cluster.load(tmp_path / "c.yaml") == c
     with pytest.raises(ValueError, match=r"devices_per_server: expected a positive integer, got 0"):
         Cluster(servers=1, devices_per_server=0, intra_bandwidth=1, inter_bandwidth=1)
-    for bad in (float("nan"), True):  # neither is a number of seconds
-        with pytest.raises(ValueError, match=rf"Cluster.inter_latency: expected a number of seconds >= 0, got {bad}"):
+    for bad in (float("nan"), True, float("inf")):  # none is a number of seconds (inf made estimates 0 ms)
+        with pytest.raises(ValueError, match=rf"Cluster.inter_latency: expected a finite number of seconds >= 0, "
+                                             rf"got {bad}"):
             Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, inter_latency=bad)
         with pytest.raises(ValueError, match=rf"Cluster.inter_allreduce_latency: expected None .* got {bad}"):
             Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, inter_allreduce_latency=bad)
+    for key in ("device_memory", "inter_bandwidth"):  # an inf device memory overflowed the K_i bound D
+        with pytest.raises(ValueError, match=rf"Cluster.{key}: expected a positive finite number, got inf"):
+            Cluster(**{**dict(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1),
+                       key: float("inf")})
+    with pytest.raises(ValueError, match=r"Cluster.preset: servers: expected a positive integer, got 0"):
+        Cluster.preset("A", servers=0)
     assert Cluster.local(3, measure=False).num_devices == 3
     shared = Cluster(servers=1, devices_per_server=2, intra_bandwidth=1, inter_bandwidth=1, link_sharing="shared")
     shared.save(tmp_path / "s.yaml")

@@ -35,6 +35,8 @@ def test_yaml_round_trip(tmp_path):
     (lambda d: d["layers"][0].update(forward_ms=[1.0, float("nan")]), "layers[0].forward_ms[1]: expected number"),
     (lambda d: d["layers"][2].update(param_bytes=float("nan")), "layers[2].param_bytes: expected a number"),
     (lambda d: d.update(batch_sizes=[8, 4]), "batch_sizes: expected strictly increasing"),
+    (lambda d: d["layers"][1].update(backward_ms=[1.0, float("inf")]), "layers[1] (l1).backward_ms: expected finite "
+                                                                        "numbers >= 0, got [1.0, inf]"),
     (lambda d: d.update(batch_size=[4, 8]), "unknown field 'batch_size' (did you mean 'batch_sizes'?)"),
     (lambda d: d["layers"][1].update(forward=[1.0, 2.0]), "layers[1]: unknown field 'forward' (did you mean "
                                                           "'forward_ms'?)"),
@@ -48,6 +50,23 @@ def test_bad_yaml_names_file_and_field(tmp_path, edit, message):
     with pytest.raises(DocumentError) as e:
         Profile.load(path)
     assert str(path) in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("forward_ms", [float("nan"), 2.0], "layers[0] (l0).forward_ms: expected finite numbers >= 0, got [nan, 2.0]"),
+    ("saved_bytes", [1.0, float("inf")], "layers[0] (l0).saved_bytes: expected finite numbers >= 0"),
+    ("forward_ms", ["1", 2.0], "layers[0] (l0).forward_ms: expected finite numbers >= 0, got ['1', 2.0]"),
+    ("param_bytes", float("nan"), "layers[0] (l0).param_bytes: expected a finite number >= 0, got nan"),
+    ("param_bytes", True, "layers[0] (l0).param_bytes: expected a finite number >= 0, got True"),
+    ("name", 3, "layers[0].name: expected a string (the module path), got 3"),
+])
+def test_a_cost_that_would_fit_as_free_is_refused(field, value, message):
+    """A NaN (or inf) forward time used to fit as 0 ms: the planner took the layer for free."""
+    layer = _profile().layers[0]
+    setattr(layer, field, value)
+    with pytest.raises((ValueError, TypeError)) as e:
+        Profile(model="toy", device="cpu", batch_sizes=[4, 8], layers=[layer])
+    assert message in str(e.value)
 
 
 def test_not_yaml(tmp_path):
