@@ -37,6 +37,7 @@ class CostModel:
                  optimizer_factor: float = 4.0, bucket_bytes: float = DDP_BUCKET_BYTES):
         positive_int("micro_batch_size", micro_batch_size)
         number("optimizer_factor", optimizer_factor, positive=True)
+        number("bucket_bytes", bucket_bytes, positive=True, finite=True)
         self.profile, self.cluster, self.micro = profile, cluster, micro_batch_size
         self.optimizer_factor, self.bucket_bytes = float(optimizer_factor), float(bucket_bytes)
         self.num_layers = profile.num_layers

@@ -78,6 +78,6 @@ def format_plan(plan: "Plan") -> str:
         bound = plan.meta.get("latency_lower_bound_ms")
         if bound and plan.estimate is not None:
             off = plan.estimate.latency_ms / bound - 1
-            lines.append(f"  no plan is modelled below {bound:.1f} ms: " + (
+            lines.append(f"  no plan on all {plan.num_devices} devices is modelled below {bound:.1f} ms: " + (
                 "this one is the model's best" if off < 5e-5 else f"this one is within {off:.1%} of the best possible"))
     return "\n".join(lines)

@@ -47,7 +47,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | None = None,
          gap: float = 0.0, verify: int = 6) -> Plan:
-    """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``.
+    """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``,
+    among the plans that use every device of it (a plan's device ids are the ranks 0..n-1 of the job that runs
+    it). Where fewer devices may do better (a tiny global batch, very slow links), plan for a smaller Cluster
+    too and compare the estimates.
 
     Searches stage splits, replication and Fresh/Append/Scatter placement by the DP of formulas 4-5
     (:func:`dp_search`) for each micro-batch size (the divisors of the global batch, or ``micro_batch_size``
@@ -59,7 +62,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     ``search``: "full" composes Fresh/Append/Scatter freely; "compact" keeps only placements after which all
     partly used servers are alike (same free devices, same replicas of the new stage): one partly used server
     (stages fill servers in turn, Append First's answer to fragmentation) or several used evenly (Scatter
-    First's stages spread over servers), which is what makes 8 x 8 and larger clusters plannable in seconds;
+    First's stages spread over servers), which is what makes 8 x 8 and larger clusters plannable in seconds
+    for one micro-batch size (all divisors of a large global batch: minutes; bound it with ``time_limit``);
     "auto" (default): full up to 4 servers, compact above (benchmarks/compact_vs_full.py: what it gives up).
     ``time_limit`` (seconds) makes the search anytime: when it runs out, the best plan found so far is
     returned and ``plan.meta["search_complete"]`` is False (large clusters: see benchmarks/planning_time.py).
@@ -97,6 +101,12 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         search = "compact" if cluster.servers > COMPACT_ABOVE else "full"
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap: expected True or False (AllReduce overlapped with the last backward), got "
+                        f"{overlap!r}")
+    if micro_batch_size is not None and micro_batch_sizes is not None:
+        raise ValueError(f"give micro_batch_size ({micro_batch_size!r}) or micro_batch_sizes "
+                         f"({micro_batch_sizes!r}), not both")
     if micro_batch_size is not None:
         if not is_int(micro_batch_size, 1) or g % micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a positive divisor of the global batch {g}, "

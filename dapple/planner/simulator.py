@@ -94,6 +94,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     """
     instance("simulate", "plan", plan, Plan)
     profile_and_cluster("simulate", profile, cluster)
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap: expected True or False, got {overlap!r}")
     link_sharing = cluster.link_sharing if link_sharing is None else link_sharing
     if link_sharing not in LINK_SHARING:
         raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")

@@ -59,7 +59,7 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
                 ) -> fx.GraphModule:
     """Trace ``model`` with torch.fx or torch.export (see the module docstring); failures raise TraceError."""
     if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+        raise ValueError(f"tracer: expected one of {METHODS}, got {method!r}")  # the public name of `method`
     if method == "export":
         if list(leaf_modules):
             raise ValueError("leaf_modules apply to torch.fx only (torch.export traces through every module); "

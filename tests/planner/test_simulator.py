@@ -125,6 +125,16 @@ def test_rejects_plans_for_other_profiles_or_clusters():
         simulate(_straight(2, 2), linear_profile([1.0] * 2), cluster(1, 1))
 
 
+@pytest.mark.parametrize("kw, error, message", [
+    (dict(overlap="no"), TypeError, r"overlap: expected True or False, got 'no'"),
+    (dict(overlap=True, bucket_bytes=0), ValueError, r"bucket_bytes: expected a positive finite number, got 0"),
+    (dict(overlap=True, bucket_bytes=float("nan")), ValueError, r"bucket_bytes: expected a positive finite number"),
+])
+def test_bad_simulate_arguments_name_the_value(kw, error, message):
+    with pytest.raises(error, match=message):
+        simulate(_straight(2, 2), linear_profile([1.0] * 2), cluster(1, 2), **kw)
+
+
 def test_shared_links_equal_held_links_when_no_transfers_overlap():
     """A straight pipeline: each link carries one transfer at a time, so sharing changes nothing."""
     prof = linear_profile([1.0] * 3, boundary=1e6)

@@ -215,7 +215,7 @@ def test_batch_branch_warns_and_fixed_batch_is_refused():
         trace_layers(FixedBatch(), method="export", example_inputs=torch.randn(8, 4))
     with pytest.raises(ValueError, match="leaf_modules apply to torch.fx only"):
         trace_layers(BatchParity(), method="export", example_inputs=torch.randn(4, 4), leaf_modules=[nn.Linear])
-    with pytest.raises(ValueError, match="method: expected one of"):
+    with pytest.raises(ValueError, match="tracer: expected one of"):
         trace_layers(BatchParity(), method="dynamo")
 
 
