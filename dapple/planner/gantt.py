@@ -58,22 +58,25 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
     row = {r: len(ranks) - 1 - i for i, r in enumerate(ranks)}  # rank 0 on top
     fig, ax = plt.subplots(figsize=(12, 1.1 + 0.62 * len(ranks)), dpi=120)
     hair = span_ms / 900  # the narrowest a transfer is drawn
-    for e in sorted(drawn, key=lambda e: (lane_of(e) != "allreduce", e.start)):  # buckets under transfers
+    bars: dict[tuple, list[tuple[float, float]]] = {}  # one broken_barh per (layer, row, lane, colour): each
+    for e in sorted(drawn, key=lambda e: (lane_of(e) != "allreduce", e.start)):  # call rescales the axes
         thin = lane_of(e) != "compute"
         off, height = TRANSFER if thin else COMPUTE
         lo = row[e.rank] * ROW + off
         x, w = (e.start - t0) * 1e3, e.duration * 1e3
         colour = COLOURS.get(e.kind, COLOURS["other"])
-        if e.kind == "idle":
-            ax.broken_barh([(x, w)], (lo, height), facecolors=colour, edgecolor="#BBBBBB", linewidth=0,
-                           hatch="///")
-        else:
-            ax.broken_barh([(x, max(w, hair) if thin else w)], (lo, height), facecolors=colour,
-                           edgecolor="white" if not thin else "none", linewidth=0.5)
+        bars.setdefault((lane_of(e) != "allreduce", lo, height, colour, e.kind == "idle", thin), []).append(
+            (x, max(w, hair) if thin and e.kind != "idle" else w))
         text = None if thin else _label(e)
         if text and w >= span_ms * (CHAR_WIDTH * len(text) + 0.004):
             ax.text(x + w / 2, lo + height / 2, text, ha="center", va="center", fontsize=7, color="white",
                     fontweight="bold")
+    for (_, lo, height, colour, idle, thin), spans in sorted(bars.items(), key=lambda kv: kv[0][0]):  # buckets
+        if idle:  # under transfers
+            ax.broken_barh(spans, (lo, height), facecolors=colour, edgecolor="#BBBBBB", linewidth=0, hatch="///")
+        else:
+            ax.broken_barh(spans, (lo, height), facecolors=colour, edgecolor="white" if not thin else "none",
+                           linewidth=0.5)
     for s in _first_per_step(events):
         ax.axvline((s - t0) * 1e3, color="#888888", linestyle="--", linewidth=0.8, zorder=0)
     labels = rank_labels or {}

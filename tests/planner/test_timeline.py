@@ -115,3 +115,17 @@ def test_simulated_timeline_as_events():
     assert len(sends) == len(recvs) == len(sim.transfers) > 0
     assert {e.rank for e in events if e.kind == "allreduce"} == {0, 1}  # the replicated stage reduces
     assert max(e.end for e in events) * 1e3 == pytest.approx(sim.latency_ms)
+
+
+def test_gantt_draws_one_bar_collection_per_row_lane_and_kind(tmp_path, monkeypatch):
+    """Each broken_barh call rescales the axes: one per op made M = 128 take 34 s or more (16 devices)."""
+    from matplotlib.axes import Axes
+    calls = []
+    broken_barh = Axes.broken_barh
+    monkeypatch.setattr(Axes, "broken_barh", lambda ax, spans, *a, **k: (calls.append(list(spans)),
+                                                                          broken_barh(ax, spans, *a, **k))[1])
+    events = [Event(r, kind, f"{kind[0].upper()}{m}", 1 + 0.01 * (2 * m + (kind == "backward")),
+                    1 + 0.01 * (2 * m + (kind == "backward")) + 0.008, m)
+              for r in range(2) for m in range(40) for kind in ("forward", "backward")]
+    draw_gantt(events, tmp_path / "g.png")
+    assert len(calls) == 4 and sorted(len(c) for c in calls) == [40] * 4  # (2 ranks) x (forward, backward)
