@@ -112,12 +112,14 @@ class Cluster:
 
     def graph(self) -> nx.Graph:
         """The topology: device nodes ``("device", d)`` joined to their ``("server", s)`` switch (intra
-        links), servers joined to one ``"network"`` node (inter links); edges carry bandwidth and latency."""
+        links), servers joined to one ``"network"`` node (inter links); edges carry bandwidth and latency. Edge
+        latencies add up along a path to :meth:`link`'s (when ``inter_latency >= intra_latency``)."""
         g = nx.Graph(name=self.name or "cluster")
         g.add_node("network")
+        hop = max(0.0, self.inter_latency - self.intra_latency) / 2  # device-server-network-server-device
         for s in range(self.servers):
             g.add_node(("server", s))
-            g.add_edge(("server", s), "network", bandwidth=self.inter_bandwidth, latency=self.inter_latency / 2)
+            g.add_edge(("server", s), "network", bandwidth=self.inter_bandwidth, latency=hop)
             for i in range(self.devices_per_server):
                 d = s * self.devices_per_server + i
                 g.add_node(("device", d), server=s)

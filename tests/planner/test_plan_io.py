@@ -97,6 +97,10 @@ def test_cluster_presets_and_links():
     assert Cluster.preset("c").inter_bandwidth == pytest.approx(10e9 / 8)
     assert Cluster.preset("B").num_devices == 16
     assert a.path(0, 9) == [("device", 0), ("server", 0), "network", ("server", 1), ("device", 9)]
+    for c, (x, y) in ((a, (0, 9)), (a, (0, 7)), (Cluster.preset("B"), (0, 5))):  # edge latencies add up to link's
+        g = c.graph()
+        path = c.path(x, y)
+        assert sum(g.edges[u, v]["latency"] for u, v in zip(path, path[1:])) == pytest.approx(c.link(x, y)[1])
     with pytest.raises(ValueError, match="unknown cluster preset 'D'"):
         Cluster.preset("D")
 
