@@ -4,6 +4,7 @@ parameters, AdamW state and losses as uninterrupted single-process training; ful
 from __future__ import annotations
 
 import io
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,16 @@ def _error(fn: Any) -> str:
     return "no error"
 
 
+def _without_rank_2(call: Any) -> tuple[float, str] | None:
+    """Rank 2 sleeps past the 2 s timeout; the others ``call`` and report (seconds taken, error)."""
+    if int(os.environ["RANK"]) == 2:
+        time.sleep(3.5)
+        return None
+    t0 = time.monotonic()
+    msg = _error(call)
+    return time.monotonic() - t0, msg
+
+
 def resume(root: str) -> bytes:
     """World 3: resume ckpt1 under P2 (replicated stage) and P3 (pure DP); re-save; errors; a timeout."""
     out: dict[str, Any] = {}
@@ -151,26 +162,14 @@ def resume(root: str) -> bytes:
         pipe.parameters(), lr=0.1)))
     out["errors"] = errors
 
-    # a rank that never joins: the others fail within the pipeline's timeout instead of hanging
+    # a rank that never joins: the others fail within the pipeline's timeout instead of hanging; a load on a
+    # pipeline whose group exists, and the first save of a fresh one, which creates it (`if rank == 0: save`)
     model = gpt()
     tpipe = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=2)
     dapple.runtime.checkpoint._group(tpipe, "warm-up")  # made while all are present (it waits on the store)
-    if tpipe.ctx.rank == 2:
-        time.sleep(3.5)
-        out["timeout"] = None
-    else:
-        t0 = time.monotonic()
-        msg = _error(lambda: dapple.load_checkpoint(f"{root}/ckpt1", tpipe))
-        out["timeout"] = (time.monotonic() - t0, msg)
-    # the same on the first save of a pipeline, which creates the group (`if rank == 0: save_checkpoint(...)`)
+    out["timeout"] = _without_rank_2(lambda: dapple.load_checkpoint(f"{root}/ckpt1", tpipe))
     fresh = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=2)
-    if fresh.ctx.rank == 2:
-        time.sleep(3.5)
-        out["first_save"] = None
-    else:
-        t0 = time.monotonic()
-        msg = _error(lambda: dapple.save_checkpoint(f"{root}/never", fresh))
-        out["first_save"] = (time.monotonic() - t0, msg)
+    out["first_save"] = _without_rank_2(lambda: dapple.save_checkpoint(f"{root}/never", fresh))
     return pack(out)
 
 
