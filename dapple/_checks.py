@@ -32,3 +32,9 @@ def number(name: str, value: Any, *, positive: bool = False, finite: bool = Fals
     if not is_real(value) or value < 0 or (positive and value == 0) or (finite and value == float("inf")):
         raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'}"
                          f"{' finite' if finite else ''} number, got {value!r}")
+
+
+def flag(name: str, value: Any, meaning: str = "") -> None:
+    """Raise TypeError unless ``value`` is True or False (a string such as "no" is not a switch)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False{f' ({meaning})' if meaning else ''}, got {value!r}")

@@ -58,7 +58,7 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
     row = {r: len(ranks) - 1 - i for i, r in enumerate(ranks)}  # rank 0 on top
     fig, ax = plt.subplots(figsize=(12, 1.1 + 0.62 * len(ranks)), dpi=120)
     hair = span_ms / 900  # the narrowest a transfer is drawn
-    bars: dict[tuple, list[tuple[float, float]]] = {}  # one broken_barh per (layer, row, lane, colour): each
+    bars: dict[tuple, list[tuple[float, float]]] = {}  # one broken_barh per (phase, row, lane, colour): each
     for e in sorted(drawn, key=lambda e: (lane_of(e) != "allreduce", e.start)):  # call rescales the axes
         thin = lane_of(e) != "compute"
         off, height = TRANSFER if thin else COMPUTE

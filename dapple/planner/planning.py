@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from .._checks import is_int, is_real, non_negative_int, number, positive_int
+from .._checks import flag, is_int, is_real, non_negative_int, number, positive_int
 from .checks import profile_and_cluster
 from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
@@ -101,9 +101,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         search = "compact" if cluster.servers > COMPACT_ABOVE else "full"
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap: expected True or False (AllReduce overlapped with the last backward), got "
-                        f"{overlap!r}")
+    flag("overlap", overlap, "AllReduce overlapped with the last backward")
     if micro_batch_size is not None and micro_batch_sizes is not None:
         raise ValueError(f"give micro_batch_size ({micro_batch_size!r}) or micro_batch_sizes "
                          f"({micro_batch_sizes!r}), not both")

@@ -6,6 +6,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .._checks import flag
 from .checks import instance, profile_and_cluster
 from .cluster import LINK_SHARING
 from .comm import route_links
@@ -94,8 +95,7 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     """
     instance("simulate", "plan", plan, Plan)
     profile_and_cluster("simulate", profile, cluster)
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap: expected True or False, got {overlap!r}")
+    flag("overlap", overlap)
     link_sharing = cluster.link_sharing if link_sharing is None else link_sharing
     if link_sharing not in LINK_SHARING:
         raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")
