@@ -123,18 +123,14 @@ class Pipeline:
                                 f"groups are unusable; restart the job ({self._failed})")
         xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
         check_batch(self.plan, xs, ys, self._arity)
-        self.step += 1
-        self._p2p.step = self.step
-        try:
+        try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable
             check_same_inputs(input_key(xs), self.ctx.device, self.timeout,
-                              f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}")
-        except ValueError:  # every rank raises it, with nothing in flight: no step ran, the pipeline is usable
-            self.step -= 1
-            self._p2p.step = self.step
-            raise
+                              f"rank {self.ctx.rank} (stage {self.stage}), step {self.step + 1}")
         except PipelineError as e:
             self._failed = first_line(e)
             raise
+        self.step += 1
+        self._p2p.step = self.step
         try:
             return self._run(xs, ys)
         except BaseException as e:
@@ -234,18 +230,17 @@ class Pipeline:
                 x = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])  # (rows, ...)
                 leaves.append(x.requires_grad_(v in grads))
                 env[name] = x.clone() if name in g.modified and x.requires_grad else x  # leaves stay intact
-        where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
-        with _noted(f"{where}: in the forward of layers {self._layers}"):
+        with self._noted(j, lambda: f"in the forward of layers {self._layers}"):
             outs = self.module(*[env[a] for a in g.args])
         env.update(zip(g.outs, outs))
         if self.stage == self.plan.num_stages - 1:
             out = resolve_output(g.output, env)
             tgt = [y[lo:hi].to(self.ctx.device, non_blocking=True) for y in ys]
-            with _noted(f"{where}: in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})"):
+            with self._noted(j, lambda: f"in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})"):
                 loss = self.loss_fn(out, *tgt)  # the user's function: its error, and with what it was called
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"{where}: loss_fn must return a scalar tensor (the mean over the rows it is given), "
-                                f"got {loss!r:.80}")
+                raise TypeError(f"{self._where(j)}: loss_fn must return a scalar tensor (the mean over the rows it "
+                                f"is given), got {loss!r:.80}")
             alive[j] = _MicroBatch(leaves, [], loss.reshape(()) * ((hi - lo) / self.plan.global_batch_size))
             return []
         sent = [env[name] for name in g.send]
@@ -255,8 +250,7 @@ class Pipeline:
     def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch], layout: Layout
                   ) -> list[torch.Tensor | None]:
         m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations
-        where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
-        with _noted(f"{where}: in the backward of layers {self._layers}"):
+        with self._noted(j, lambda: f"in the backward of layers {self._layers}"):
             if m.loss is not None:
                 if m.loss.requires_grad:
                     m.loss.backward()
@@ -278,6 +272,20 @@ class Pipeline:
             else:
                 out.append(None)
         return out
+
+    def _where(self, j: int) -> str:
+        return f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
+
+    @contextmanager
+    def _noted(self, j: int, what: Callable[[], str]) -> Iterator[None]:
+        """Errors from the user's model or loss pass through as they are, with a note of where they were raised
+        (micro-batch ``j``, then ``what()``; both formatted only on an error, not in every forward)."""
+        try:
+            yield
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(f"{self._where(j)}: {what()}")
+            raise
 
     def _checked(self, x: torch.Tensor, spec: Spec, t: Transfer) -> torch.Tensor:
         """What goes on the wire must be what the receiver allocated (shape inference is a promise)."""
@@ -365,17 +373,6 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace)
-
-
-@contextmanager
-def _noted(note: str) -> Iterator[None]:
-    """Errors from the user's model pass through as they are, with a note of where they were raised."""
-    try:
-        yield
-    except Exception as e:
-        if hasattr(e, "add_note"):  # Python 3.11+
-            e.add_note(note)
-        raise
 
 
 def _shape(x: Any) -> Any:

@@ -70,7 +70,8 @@ def check_same_inputs(key: Any, device: torch.device, timeout: float, where: str
     both = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
     wait_for(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout,
              f"{where}: checking that every rank has inputs of the same shapes")
-    if both[0].item() == -both[1].item():
+    most, least = both.tolist()  # one copy to the host
+    if most == -least:
         return
     keys: list[Any] = [None] * dist.get_world_size()
     bounded(timeout, f"{where}: gathering every rank's input shapes", dist.all_gather_object, keys, key)
