@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -13,6 +14,11 @@ def is_int(value: Any, least: int | None = None) -> bool:
 def is_real(value: Any) -> bool:
     """True for an int or float that is neither a bool nor NaN."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def is_finite(value: Any, least: float = 0.0) -> bool:
+    """True for a real number (:func:`is_real`) >= ``least`` that is not inf."""
+    return is_real(value) and least <= value < math.inf
 
 
 def positive_int(name: str, value: Any) -> None:
@@ -29,7 +35,7 @@ def non_negative_int(name: str, value: Any) -> None:
 
 def number(name: str, value: Any, *, positive: bool = False, finite: bool = False) -> None:
     """Raise ValueError unless ``value`` is a real number >= 0 (> 0 with ``positive``; not inf with ``finite``)."""
-    if not is_real(value) or value < 0 or (positive and value == 0) or (finite and value == float("inf")):
+    if not is_real(value) or value < 0 or (positive and value == 0) or (finite and value == math.inf):
         raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'}"
                          f"{' finite' if finite else ''} number, got {value!r}")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from datetime import timedelta
@@ -11,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ._checks import is_real
+from ._checks import is_finite
 
 MIN_TIMEOUT = 1e-3  # seconds: waits take whole milliseconds, and gloo reads 0 ms as "no timeout" (measured)
 
@@ -61,8 +60,7 @@ def barrier(device: torch.device, timeout: float, what: str, group: Any = None) 
 
 def timeout_seconds(name: str, value: Any) -> float:
     """``value`` as float seconds; ValueError unless it is a finite number >= :data:`MIN_TIMEOUT`."""
-    ok = is_real(value) and math.isfinite(value)
-    if not ok or value < MIN_TIMEOUT:
+    if not is_finite(value, MIN_TIMEOUT):
         raise ValueError(f"{name}: expected a finite number of seconds >= {MIN_TIMEOUT:g} (waits are bounded in "
                          f"whole milliseconds), got {value!r}")
     return float(value)

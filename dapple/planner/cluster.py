@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable
@@ -10,7 +9,7 @@ from typing import Iterable
 import networkx as nx
 
 from .. import _io
-from .._checks import is_int, is_real, number, positive_int
+from .._checks import is_finite, is_int, is_real, number, positive_int
 
 VERSION = 1
 
@@ -55,12 +54,12 @@ class Cluster:
             number(f"Cluster.{key}", getattr(self, key), positive=True, finite=True)
         for key in ("intra_latency", "inter_latency"):
             v = getattr(self, key)
-            if not is_real(v) or not 0 <= v < math.inf:  # an inf latency made the model's estimate 0 ms
+            if not is_finite(v):  # an inf latency made the model's estimate 0 ms
                 raise ValueError(f"Cluster.{key}: expected a finite number of seconds >= 0, got {v!r}")
         for key in ("intra_allreduce_bandwidth", "inter_allreduce_bandwidth", "intra_allreduce_latency",
                     "inter_allreduce_latency"):
             v = getattr(self, key)
-            if v is not None and (not is_real(v) or not 0 <= v < math.inf or (v == 0 and "bandwidth" in key)):
+            if v is not None and (not is_finite(v) or (v == 0 and "bandwidth" in key)):
                 raise ValueError(f"Cluster.{key}: expected None or a positive number, got {v!r}")
         if self.intra_allreduce_by_size is not None:
             self.intra_allreduce_by_size = _by_size(self.intra_allreduce_by_size)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import bisect
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from .. import _io
-from .._checks import is_int, is_real
+from .._checks import is_finite, is_int
 
 VERSION = 1
 
@@ -140,10 +139,10 @@ class Profile:
                 if not isinstance(values, (list, tuple)) or len(values) != n:
                     raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: expected {n} values, one per "
                                      f"batch size {self.batch_sizes}, got {values!r:.120}")
-                if not all(is_real(v) and 0 <= v < math.inf for v in values):  # a NaN would fit as 0 ms
+                if not all(is_finite(v) for v in values):  # a NaN would fit as 0 ms
                     raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: expected finite numbers >= 0, got "
                                      f"{values}")
-            if not (is_real(layer.param_bytes) and 0 <= layer.param_bytes < math.inf):
+            if not is_finite(layer.param_bytes):
                 raise ValueError(f"{where}.layers[{i}] ({layer.name}).param_bytes: expected a finite number >= 0, "
                                  f"got {layer.param_bytes!r}")
             if layer.inputs is not None and any(not 0 <= j < i for j in layer.inputs):
