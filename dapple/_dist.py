@@ -66,12 +66,35 @@ def timeout_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+SHARE_GPUS = "DAPPLE_SHARE_GPUS"  # "1": several local ranks on one GPU (testing a plan on fewer GPUs)
+
+
 def local_rank() -> int:
     """This process's index among those of its server: LOCAL_RANK (torchrun), else the rank modulo the GPUs."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
     n = torch.cuda.device_count()
     return (dist.get_rank() % n) if dist.is_initialized() and n else 0
+
+
+def cuda_device() -> torch.device:
+    """This rank's GPU, ``cuda:LOCAL_RANK``; ValueError where the server has fewer GPUs, unless DAPPLE_SHARE_GPUS=1.
+
+    Sharing maps local rank r to GPU r mod (GPUs) and gives each rank its own NCCL host id, since NCCL
+    refuses two ranks of one host on one GPU ("Duplicate GPU detected"): the ranks then exchange data
+    through host sockets, which is right for checking a plan's numbers and wrong for timing it.
+    """
+    rank, count = local_rank(), torch.cuda.device_count()
+    if rank < count:
+        return torch.device("cuda", rank)
+    if os.environ.get(SHARE_GPUS) != "1":
+        raise ValueError(f"LOCAL_RANK {rank}: this server has {count} CUDA device(s) (cuda:0 .. cuda:{count - 1}); "
+                         f"start one process per GPU (torchrun --nproc-per-node {count}), pass backend='gloo' to "
+                         f"train on the CPU, or set {SHARE_GPUS}=1 to put several ranks on one GPU (for testing)")
+    os.environ.setdefault("NCCL_HOSTID", f"dapple-shared-gpu-rank-{os.environ.get('RANK', rank)}")
+    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):  # one server: loopback reaches all
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return torch.device("cuda", rank % count)
 
 
 def backends(group: Any = None) -> dict[str, str]:
@@ -92,7 +115,7 @@ def group_device(group: Any = None) -> torch.device:
     (``torch.cuda.set_device`` is called), else the CPU; ValueError if the group has a backend for neither."""
     have = backends(group)
     if torch.cuda.is_available() and (have.get("cuda") == "nccl" or ("cuda" in have and "cpu" not in have)):
-        device = torch.device("cuda", local_rank())
+        device = cuda_device()
         torch.cuda.set_device(device)
         return device
     if "cpu" in have:

@@ -51,16 +51,22 @@ def run(cfg: DemoConfig) -> dict:
     """Profile -> Cluster.local (measured) -> plan -> train on ``cfg.nproc`` processes; returns a summary."""
     import dapple
     from .models import lm_loss
+    from ._dist import SHARE_GPUS
     from .runtime import launch
 
     if not 1 <= cfg.nproc <= cfg.global_batch:
         raise ValueError(f"nproc: expected 1 .. global batch ({cfg.global_batch}) processes, got {cfg.nproc}")
     if cfg.steps < 1:
         raise ValueError(f"steps: expected at least 1, got {cfg.steps}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and cfg.nproc > gpus and os.environ.get(SHARE_GPUS) != "1":
+        raise ValueError(f"nproc: {cfg.nproc} processes, but this machine has {gpus} GPU(s); pass --nproc {gpus}, "
+                         f"or set {SHARE_GPUS}=1 to put several on a GPU (for checking, not timing)")
     torch.set_num_threads(1)
     model = make_model(cfg)
     x, y = make_batch(cfg, 0)
-    print(f"[1/4] profiling the built-in GPT ({cfg.n_layer} blocks, d={cfg.n_embd}, seq {cfg.seq}) on this CPU ...",
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "this CPU"
+    print(f"[1/4] profiling the built-in GPT ({cfg.n_layer} blocks, d={cfg.n_embd}, seq {cfg.seq}) on {where} ...",
           flush=True)
     prof = dapple.profile(model, x, lm_loss, batch_sizes=(2, 8), targets=y, repeats=3, warmup=1, progress=False,
                           name="demo-gpt")
@@ -78,7 +84,8 @@ def run(cfg: DemoConfig) -> dict:
     print("[3/4] planning ...", flush=True)
     plan = dapple.plan(prof, cluster, cfg.global_batch, overlap=True)
     print(plan)
-    print(f"[4/4] training {cfg.steps} steps on {cfg.nproc} processes (gloo) ...", flush=True)
+    backend = "NCCL" if torch.cuda.is_available() else "gloo"
+    print(f"[4/4] training {cfg.steps} steps on {cfg.nproc} processes ({backend}) ...", flush=True)
     results = launch(_train, cfg.nproc, asdict(cfg), plan.to_dict())
     summary = results[0]
     losses = summary["losses"]

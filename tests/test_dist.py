@@ -20,8 +20,45 @@ def test_group_device_follows_the_backend_config(monkeypatch, config, cuda, want
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert _dist.group_device() == torch.device(want)
+
+
+def _gpus(monkeypatch, count: int, local_rank: int, share: str | None) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for name in ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    if share is None:
+        monkeypatch.delenv(_dist.SHARE_GPUS, raising=False)
+    else:
+        monkeypatch.setenv(_dist.SHARE_GPUS, share)
+
+
+def test_a_local_rank_beyond_the_gpus_is_refused_naming_both(monkeypatch):
+    _gpus(monkeypatch, 2, 3, None)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 3: this server has 2 CUDA device\(s\) \(cuda:0 .. cuda:1\); "
+                                         r"start one process per GPU \(torchrun --nproc-per-node 2\).*DAPPLE_SHARE_GPUS=1"):
+        _dist.cuda_device()
+    _gpus(monkeypatch, 2, 3, "0")
+    with pytest.raises(ValueError, match="LOCAL_RANK 3"):
+        _dist.cuda_device()
+
+
+def test_shared_gpus_map_ranks_round_robin_with_a_host_id_each(monkeypatch):
+    import os
+
+    _gpus(monkeypatch, 2, 1, "1")
+    assert _dist.cuda_device() == torch.device("cuda", 1)  # enough GPUs: its own, no NCCL settings
+    assert "NCCL_HOSTID" not in os.environ
+    _gpus(monkeypatch, 2, 3, "1")
+    assert _dist.cuda_device() == torch.device("cuda", 1)
+    assert os.environ["NCCL_HOSTID"] == "dapple-shared-gpu-rank-3"  # NCCL refuses two ranks of a host on a GPU
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"  # one server: loopback
 
 
 def test_group_device_names_backends_that_serve_no_device(monkeypatch):

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._dist import bounded, free_port, group_device, local_rank, timeout_seconds
+from .._dist import bounded, cuda_device, free_port, group_device, timeout_seconds
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistC
         backend = backend or default_backend()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if backend == "nccl":
-                torch.cuda.set_device(local_rank())
+                torch.cuda.set_device(cuda_device())
             bounded(timeout, f"rank {os.environ['RANK']}: joining the default process group of "
                     f"{os.environ['WORLD_SIZE']} ranks (did every rank start?)",
                     dist.init_process_group, backend, timeout=seconds)

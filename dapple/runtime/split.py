@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -10,6 +11,10 @@ from torch import nn
 from torch.fx.passes.split_module import split_module
 
 from ..profiler.layers import LayerGraph
+
+# torch >= 2.12 can make every partition return a tuple; older ones return a lone value bare, which
+# _with_original_names reads the same way
+_TUPLE_RETURN = {"tuple_return": True} if "tuple_return" in inspect.signature(split_module).parameters else {}
 
 
 @dataclass
@@ -70,7 +75,7 @@ def split_stages(lg: LayerGraph, stage_layers: Sequence[tuple[int, int]]) -> lis
     stage_of = lg.stage_of_node(cuts_of(stage_layers))
     qualnames: dict[str, str] = {}
     parts = split_module(lg.gm, None, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=True,
-                         keep_original_node_name=True, tuple_return=True)
+                         keep_original_node_name=True, **_TUPLE_RETURN)
     original = {n.name: n for n in lg.gm.graph.nodes}
     carry = boundary_values(lg, stage_of, num_stages)
     model_inputs = [n.name for n in lg.gm.graph.nodes if n.op == "placeholder"]
