@@ -72,7 +72,7 @@ def _plan(model: nn.Module, stages: list[tuple], gbs: int, mbs: int, **kw: Any) 
 
 def _reference(model: nn.Module, loss_fn: Callable, x: Any, y: Any) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients on the whole batch; x and y may be tuples (several inputs, targets)."""
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).cpu()  # the pipeline moved its stage's layers (shared with ``model``) to its device
     xs, ys = x if isinstance(x, tuple) else (x,), y if isinstance(y, tuple) else (y,)
     loss = loss_fn(ref(*xs), *ys)
     loss.backward()
@@ -88,7 +88,7 @@ def _compare(pipe: dapple.Pipeline, loss: float, ref_loss: float, ref: dict[str,
     errs = {}
     for name, p in pipe.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
-        errs[name] = _rel(g, scale * ref[name])
+        errs[name] = _rel(g.detach().cpu(), scale * ref[name])
     return {"loss": abs(loss - ref_loss) / abs(ref_loss), "grads": errs, "expected": sorted(ref),
             "stage": pipe.stage}
 
@@ -105,7 +105,7 @@ def case_chain(stages, gbs, mbs, steps: int = 1, accumulate: bool = False, **kw)
     plan = _plan(model, stages, gbs, mbs, **kw)
     pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
     launches = _watch_bucket_launches(pipe)
-    ref_model = copy.deepcopy(model)
+    ref_model = copy.deepcopy(model).cpu()
     opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref_model.parameters(), lr=0.1)
     out = []
     for step in range(steps):
