@@ -27,6 +27,7 @@ class GradGroup:
     names: list[str]
     group: dist.ProcessGroup | None = None  # set on members only
     params: list[nn.Parameter] = field(default_factory=list)  # this rank's tensors for ``names``
+    spans_stages: bool = False  # tied parameters of several stages: summed after the backward, never during it
 
 
 def canonical_names(model: nn.Module) -> dict[int, str]:
@@ -64,7 +65,8 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
             specs.append(GradGroup(f"stage {s} replicas", ranks, own))
     for owners, ns in tied.items():
         ranks = sorted(d for s in owners for d in plan.stages[s].devices)
-        specs.append(GradGroup(f"tied parameters of stages {','.join(map(str, owners))}", ranks, ns))
+        specs.append(GradGroup(f"tied parameters of stages {','.join(map(str, owners))}", ranks, ns,
+                               spans_stages=True))
     my_stage = stages[plan.stage_of_device(rank)]
     mine = {names[id(p)]: p for p in my_stage.parameters()}
     for spec in specs:
@@ -84,6 +86,13 @@ class GradReducer:
     bucket's async AllReduce as soon as all its parameters are done and the group's earlier buckets are
     launched (so every member launches the same buckets in the same order). :meth:`finish` launches the
     rest (parameters the last backward did not reach), waits, and copies the sums into ``.grad``.
+
+    Groups of tied parameters that span stages launch only in :meth:`finish`, after the step's sends: the
+    last stage finishes the tied LM head's gradient early in its backward, but the first stage reaches the
+    embedding only after that backward's gradients arrive. On NCCL an AllReduce launched there is a kernel
+    that spins until the first stage joins, and a lazily loaded kernel or host sync later in the same
+    backward waits for it, so the gradients are never sent: a deadlock (a replica group has no such cycle,
+    as its members' backwards do not wait on each other).
     """
 
     def __init__(self, groups: Sequence[GradGroup], bucket_bytes: int = BUCKET_BYTES):
@@ -117,7 +126,7 @@ class GradReducer:
 
     def _ready(self, p: nn.Parameter) -> None:
         i = self._bucket_of.get(id(p))
-        if not self._armed or i is None:
+        if not self._armed or i is None or self.buckets[i][0].spans_stages:
             return
         self._left[i] -= 1
         gi = self._group_of[i]

@@ -14,12 +14,12 @@ class _Done:
         return True
 
 
-def _reducer(monkeypatch, sizes=(3, 2)) -> tuple[GradReducer, list[list[nn.Parameter]], list[int]]:
+def _reducer(monkeypatch, sizes=(3, 2), spans=()) -> tuple[GradReducer, list[list[nn.Parameter]], list[int]]:
     """Groups of ``sizes`` float32 parameters of 4 elements (16 bytes: one bucket each with 16-byte buckets);
     AllReduce replaced by a record of the launched buckets."""
     launched: list[int] = []
     params = [[nn.Parameter(torch.ones(4)) for _ in range(n)] for n in sizes]
-    gs = [GradGroup(f"g{i}", [0], [f"p{i}.{j}" for j in range(n)], group=object(), params=ps)
+    gs = [GradGroup(f"g{i}", [0], [f"p{i}.{j}" for j in range(n)], group=object(), params=ps, spans_stages=i in spans)
           for i, (n, ps) in enumerate(zip(sizes, params))]
     red = GradReducer(gs, bucket_bytes=16)
 
@@ -57,3 +57,17 @@ def test_finish_writes_the_sums_back(monkeypatch):
     red.arm()
     red.finish(timeout=1.0, where="test")  # a one-rank "sum" is the gradient itself
     assert [p.grad.tolist() for p in a] == [[1.0] * 4, [2.0] * 4]
+
+
+def test_tied_groups_across_stages_wait_for_the_end_of_the_backward(monkeypatch):
+    """A group spanning stages must not launch mid-backward: its first stage joins only after this rank's
+    gradients reach it (on NCCL a launched AllReduce spins on the GPU and can block the rest of the backward)."""
+    red, (a, b), launched = _reducer(monkeypatch, spans=(1,))
+    for p in (*a, *b):
+        p.grad = torch.zeros(4)
+    red.arm()
+    for p in (*b, *a):  # group 1 (tied) is ready first
+        red._ready(p)
+    assert launched == [0, 1, 2]  # only the replica group's buckets
+    red.finish(timeout=1.0, where="test")
+    assert launched == [0, 1, 2, 3, 4]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapple.planner import Plan, Stage, stage_ops
-from dapple.runtime.program import CommError, Layout, dry_run, rank_program
+from dapple.runtime.engine import receive_lookahead
+from dapple.runtime.program import LOOKAHEAD, CommError, Layout, dry_run, rank_program
 
 
 @st.composite
@@ -35,10 +38,10 @@ def plans(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(plans())
-def test_programs_match_pairwise_and_never_deadlock(case):
+@given(plans(), st.sampled_from([LOOKAHEAD, 0]))
+def test_programs_match_pairwise_and_never_deadlock(case, lookahead):
     plan, layout = case
-    programs = {r: rank_program(plan, layout, r) for r in range(plan.num_devices)}
+    programs = {r: rank_program(plan, layout, r, lookahead) for r in range(plan.num_devices)}
     dry_run(plan, layout, programs)  # raises CommError on a mismatch or a deadlock
     for r, prog in programs.items():  # computations follow the schedule exactly
         s = plan.stage_of_device(r)
@@ -90,3 +93,20 @@ def test_receives_are_posted_one_op_ahead():
             for i in prog]
     # the next op's activations are posted before the current op runs; B0's gradient is sent right after B0
     assert text[:9] == ["recv-act0", "F0", "recv-act1", "B0", "send-grad0", "F1", "recv-act2", "B1", "send-grad1"]
+
+
+def test_receives_are_posted_just_in_time_on_cuda():
+    """A posted NCCL receive spins on the GPU until its data comes: on CUDA nothing of the rank's own runs
+    between posting a receive and waiting on it (measured: stage 0's first forward hung behind the receive of
+    micro-batch 0's gradients on an H100)."""
+    assert receive_lookahead(torch.device("cuda", 0)) == 0 and receive_lookahead(torch.device("cpu")) == LOOKAHEAD
+    plan = _plan([2, 1])
+    prog = rank_program(plan, Layout(values=(1,), grads=((0,),)), 0, receive_lookahead(torch.device("cuda")))
+    text = [str(i.op) if i.action == "compute" else f"{i.action}-{i.transfer.kind}{i.transfer.micro_batch}"
+            for i in prog]
+    # stage 0 (K=2, two replicas downstream): every receive comes right before the op that waits on it
+    assert text[:9] == ["F0", "send-act0", "send-act0", "F1", "send-act1", "send-act1", "recv-grad0", "recv-grad0",
+                        "B0"], text
+    for k, i in enumerate(prog):  # after a receive, only receives until the computation that waits on them
+        if i.action == "recv":
+            assert next(j for j in prog[k:] if j.action != "recv").action == "compute", text
