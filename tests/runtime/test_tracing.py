@@ -4,6 +4,7 @@ Chrome-trace process per rank, clock offsets corrected, nothing recorded when of
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -223,9 +224,12 @@ def test_committed_example_traces_show_their_schedule(name):
 
 @pytest.mark.slow
 def test_example_script_writes_trace_and_png(tmp_path):
-    subprocess.run([sys.executable, "examples/trace_emulated.py", "--out", str(tmp_path), "--plans", "hybrid",
-                    "--micro-batches", "4", "--ms-per-row", "0.3", "--warmup", "1"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=240, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    run = subprocess.run([sys.executable, "examples/trace_emulated.py", "--out", str(tmp_path), "--plans", "hybrid",
+                          "--micro-batches", "4", "--ms-per-row", "0.3", "--warmup", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",  # 4 ranks: share a GPU if need be
+                              "DAPPLE_SHARE_GPUS": os.environ.get("DAPPLE_SHARE_GPUS", "1")})
+    assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads((tmp_path / "trace_hybrid.json").read_text())
     assert (tmp_path / "trace_hybrid.png").read_bytes()[:4] == b"\x89PNG"
     assert doc["otherData"]["warmup"] == [3, 2, 1] and len(_events(doc)) > 50
