@@ -110,7 +110,6 @@ def main() -> None:
               f"dapple / plain = {med['dapple'] / med['plain']:.3f}")
         print(f"  profile: sum of layers' F+B x M = {summed:.2f} ms = {summed / med['plain']:.3f} x plain; "
               f"plan estimate {est:.2f} ms = {est / med['dapple']:.3f} x dapple's measured step")
-        del pipe
 
 
 if __name__ == "__main__":
