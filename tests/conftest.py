@@ -18,6 +18,16 @@ PIPEDREAM_MODELS = {  # file -> batch size it was profiled at (paper Table 2)
 }
 
 
+def _export_ok() -> bool:
+    from dapple.profiler.export import EXPORT_MIN_TORCH, _torch_version
+
+    return _torch_version() >= EXPORT_MIN_TORCH
+
+
+EXPORT_OK = _export_ok()  # dapple's torch.export tracer needs torch >= 2.9; fx works from 2.4
+needs_export = pytest.mark.skipif(not EXPORT_OK, reason=f"tracer='export' needs torch >= 2.9, not {torch.__version__}")
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)

@@ -78,11 +78,17 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+        pos = _positions(idx)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
+@torch.fx.wrap
+def _positions(idx: torch.Tensor) -> torch.Tensor:
+    """0 .. T-1 on idx's device, (T,): one fx call, as torch < 2.9's fx cannot trace arange of a traced size."""
+    return torch.arange(idx.size(1), device=idx.device)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

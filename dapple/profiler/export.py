@@ -52,6 +52,11 @@ from .exported import (_canonical_names, _caller_level, _is_dynamic, _module_pat
 from .trace import LeafSpec, TraceError, _user_frame, symbolic_trace
 
 METHODS = ("auto", "fx", "export")
+EXPORT_MIN_TORCH = (2, 9)  # before it, ep.module() loses the input guards, and Dim.AUTO is missing or weaker
+
+
+def _torch_version() -> tuple[int, int]:
+    return tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])  # "2.4.1+cpu" -> (2, 4)
 
 
 def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[str, Any] | None = None,
@@ -87,6 +92,10 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
     """``torch.export.export`` in training mode, batch dim dynamic, unlifted and normalised for dapple."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module to trace, got {type(model).__name__}")
+    if _torch_version() < EXPORT_MIN_TORCH:
+        raise TraceError(f"tracing with torch.export needs torch >= {'.'.join(map(str, EXPORT_MIN_TORCH))}; this "
+                         f"is torch {torch.__version__} (use tracer='fx', with concrete_args or leaf_modules for "
+                         f"what fx cannot trace)")
     if example_inputs is None:
         raise ValueError("method='export' needs example_inputs (a tensor or tuple of tensors, batch along dim 0)")
     home = next((t.device for t in [*model.parameters(), *model.buffers()]), None)

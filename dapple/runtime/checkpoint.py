@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import shutil
@@ -190,7 +191,11 @@ def _read(path: Path, sd: dict[str, Any]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
         dcp = _dcp()
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_load_planner(), no_dist=True)
+        if "no_dist" in inspect.signature(dcp.load).parameters:
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_load_planner(), no_dist=True)
+        else:  # torch < 2.5: only the loader behind dcp.load takes no_dist (same call, 2.4 .. 2.13)
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+            _load_state_dict(sd, dcp.FileSystemReader(path), planner=_load_planner(), no_dist=True)
 
 
 def _dcp() -> Any:

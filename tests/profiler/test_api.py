@@ -263,3 +263,15 @@ def test_tuple_targets_are_unpacked_like_the_runtime_does():
     targets = (torch.randn(4, 6), torch.randn(4, 6))
     prof = dapple.profile(LongSkip(), torch.randn(4, 6), loss_fn, batch_sizes=(2, 4), targets=targets, **FAST)
     assert prof.num_layers == 4 and seen and all(a == b for a, b in seen)
+
+
+def test_the_export_tracer_names_the_torch_it_needs(monkeypatch):
+    """Before torch 2.9, ep.module() drops the input guards and Dim.AUTO is missing: refused, not half-working."""
+    from dapple.profiler import export
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
+    assert export._torch_version() == (2, 4)
+    model = GPT(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    x, y = random_tokens(2, 8, 16)
+    with pytest.raises(TraceError, match=r"torch.export needs torch >= 2.9; this is torch 2.4.1\+cpu \(use tracer='fx'"):
+        dapple.profile(model, x, lm_loss, targets=y, tracer="export", repeats=1, warmup=0, progress=False)

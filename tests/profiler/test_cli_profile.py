@@ -11,7 +11,7 @@ import pytest
 from dapple import Profile
 from dapple.cli import load_example, main
 
-from ..conftest import ROOT
+from ..conftest import ROOT, needs_export
 
 FAST = ["--repeats", "1", "--warmup", "0", "--device", "cpu"]
 
@@ -68,6 +68,7 @@ def test_example_factories_make_batches_of_the_asked_size():
         assert loss.dim() == 0 and loss.requires_grad
 
 
+@needs_export
 def test_profile_with_trace_export(tmp_path):
     out = tmp_path / "gpt.profile.yaml"
     assert main(["profile", "examples.models:gpt", "--batch-sizes", "2", "-o", str(out), *FAST, "--quiet",

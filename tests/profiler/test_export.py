@@ -15,7 +15,10 @@ from dapple.profiler import TraceError, trace_layers
 from dapple.profiler.exported import module_path, retarget_devices
 from dapple.profiler.record import layer_module
 
+from tests.conftest import needs_export
 from tests.nanogpt import EMBD, VOCAB, NanoGPT
+
+pytestmark = needs_export
 
 
 NAMES = ["wte", "wpe", "drop", "h.0", "h.1", "ln_f", "lm_head"]

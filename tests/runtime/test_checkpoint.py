@@ -180,7 +180,7 @@ def run(tmp_path_factory) -> dict:
     (root / "junk").mkdir()
     (root / "junk" / "notes.txt").write_text("not a checkpoint")
     with pytest.warns(UserWarning):  # DCP: "assuming the intent is to save in a single process"
-        dcp.save({"x": torch.ones(2)}, checkpoint_id=root / "plain_dcp", no_dist=True)
+        dcp.save({"x": torch.ones(2)}, checkpoint_id=root / "plain_dcp")  # no group here: no_dist implied
     saved = [unpack(b) for b in run_ranks(train_and_save, 2, str(root), timeout=120)]
     resumed = [unpack(b) for b in run_ranks(resume, 3, str(root), timeout=120)]
     return {"root": root, "saved": saved, "resumed": resumed}
