@@ -53,6 +53,7 @@ def run(cfg: DemoConfig) -> dict:
     from .models import lm_loss
     from ._dist import SHARE_GPUS
     from .runtime import launch
+    from .runtime.distributed import default_backend
 
     if not 1 <= cfg.nproc <= cfg.global_batch:
         raise ValueError(f"nproc: expected 1 .. global batch ({cfg.global_batch}) processes, got {cfg.nproc}")
@@ -84,8 +85,7 @@ def run(cfg: DemoConfig) -> dict:
     print("[3/4] planning ...", flush=True)
     plan = dapple.plan(prof, cluster, cfg.global_batch, overlap=True)
     print(plan)
-    backend = "NCCL" if torch.cuda.is_available() else "gloo"
-    print(f"[4/4] training {cfg.steps} steps on {cfg.nproc} processes ({backend}) ...", flush=True)
+    print(f"[4/4] training {cfg.steps} steps on {cfg.nproc} processes ({default_backend()}) ...", flush=True)
     results = launch(_train, cfg.nproc, asdict(cfg), plan.to_dict())
     summary = results[0]
     losses = summary["losses"]
