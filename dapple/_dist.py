@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ._checks import is_finite
 
 MIN_TIMEOUT = 1e-3  # seconds: waits take whole milliseconds, and gloo reads 0 ms as "no timeout" (measured)
+WATCHDOG_GRACE = 30.0  # seconds NCCL's watchdog waits beyond twice dapple's timeout (group_timeout)
 
 
 class PipelineError(RuntimeError):
@@ -64,6 +65,17 @@ def timeout_seconds(name: str, value: Any) -> float:
         raise ValueError(f"{name}: expected a finite number of seconds >= {MIN_TIMEOUT:g} (waits are bounded in "
                          f"whole milliseconds), got {value!r}")
     return float(value)
+
+
+def group_timeout(timeout: float, backend: str) -> timedelta:
+    """The timeout to create a process group of ``backend`` with, for dapple's waits bounded by ``timeout``.
+
+    On NCCL the group's timeout is also its watchdog's, which takes the whole process down when an op outlives
+    it, without dapple's error (which names the stage and micro-batch). dapple waits with its own timeout, from
+    the op's start as the watchdog counts, but may reach a hung op's wait a step after posting it (a send is
+    waited at the end of the step): NCCL groups get 2 x timeout + :data:`WATCHDOG_GRACE`. gloo has no watchdog,
+    and its group timeout bounds the group's creation: the timeout as is."""
+    return timedelta(seconds=2 * timeout + WATCHDOG_GRACE if "nccl" in str(backend) else timeout)
 
 
 SHARE_GPUS = "DAPPLE_SHARE_GPUS"  # "1": several local ranks on one GPU (testing a plan on fewer GPUs)

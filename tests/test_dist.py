@@ -114,3 +114,14 @@ def test_wait_for_treats_a_wait_that_returns_false_as_a_timeout():
     with pytest.raises(_dist.PipelineError, match=r"^stage 0: send of micro-batch 1 failed or timed out "
                                                   r"\(timeout 0.5s\): the wait returned False$"):
         _dist.wait_for(_Work(False), 0.5, "stage 0: send of micro-batch 1")
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_nccl_groups_outlast_dapples_waits(backend):
+    # NCCL's watchdog kills the process at the group's timeout without dapple's error (stage, micro-batch):
+    # dapple's wait, which may come a step after the op was posted, must time out first
+    assert _dist.group_timeout(10.0, backend).total_seconds() == 2 * 10.0 + _dist.WATCHDOG_GRACE
+
+
+def test_gloo_groups_take_the_timeout_as_is():
+    assert _dist.group_timeout(2.5, "gloo").total_seconds() == 2.5

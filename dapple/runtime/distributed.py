@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._dist import bounded, cuda_device, free_port, group_device, timeout_seconds
+from .._dist import bounded, cuda_device, free_port, group_device, group_timeout, timeout_seconds
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,13 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistC
     """
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build of PyTorch")
-    seconds = timedelta(seconds=timeout_seconds("timeout", timeout))
+    timeout = timeout_seconds("timeout", timeout)
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend: expected 'nccl', 'gloo' or None (NCCL where CUDA is available, else gloo), "
                          f"got {backend!r}")
     if not dist.is_initialized():
         backend = backend or default_backend()
+        seconds = group_timeout(timeout, backend)  # on NCCL longer: the watchdog must not act before dapple
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if backend == "nccl":
                 torch.cuda.set_device(cuda_device())
@@ -50,7 +51,7 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistC
                     f"{os.environ['WORLD_SIZE']} ranks (did every rank start?)",
                     dist.init_process_group, backend, timeout=seconds)
         else:  # not launched by torchrun: a world of one process
-            store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=seconds)
+            store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=timeout))
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=seconds)
     elif backend is not None and dist.get_backend() != backend:
         raise ValueError(f"backend: got {backend!r}, but the default process group already runs "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -19,7 +18,7 @@ from ..planner.slices import slice_bounds
 from ..profiler.exported import retarget_devices
 from ..profiler.layers import arity, trace_layers
 from ..profiler.trace import LeafSpec
-from .._dist import barrier, bounded, first_line, timeout_seconds, wait_for
+from .._dist import barrier, bounded, first_line, group_timeout, timeout_seconds, wait_for
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
@@ -90,7 +89,8 @@ class Pipeline:
         where = f"rank {rank} (stage {self.stage}): dapple.pipeline"
         grad_p2p = bounded(self.timeout, f"{where}: creating the gradients' group of every rank (does every rank "
                            f"call dapple.pipeline with the same plan?)", dist.new_group,
-                           list(range(self.ctx.world_size)), timeout=timedelta(seconds=self.timeout)) \
+                           list(range(self.ctx.world_size)),
+                           timeout=group_timeout(self.timeout, self.ctx.backend)) \
             if plan.num_stages > 1 else None
         self._groups: list[GradGroup] = make_grad_groups(plan, graphs, self._names, rank, self.timeout, where)
         self._reducer = GradReducer(self._groups)

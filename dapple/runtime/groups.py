@@ -4,7 +4,6 @@ gradient AllReduce over them (paper V-B3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planner.plan import Plan
-from .._dist import bounded, wait_for
+from .._dist import bounded, group_timeout, wait_for
 from .split import StageGraph
 
 BUCKET_BYTES = 25 * 2**20  # gradients are flattened into buckets of about this size, one AllReduce each
@@ -71,7 +70,8 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
     mine = {names[id(p)]: p for p in my_stage.parameters()}
     for spec in specs:
         group = bounded(timeout, f"{where}: creating the group of the {spec.label} (ranks {spec.ranks})",
-                        dist.new_group, spec.ranks, timeout=timedelta(seconds=timeout))  # every rank, in order
+                        dist.new_group, spec.ranks,  # every rank, in order
+                        timeout=group_timeout(timeout, dist.get_backend()))
         if rank in spec.ranks:
             spec.group = group
             spec.params = [mine[n] for n in spec.names]
