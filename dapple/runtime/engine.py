@@ -21,6 +21,7 @@ from ..profiler.trace import LeafSpec
 from .._dist import barrier, bounded, first_line, group_timeout, timeout_seconds, wait_for
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
+from .batchnorm import commit, count_batch_norms, defer_batch_norms, replica_groups
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
 from .program import LOOKAHEAD, Instr, Layout, Transfer, cut_routes, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
@@ -47,13 +48,15 @@ class Pipeline:
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
                  *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
                  backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
-                 dynamic_shapes: Any = None, trace: bool = False):
+                 dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, *targets) -> scalar, got {loss_fn!r}")
         timeout = timeout_seconds("timeout", timeout)
         if not isinstance(trace, bool):
             raise TypeError(f"trace: expected True or False (record a timeline of each step), got {trace!r}; the "
                             f"choice between torch.fx and torch.export is tracer='auto'|'fx'|'export'")
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm: expected True or False, got {deferred_batch_norm!r}")
         self.timeout = timeout
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
@@ -62,6 +65,9 @@ class Pipeline:
         check_layers(plan, lg.names)
         self.plan, self.loss_fn = plan, loss_fn
         graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
+        if deferred_batch_norm and count_batch_norms(model) and not any(count_batch_norms(g.module) for g in graphs):
+            raise ValueError(f"deferred_batch_norm=True: the model's {count_batch_norms(model)} BatchNorm layers "
+                             f"are not modules of the traced graph (torch.export inlines them); use tracer='fx'")
         rank = self.ctx.rank
         self.stage = plan.stage_of_device(rank)
         self.replica = plan.stages[self.stage].devices.index(rank)
@@ -70,6 +76,7 @@ class Pipeline:
         if "dapple_trace" in lg.gm.meta and isinstance(self.module, fx.GraphModule):  # torch.export graphs
             self.module.meta["dapple_trace"] = dict(lg.gm.meta["dapple_trace"])  # bake in the traced device:
             retarget_devices(self.module, self.ctx.device)  # point arange(..., device=) etc. at ours
+        self._bns = defer_batch_norms(self.module) if deferred_batch_norm else []  # same tensors, same names
         # every name each of this stage's tensors has in any stage's state_dict, and all those names in order
         # (checkpoints map tensors by them; the other stages' modules are dropped below)
         self.state_names, self.state_order = state_names(graphs, self.module)
@@ -93,6 +100,8 @@ class Pipeline:
                            timeout=group_timeout(self.timeout, self.ctx.backend)) \
             if plan.num_stages > 1 else None
         self._groups: list[GradGroup] = make_grad_groups(plan, graphs, self._names, rank, self.timeout, where)
+        self._bn_group = replica_groups(plan, [g.module for g in graphs], rank, self.timeout, where) \
+            if deferred_batch_norm else None
         self._reducer = GradReducer(self._groups)
         self._p2p = P2P(rank, plan.stage_of_device, None, grad_p2p, self.timeout, self._value_name)
         self._handshake()
@@ -202,6 +211,7 @@ class Pipeline:
             rec.idle(start, rec.clock(), "sends to complete")
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
         self._reducer.finish(self.timeout, where)
+        commit(self._bns, self._bn_group, self.timeout, where)  # deferred BatchNorm: the global batch's statistics
         start = rec.clock() if rec is not None else 0.0
         # the global mean loss lives on the last stage's replicas; every rank returns it
         wait_for(dist.all_reduce(loss_sum, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
@@ -367,7 +377,7 @@ def receive_lookahead(device: torch.device) -> int:
 def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,
              concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
-             dynamic_shapes: Any = None, trace: bool = False) -> Pipeline:
+             dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss;
@@ -380,10 +390,14 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     plan's): a model torch.fx cannot trace is traced with torch.export when ``example_inputs`` are given.
     ``trace=True`` records a timeline of every step (the last 16 are kept; ``pipe.save_trace(path)`` on every
     rank writes them as one Chrome trace); ``with pipe.trace() as t:`` records just the steps in a block.
+    ``deferred_batch_norm=True`` (torch.fx graphs): BatchNorm layers normalise each slice by its own statistics
+    as always, but update their running statistics once per step, with those of every row they saw in it
+    (all micro-batches and replicas: the global batch), so every replica of a stage holds the same; otherwise
+    each replica updates its own per slice, and they drift apart.
     """
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
-                    trace=trace)
+                    trace=trace, deferred_batch_norm=deferred_batch_norm)
 
 
 def _shape(x: Any) -> Any:

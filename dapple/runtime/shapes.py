@@ -29,12 +29,14 @@ def input_key(inputs: Sequence[torch.Tensor]) -> InputKey:
 
 def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose parameters and buffers are meta tensors (same shapes, dtypes, requires_grad,
-    tying): no data is copied, and the copy keeps none of the original tensors alive."""
+    tying): no data is copied, and the copy keeps none of the original tensors alive. Scalar buffers are
+    copied to the CPU instead: modules read them on the host (BatchNorm(momentum=None) divides by
+    ``float(num_batches_tracked)``, which a meta tensor cannot give)."""
     memo: dict[int, Any] = {}
     for p in gm.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in gm.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = b.detach().to("cpu", copy=True) if b.dim() == 0 else torch.empty_like(b, device="meta")
     return copy.deepcopy(gm, memo)
 
 
