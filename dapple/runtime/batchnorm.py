@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._dist import bounded, group_timeout, wait_for
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -36,7 +32,7 @@ class DeferredBatchNorm(_BatchNorm):
         self._kind._check_input_dim(self, input)
 
     def reset_sums(self) -> None:
-        # float64 sums of x and x^2 per channel, and the count of values per channel, since the last commit
+        # per channel since the last commit: the count of values, and float64 sums of x and x^2
         self.sums: torch.Tensor | None = None  # (3, C): count, sum x, sum x^2
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # input: (N, C, *)
@@ -44,24 +40,38 @@ class DeferredBatchNorm(_BatchNorm):
         if not self.training:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                 self.eps)
-        with torch.no_grad():
-            x = input.detach().transpose(0, 1).reshape(input.shape[1], -1).double()  # (C, N * spatial)
-            seen = torch.stack([torch.full_like(x[:, 0], x.shape[1]), x.sum(1), (x * x).sum(1)])  # (3, C)
-            self.sums = seen if self.sums is None else self.sums + seen
-        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        # BatchNorm's own kernel, with fresh running buffers and momentum 1: they come back holding the slice's
+        # mean and unbiased variance, computed once, in the same pass that normalises
+        mean, var = torch.zeros_like(self.running_mean), torch.ones_like(self.running_var)  # (C,) each
+        out = F.batch_norm(input, mean, var, self.weight, self.bias, True, 1.0, self.eps)
+        n = input.numel() // input.shape[1]
+        if self.sums is None:
+            self.sums = torch.zeros(3, self.num_features, dtype=torch.float64, device=mean.device)
+        count, sum_x, sum_x2 = self.sums  # (C,) views
+        count += n
+        mean = mean.double()
+        sum_x.add_(mean, alpha=n)
+        # out of place: the kernel's running buffers are saved for its backward (and .double() of a float64 is a no-op)
+        sum_x2.add_((var.double() * ((n - 1) / n)).addcmul_(mean, mean), alpha=n)  # n (biased var + mean^2)
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, deferred"
+
+
+def _tracked(module: nn.Module) -> list[_BatchNorm]:
+    """The BatchNorms of ``module`` that track running statistics (what :func:`defer_batch_norms` replaces)."""
+    return [m for m in module.modules()
+            if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None]
 
 
 def defer_batch_norms(module: nn.Module) -> list[DeferredBatchNorm]:
     """Replace every BatchNorm of ``module`` that tracks running statistics by a :class:`DeferredBatchNorm`
     sharing its tensors, in place, in ``module``'s hierarchy only (the user's model keeps its own modules);
     returns them in ``named_modules`` order, the same on every replica of the stage."""
-    out = []
+    tracked, out = {id(m) for m in _tracked(module)}, []
     for name, m in list(module.named_modules()):
-        if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm) and m.track_running_stats \
-                and m.running_mean is not None:
+        if id(m) in tracked and not isinstance(m, DeferredBatchNorm):
             parent, _, leaf = name.rpartition(".")
             d = DeferredBatchNorm(m)
             setattr(module.get_submodule(parent) if parent else module, leaf, d)
@@ -69,25 +79,24 @@ def defer_batch_norms(module: nn.Module) -> list[DeferredBatchNorm]:
     return out
 
 
-def count_batch_norms(module: nn.Module) -> int:
-    """How many BatchNorms of ``module`` track running statistics (what :func:`defer_batch_norms` replaces)."""
-    return sum(isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None
-               for m in module.modules())
+def stats_size(module: nn.Module) -> int:
+    """Length of a stage's statistics vector (:func:`gather_sums`): 3 numbers per channel of each BatchNorm."""
+    return sum(3 * m.num_features for m in _tracked(module))
 
 
-def commit(bns: list[DeferredBatchNorm], group: Any, timeout: float, where: str) -> None:
-    """Fold the step's sums into the running statistics: one AllReduce of every layer's sums over the stage's
-    replicas (``group``; None: one replica), then BatchNorm's own update with the statistics of the whole
-    global batch (the unbiased variance, ``momentum``, or the cumulative average when it is None)."""
-    if not bns:
-        return
+def gather_sums(bns: list[DeferredBatchNorm], where: str) -> torch.Tensor:
+    """This replica's sums of the step, every layer's (count, sum x, sum x^2) per channel, flat: (stats_size,).
+    Summed over the stage's replicas (the engine adds them to the loss AllReduce), they go to :func:`commit`."""
     missing = [i for i, b in enumerate(bns) if b.sums is None]
     if missing:
         raise RuntimeError(f"{where}: BatchNorm layers {missing} of this stage saw no rows this step")
-    flat = torch.cat([b.sums.reshape(-1) for b in bns])  # (sum over layers of 3 C,) float64
-    if group is not None:
-        wait_for(dist.all_reduce(flat, group=group, async_op=True), timeout,
-                 f"{where}: BatchNorm statistics AllReduce over the stage's replicas")
+    return torch.cat([b.sums.reshape(-1) for b in bns])
+
+
+def commit(bns: list[DeferredBatchNorm], flat: torch.Tensor) -> None:
+    """Fold the step's sums over all replicas (``flat``, laid out as :func:`gather_sums`) into the running
+    statistics: BatchNorm's own update with the statistics of the whole global batch (the unbiased variance,
+    ``momentum``, or the cumulative average when it is None)."""
     k = 0
     with torch.no_grad():
         for b in bns:
@@ -100,17 +109,3 @@ def commit(bns: list[DeferredBatchNorm], group: Any, timeout: float, where: str)
             b.running_mean.mul_(1 - m).add_(mean.to(b.running_mean.dtype), alpha=m)
             b.running_var.mul_(1 - m).add_(var.to(b.running_var.dtype), alpha=m)
             b.reset_sums()
-
-
-def replica_groups(plan: Any, stage_modules: list[nn.Module], rank: int, timeout: float, where: str) -> Any:
-    """One process group per stage that has replicas and BatchNorms, created on every rank in stage order (as
-    ``new_group`` needs); returns this rank's stage's, or None (one replica, or no BatchNorm)."""
-    mine = None
-    for s, m in enumerate(stage_modules):
-        ranks = list(plan.stages[s].devices)
-        if len(ranks) > 1 and count_batch_norms(m):
-            g = bounded(timeout, f"{where}: creating the BatchNorm statistics group of stage {s} (ranks {ranks})",
-                        dist.new_group, ranks, timeout=group_timeout(timeout, dist.get_backend()))
-            if rank in ranks:
-                mine = g
-    return mine

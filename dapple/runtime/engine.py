@@ -21,7 +21,7 @@ from ..profiler.trace import LeafSpec
 from .._dist import barrier, bounded, first_line, group_timeout, timeout_seconds, wait_for
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
-from .batchnorm import commit, count_batch_norms, defer_batch_norms, replica_groups
+from .batchnorm import commit, defer_batch_norms, gather_sums, stats_size
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
 from .program import LOOKAHEAD, Instr, Layout, Transfer, cut_routes, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
@@ -65,9 +65,11 @@ class Pipeline:
         check_layers(plan, lg.names)
         self.plan, self.loss_fn = plan, loss_fn
         graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
-        if deferred_batch_norm and count_batch_norms(model) and not any(count_batch_norms(g.module) for g in graphs):
-            raise ValueError(f"deferred_batch_norm=True: the model's {count_batch_norms(model)} BatchNorm layers "
-                             f"are not modules of the traced graph (torch.export inlines them); use tracer='fx'")
+        # deferred BatchNorm: each stage's slot in the vector of the loss AllReduce (every rank knows them all)
+        sizes = [stats_size(g.module) if deferred_batch_norm else 0 for g in graphs]
+        if deferred_batch_norm and stats_size(model) and not sum(sizes):
+            raise ValueError("deferred_batch_norm=True: the model's BatchNorm layers are not modules of the traced "
+                             "graph (torch.export inlines them); use tracer='fx'")
         rank = self.ctx.rank
         self.stage = plan.stage_of_device(rank)
         self.replica = plan.stages[self.stage].devices.index(rank)
@@ -77,6 +79,8 @@ class Pipeline:
             self.module.meta["dapple_trace"] = dict(lg.gm.meta["dapple_trace"])  # bake in the traced device:
             retarget_devices(self.module, self.ctx.device)  # point arange(..., device=) etc. at ours
         self._bns = defer_batch_norms(self.module) if deferred_batch_norm else []  # same tensors, same names
+        self._bn_slot = slice(1 + sum(sizes[:self.stage]), 1 + sum(sizes[:self.stage + 1]))
+        self._reduced = 1 + sum(sizes)  # the loss, then every stage's BatchNorm statistics
         # every name each of this stage's tensors has in any stage's state_dict, and all those names in order
         # (checkpoints map tensors by them; the other stages' modules are dropped below)
         self.state_names, self.state_order = state_names(graphs, self.module)
@@ -100,8 +104,6 @@ class Pipeline:
                            timeout=group_timeout(self.timeout, self.ctx.backend)) \
             if plan.num_stages > 1 else None
         self._groups: list[GradGroup] = make_grad_groups(plan, graphs, self._names, rank, self.timeout, where)
-        self._bn_group = replica_groups(plan, [g.module for g in graphs], rank, self.timeout, where) \
-            if deferred_batch_norm else None
         self._reducer = GradReducer(self._groups)
         self._p2p = P2P(rank, plan.stage_of_device, None, grad_p2p, self.timeout, self._value_name)
         self._handshake()
@@ -211,10 +213,15 @@ class Pipeline:
             rec.idle(start, rec.clock(), "sends to complete")
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
         self._reducer.finish(self.timeout, where)
-        commit(self._bns, self._bn_group, self.timeout, where)  # deferred BatchNorm: the global batch's statistics
         start = rec.clock() if rec is not None else 0.0
-        # the global mean loss lives on the last stage's replicas; every rank returns it
-        wait_for(dist.all_reduce(loss_sum, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
+        # the global mean loss lives on the last stage's replicas; every rank returns it. Deferred BatchNorms add
+        # their sums in their stage's slot (zeros elsewhere), so the same AllReduce sums them over the replicas
+        reduced = torch.zeros(self._reduced, dtype=torch.float64, device=self.ctx.device)  # (1 + all stages' sizes,)
+        reduced[0] = loss_sum
+        if self._bns:
+            reduced[self._bn_slot] = gather_sums(self._bns, where)
+        wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
+        commit(self._bns, reduced[self._bn_slot])
         if rec is not None:
             rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")
         for p, old in stash.items():
@@ -222,7 +229,7 @@ class Pipeline:
                 p.grad = old if p.grad is None else p.grad.add_(old)
         if rec is not None:
             rec.end_step()
-        return float(loss_sum)
+        return float(reduced[0])
 
     def _forward(self, j: int, pieces: list[list[torch.Tensor]], xs: tuple[torch.Tensor, ...],
                  ys: tuple[torch.Tensor, ...], alive: dict[int, _MicroBatch], layout: Layout

@@ -12,7 +12,7 @@ from torch import nn
 import dapple
 from dapple.planner import Plan, Stage
 from dapple.profiler import trace_layers
-from dapple.runtime.batchnorm import DeferredBatchNorm, commit, defer_batch_norms
+from dapple.runtime.batchnorm import DeferredBatchNorm, commit, defer_batch_norms, gather_sums
 from tests.conftest import EXPORT_OK
 from tests.runtime._spawn import run_ranks
 
@@ -125,7 +125,7 @@ def test_one_replica_commits_the_statistics_of_all_its_micro_batches():
     for part in x.split(3):  # 3 + 3 + 2 rows, as micro-batches
         m(part)
     assert m.bn2.num_batches_tracked.item() == 0  # nothing committed before the end of the step
-    commit(bns, None, 1.0, "test")
+    commit(bns, gather_sums(bns, "test"))
     ref(x)
     for n, b in ref.named_buffers():
         torch.testing.assert_close(dict(m.named_buffers())[n], b, rtol=1e-12, atol=1e-12)
