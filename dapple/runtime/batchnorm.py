@@ -8,7 +8,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
-
 class DeferredBatchNorm(_BatchNorm):
     """A BatchNorm whose forward normalises each slice with the slice's own statistics (as BatchNorm does in
     training) but does not touch the running statistics; it sums what it saw instead, and :func:`commit`

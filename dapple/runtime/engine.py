@@ -19,9 +19,9 @@ from ..profiler.exported import retarget_devices
 from ..profiler.layers import arity, trace_layers
 from ..profiler.trace import LeafSpec
 from .._dist import barrier, bounded, first_line, group_timeout, timeout_seconds, wait_for
+from .batchnorm import commit, defer_batch_norms, gather_sums, stats_size
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
-from .batchnorm import commit, defer_batch_norms, gather_sums, stats_size
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
 from .program import LOOKAHEAD, Instr, Layout, Transfer, cut_routes, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
