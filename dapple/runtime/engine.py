@@ -178,7 +178,10 @@ class Pipeline:
             p.grad = None
         alive: dict[int, _MicroBatch] = {}
         outbox: list[torch.Tensor | None] = []
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        # reduced over all ranks at the end: the loss (the last stage's replicas add theirs), then every stage's
+        # deferred BatchNorm sums in its slot (zeros elsewhere), so one AllReduce sums them over the replicas
+        reduced = torch.zeros(self._reduced, dtype=torch.float64, device=self.ctx.device)  # (1 + all stages' sizes,)
+        loss_sum = reduced[0]  # a view: += adds into ``reduced``
         rec = self._p2p.rec = self._reducer.rec = self._rec  # tracing: one `is not None` test per instruction
         if rec is not None:
             rec.begin_step(self.step)
@@ -214,10 +217,6 @@ class Pipeline:
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
         self._reducer.finish(self.timeout, where)
         start = rec.clock() if rec is not None else 0.0
-        # the global mean loss lives on the last stage's replicas; every rank returns it. Deferred BatchNorms add
-        # their sums in their stage's slot (zeros elsewhere), so the same AllReduce sums them over the replicas
-        reduced = torch.zeros(self._reduced, dtype=torch.float64, device=self.ctx.device)  # (1 + all stages' sizes,)
-        reduced[0] = loss_sum
         if self._bns:
             reduced[self._bn_slot] = gather_sums(self._bns, where)
         wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
