@@ -40,7 +40,7 @@ def allreduce_floor(cm: "CostModel", replicas: int, params: np.ndarray) -> np.nd
 
 
 def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: bool = False,
-               cut: float = INF) -> np.ndarray:
+               cut: float = INF, overlap: bool = False) -> np.ndarray:
     """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every
     split into stages of at most ``cm.micro`` replicas (a stage of r replicas takes T = F + B of its slice of
     ceil(micro / r) rows, communication taken as 0).
@@ -50,17 +50,19 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     AR_s) (``refined.refined_chains``: a stage's chain ends with the longer of its AllReduce and the way
     down). Without ``allreduce`` the bound takes the backwards (``fill``: T of every earlier stage, AllReduce
     0); with it the AllReduce (at least :func:`allreduce_floor`; F of every earlier stage, no backwards):
-    two valid bounds, whose larger one the search uses. The min over splits of the max over stages is a DP
-    from the last layer backwards: Q[j, R] = min over the first stage [j, c) on r replicas of
-    max(M T + AR, offset + Q[c, R - r]), Q[N, .] = 0. Stages whose parameters x optimizer factor + one
-    saved slice exceed device memory are excluded, and with ``cut`` (refined model without overlap) stages
+    two valid bounds, whose larger one the search uses. ``overlap`` (the AllReduce overlaps the last
+    backward): a stage's chain ends E_s - B_s after its last backward, and E_s >= AR_s
+    (``CostModel.overlapped_ending``), so max(AR_s - B_s, 0) takes AR_s's place. The min over splits of the
+    max over stages is a DP from the last layer backwards: Q[j, R] = min over the first stage [j, c) on r
+    replicas of max(M T + AR, offset + Q[c, R - r]), Q[N, .] = 0. Stages whose parameters x optimizer factor
+    + one saved slice exceed device memory are excluded, and with ``cut`` (refined model) stages
     whose M T + least AllReduce reaches it (their own chain does: the bound then holds for every plan below
     ``cut``). Computed with numpy over all (c, R) at once per (j, r): about N x sqrt(micro) vector operations.
     """
     N, G = cm.num_layers, devices
     Q = np.full((N + 1, G + 1), INF)
     Q[N, :] = 0.0
-    first = _FirstStages(cm, M, G, cut)
+    first = _FirstStages(cm, M, G, cut, overlap)
     for j in range(N - 1, -1, -1):
         best = np.full(G + 1, INF)
         for r in first.reps:
@@ -80,7 +82,8 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     return Q  # non-increasing in R (Q[N] = 0 lets a split leave devices unused)
 
 
-def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cut: float = INF) -> np.ndarray:
+def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cut: float = INF,
+                overlap: bool = False) -> np.ndarray:
     """``V[k, j, R]``: the least sum of T = F + B over the stages of any split of layers ``[j, N)`` on at most
     ``R`` devices whose every stage has T <= ``taus[k]`` (stages of at most ``cm.micro`` replicas that fit in
     memory and, with ``cut``, whose M T + least AllReduce is below it, as in :func:`rest_bound`; INF where
@@ -90,7 +93,7 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
     K = len(taus)
     V = np.full((K, N + 1, G + 1), INF)
     V[:, N, :] = 0.0
-    first = _FirstStages(cm, M, G, cut)
+    first = _FirstStages(cm, M, G, cut, overlap)
     tau = np.asarray(taus, dtype=float)[:, None]  # (K, 1)
     for j in range(N - 1, -1, -1):
         best = np.full((K, G + 1), INF)
@@ -107,7 +110,7 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
 
 
 def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, thresholds: int,
-                 cut: float = INF) -> tuple[list, list, list]:
+                 cut: float = INF, overlap: bool = False) -> tuple[list, list, list]:
     """Tables for a lower bound on L - (one micro-batch's round trip so far) of any split of layers [j, N) on
     at most R devices that follows stages whose period is t (refined model, M > 3).
 
@@ -120,7 +123,7 @@ def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, th
     (:func:`period_sums`); returns (taus, V, S) with S[k] = min over k' >= k of V[k'] + (M - 3) taus[k'-1]
     (taus[-1] = 0), read by ``_DP.period_rest``."""
     taus = np.linspace(lo, hi, thresholds)
-    V = period_sums(cm, M, devices, np.concatenate([taus, [INF]]), cut)  # (K + 1, N + 1, G + 1)
+    V = period_sums(cm, M, devices, np.concatenate([taus, [INF]]), cut, overlap)  # (K + 1, N + 1, G + 1)
     low = np.concatenate([[0.0], taus]) * (M - 3)  # (K + 1,): each threshold's lower limit x (M - 3)
     S = np.minimum.accumulate((V + low[:, None, None])[::-1], axis=0)[::-1]
     S = np.concatenate([S, np.full((1,) + S.shape[1:], INF)])  # S[K + 1]: no threshold above the last
@@ -130,23 +133,27 @@ def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, th
 class _FirstStages:
     """The candidate first stages [j, c) of the bounds' DPs over the rest of the model, for c = j+1..N."""
 
-    def __init__(self, cm: "CostModel", M: int, devices: int, cut: float):
-        self.cm, self.M, self.cut = cm, M, cut
+    def __init__(self, cm: "CostModel", M: int, devices: int, cut: float, overlap: bool = False):
+        self.cm, self.M, self.cut, self.overlap = cm, M, cut, overlap
         self.reps = efficient_replicas(cm.micro, devices)  # replica counts r <= min(micro, devices)
-        self.fb, self.f, self.saved = {}, {}, {}  # per r: prefix sums of F + B, F and saved bytes of a slice
+        self.fb, self.f, self.b, self.saved = {}, {}, {}, {}  # per r: prefix sums of F + B, F, B, saved bytes
         for r in self.reps:
             f, bk, sv = cm._sums(cm.rows(r))
-            self.fb[r], self.f[r], self.saved[r] = np.asarray(f) + np.asarray(bk), np.asarray(f), np.asarray(sv)
+            self.fb[r], self.f[r], self.b[r] = np.asarray(f) + np.asarray(bk), np.asarray(f), np.asarray(bk)
+            self.saved[r] = np.asarray(sv)
         self.params = np.asarray(cm._pre_params)
         self.static = self.params * cm.optimizer_factor
 
     def __call__(self, j: int, r: int, allreduce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
-        """(T = F + B of each, which a bound may use, their AllReduce floor (with ``allreduce`` or a cut, else
-        None), n: ends past j + n are never allowed). Allowed: fits in device memory (parameters x optimizer
-        factor + one saved slice) and, below the cut, its own chain M T + AllReduce floor stays below it."""
+        """(T = F + B of each, which a bound may use, what their AllReduce adds to their chain at least (its
+        floor; overlapped: the floor - B, at least 0) (with ``allreduce`` or a cut, else None), n: ends past
+        j + n are never allowed). Allowed: fits in device memory (parameters x optimizer factor + one saved
+        slice) and, below the cut, its own chain M T + that AllReduce term stays below it."""
         pre, sv, params, static = self.fb[r], self.saved[r], self.params, self.static
         T = pre[j + 1:] - pre[j]  # (N - j,)
         ar = allreduce_floor(self.cm, r, params[j + 1:] - params[j]) if allreduce or self.cut < INF else None
+        if ar is not None and self.overlap:  # E - B >= AR - B: the part of the AllReduce after the last backward
+            ar = np.maximum(ar - (self.b[r][j + 1:] - self.b[r][j]), 0.0)
         ok = (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]) <= self.cm.cluster.device_memory
         if self.cut < INF:
             ok &= self.M * T + ar < self.cut

@@ -20,13 +20,15 @@ class _Pruning:
 
     def _rest_tables(self, cut: float) -> None:
         """Q[j][R]: least that layers [j, N) on R devices add to L under any split (bounds.rest_bound);
-        Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model, no
-        overlap: a stage's chain ends with its AllReduce); Qar is used after the first micro-batch's forwards
-        W, Q after W + the backwards Bsum. Qcol[R][j] = -Q[j][R], increasing in j, for bisect."""
-        q = rest_bound(self.cm, self.M, self.G, fill=self.refined, cut=cut)
+        Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model: a
+        stage's chain ends with its AllReduce; overlapped, with what of it follows the last backward); Qar is
+        used after the first micro-batch's forwards W, Q after W + the backwards Bsum. Qcol[R][j] = -Q[j][R],
+        increasing in j, for bisect."""
+        ov = self.overlap
+        q = rest_bound(self.cm, self.M, self.G, fill=self.refined, cut=cut, overlap=ov)
         self.Q = q.tolist()
         self.Qcol = (-q.T).tolist()
-        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut) if self.ar_bound
+        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut, overlap=ov) if self.ar_bound
               else np.zeros_like(q))
         self.Qar = qa.tolist()
         self.Qarcol = (-qa.T).tolist()
@@ -73,7 +75,7 @@ class _Pruning:
         per = self.N ** 2 // 2 * (self.G + 1) * len(efficient_replicas(self.b, self.G))
         K = min(PERIOD_THRESHOLDS, int(PERIOD_WORK // per))
         if hi > lo and K >= 4 and self.M >= PERIOD_MIN_M:
-            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut)
+            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut, self.overlap)
         self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G],
                               self.period_rest(0, self.G, 0.0) if self.pv is not None else 0.0)
 

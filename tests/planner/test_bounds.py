@@ -16,17 +16,19 @@ from dapple.planner.search import _DP
 from .helpers import cluster, random_profile, small_instances
 
 
-def test_root_bounds_are_below_every_plan():
-    """Q (backwards before each stage) and Qar (each stage's least AllReduce) bound the refined model's L of
-    every plan: here, the optimum over all splits x device assignments."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_root_bounds_are_below_every_plan(overlap):
+    """Q (backwards before each stage) and Qar (each stage's least AllReduce; overlapped: what of it can follow
+    the last backward) bound the refined model's L of every plan: here, the optimum over all splits x device
+    assignments."""
     checked = 0
     cases = small_instances(11, 30, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(16, 32),
                             micro=(2, 4, 8))
     for prof, c, g, b in cases:
-        best = exhaustive_search(prof, c, g, b, model="refined")[0]
+        best = exhaustive_search(prof, c, g, b, model="refined", overlap=overlap)[0]
         if best == float("inf"):
             continue
-        dp = _DP(prof, c, g, b, "refined", False, None, 4.0, 1, float("inf"))
+        dp = _DP(prof, c, g, b, "refined", overlap, None, 4.0, 1, float("inf"))
         assert dp.Q[0][dp.G] <= best * (1 + 1e-9)
         assert dp.Qar[0][dp.G] <= best * (1 + 1e-9)
         checked += 1
@@ -96,16 +98,17 @@ def test_the_rest_chain_bound_is_below_the_plans_latency(overlap):
     assert checks >= 500, checks
 
 
-def _every_plan(prof, c, g, b):
+def _every_plan(prof, c, g, b, overlap=False):
     """(spans, PipelineCosts with K, refined L) of every plan of a small instance, both warmup policies."""
     M = g // b
     for spans, pc, D in every_plan(prof, c, M, CostModel(prof, c, b)):
         for pol in ("A", "B"):
             pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
-            yield spans, pc, pc.latency("refined", False).total
+            yield spans, pc, pc.latency("refined", overlap).total
 
 
-def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(monkeypatch, overlap):
     """After tighten(): for every plan below the cut and every split into stages so far + the rest, the round
     trip so far + the period bound of the rest (with the plan's own period, the most the search can know) is
     at most L, and so are the rest bounds Q and Qar restricted to stages below the cut."""
@@ -114,11 +117,11 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
     cases = small_instances(5, 100, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(32, 64),
                             micro=(2, 4, 8))
     for prof, c, g, b in cases:
-        plans = list(_every_plan(prof, c, g, b))
+        plans = list(_every_plan(prof, c, g, b, overlap))
         if not plans:
             continue
         cut = min(lat for _, _, lat in plans) * 1.2
-        dp = _DP(prof, c, g, b, "refined", False, None, 4.0, 1, cut)
+        dp = _DP(prof, c, g, b, "refined", overlap, None, 4.0, 1, cut)
         dp.tighten()
         assert dp.pv is not None and dp.root_bound <= cut
         for spans, pc, lat in plans:
