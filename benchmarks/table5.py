@@ -15,6 +15,33 @@ PIPEDREAM = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "piped
 MODELS = {  # profile batch size, global batch sizes of Table V / VII
     "vgg19": (32, [1024, 2048]), "resnet50": (128, [2048]), "gnmt_16": (64, [1024]), "bert_48": (2, [64, 128]),
     "xlnet_36": (1, [128]), "amoebanet_36": (1, [128])}
+TABLE_V = {  # (model, global batch) -> the paper's plans on A, B, C (Table V)
+    ("resnet50", 2048): ("DP", "DP", "DP"), ("vgg19", 2048): ("DP", "DP", "15:1"),
+    ("gnmt_16", 1024): ("8:8", "8:8", "straight"), ("bert_48", 64): ("8:8", "straight", "straight"),
+    ("xlnet_36", 128): ("8:8", "8:8", "straight"), ("amoebanet_36", 128): ("8:8", "11:5", "11:5")}
+
+
+def compare_overlap(args: argparse.Namespace) -> None:
+    """Plans made without and with ``overlap``, both played by the simulator with the AllReduce overlapped (as
+    dapple's runtime runs them), next to Table V's plan."""
+    print(f"{'model':<13} {'GBS':>5} {'cfg':>3} {'Table V':>8}  {'plan, no overlap':<22} {'plan, overlap':<22} "
+          f"{'sim ms':>8} {'sim ms':>8} {'ratio':>6} {'plan s':>6}")
+    for name in args.models.split(","):
+        pb, gbs_list = MODELS[name]
+        prof = Profile.from_pipedream(PIPEDREAM / f"{name}.txt", pb)
+        for gbs in gbs_list:
+            for cfg in args.configs.split(","):
+                cluster = Cluster.preset(cfg)
+                row, sims, dt = [], [], 0.0
+                for overlap in (False, True):
+                    t = time.perf_counter()
+                    p = plan(prof, cluster, gbs, model=args.model, overlap=overlap, time_limit=args.time_limit)
+                    dt = time.perf_counter() - t
+                    sims.append(simulate(p, prof, cluster, overlap=True).latency_ms)
+                    row.append(f"{p.shape} b{p.micro_batch_size}" + ("" if p.meta["search_complete"] else "*"))
+                paper = TABLE_V.get((name, gbs), ("-",) * 3)["ABC".index(cfg)] if cfg in "ABC" else "-"
+                print(f"{name:<13} {gbs:>5} {cfg:>3} {paper:>8}  {row[0]:<22} {row[1]:<22} {sims[0]:8.1f} "
+                      f"{sims[1]:8.1f} {sims[0] / sims[1]:6.3f} {dt:6.2f}", flush=True)
 
 
 def main() -> None:
@@ -23,10 +50,15 @@ def main() -> None:
     ap.add_argument("--configs", default="A,B,C")
     ap.add_argument("--model", default="refined", choices=("refined", "paper"))
     ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--compare-overlap", action="store_true",
+                    help="plan without and with overlap; simulate both overlapped (the runtime overlaps)")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per plan (anytime search)")
     ap.add_argument("--micro-batch", default="searched",
                     help="'searched' (divisors of the global batch) or 'profiled' (the profile's batch size)")
     args = ap.parse_args()
+    if args.compare_overlap:
+        compare_overlap(args)
+        return
     print(f"{'model':<13} {'GBS':>5} {'cfg':>3}  {'plan':<14} {'split':<22} {'micro':>5} {'pol':>3} "
           f"{'est ms':>9} {'sim ms':>9} {'DP sim ms':>9} {'plan s':>6}")
     for name in args.models.split(","):
