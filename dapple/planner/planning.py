@@ -56,7 +56,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     (:func:`dp_search`) for each micro-batch size (the divisors of the global batch, or ``micro_batch_size``
     / ``micro_batch_sizes``). ``model``: "refined" (default: the model that tracks the event simulator, see
     :mod:`dapple.planner.refined`) or "paper" (formula 2 as printed); ``overlap``: the runtime overlaps
-    gradient AllReduce with the last backward (DDP-style). ``max_stages`` limits the pipeline depth. The
+    gradient AllReduce with the last backward (DDP-style; dapple's runtime does, so pass True for a job it runs:
+    the default, False, is formula 2's assumption). ``max_stages`` limits the pipeline depth. The
     warmup policy (A or B) is the better one under the refined model unless given (A on ties: it holds fewer
     activations), and K_i is recorded per stage. ``beam``: prefixes kept per DP state (the paper keeps 1).
     ``search``: "full" composes Fresh/Append/Scatter freely; "compact" keeps only placements after which all
