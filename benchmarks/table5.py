@@ -21,27 +21,32 @@ TABLE_V = {  # (model, global batch) -> the paper's plans on A, B, C (Table V)
     ("xlnet_36", 128): ("8:8", "8:8", "straight"), ("amoebanet_36", 128): ("8:8", "11:5", "11:5")}
 
 
-def compare_overlap(args: argparse.Namespace) -> None:
-    """Plans made without and with ``overlap``, both played by the simulator with the AllReduce overlapped (as
-    dapple's runtime runs them), next to Table V's plan."""
-    print(f"{'model':<13} {'GBS':>5} {'cfg':>3} {'Table V':>8}  {'plan, no overlap':<22} {'plan, overlap':<22} "
-          f"{'sim ms':>8} {'sim ms':>8} {'ratio':>6} {'plan s':>6}")
+def cases(args: argparse.Namespace):
+    """(model name, global batch, config, Profile, Cluster) of every case the arguments select."""
     for name in args.models.split(","):
         pb, gbs_list = MODELS[name]
         prof = Profile.from_pipedream(PIPEDREAM / f"{name}.txt", pb)
         for gbs in gbs_list:
             for cfg in args.configs.split(","):
-                cluster = Cluster.preset(cfg)
-                row, sims, dt = [], [], 0.0
-                for overlap in (False, True):
-                    t = time.perf_counter()
-                    p = plan(prof, cluster, gbs, model=args.model, overlap=overlap, time_limit=args.time_limit)
-                    dt = time.perf_counter() - t
-                    sims.append(simulate(p, prof, cluster, overlap=True).latency_ms)
-                    row.append(f"{p.shape} b{p.micro_batch_size}" + ("" if p.meta["search_complete"] else "*"))
-                paper = TABLE_V.get((name, gbs), ("-",) * 3)["ABC".index(cfg)] if cfg in "ABC" else "-"
-                print(f"{name:<13} {gbs:>5} {cfg:>3} {paper:>8}  {row[0]:<22} {row[1]:<22} {sims[0]:8.1f} "
-                      f"{sims[1]:8.1f} {sims[0] / sims[1]:6.3f} {dt:6.2f}", flush=True)
+                yield name, gbs, cfg, prof, Cluster.preset(cfg)
+
+
+def compare_overlap(args: argparse.Namespace) -> None:
+    """Plans made without and with ``overlap``, both played by the simulator with the AllReduce overlapped (as
+    dapple's runtime runs them), next to Table V's plan."""
+    print(f"{'model':<13} {'GBS':>5} {'cfg':>3} {'Table V':>8}  {'plan, no overlap':<22} {'plan, overlap':<22} "
+          f"{'sim ms':>8} {'sim ms':>8} {'ratio':>6} {'plan s':>6}")
+    for name, gbs, cfg, prof, cluster in cases(args):
+        row, sims, dt = [], [], 0.0
+        for overlap in (False, True):
+            t = time.perf_counter()
+            p = plan(prof, cluster, gbs, model=args.model, overlap=overlap, time_limit=args.time_limit)
+            dt = time.perf_counter() - t
+            sims.append(simulate(p, prof, cluster, overlap=True).latency_ms)
+            row.append(f"{p.shape} b{p.micro_batch_size}" + ("" if p.meta["search_complete"] else "*"))
+        paper = TABLE_V.get((name, gbs), ("-",) * 3)["ABC".index(cfg)] if cfg in "ABC" else "-"
+        print(f"{name:<13} {gbs:>5} {cfg:>3} {paper:>8}  {row[0]:<22} {row[1]:<22} {sims[0]:8.1f} "
+              f"{sims[1]:8.1f} {sims[0] / sims[1]:6.3f} {dt:6.2f}", flush=True)
 
 
 def main() -> None:
@@ -61,31 +66,27 @@ def main() -> None:
         return
     print(f"{'model':<13} {'GBS':>5} {'cfg':>3}  {'plan':<14} {'split':<22} {'micro':>5} {'pol':>3} "
           f"{'est ms':>9} {'sim ms':>9} {'DP sim ms':>9} {'plan s':>6}")
-    for name in args.models.split(","):
-        pb, gbs_list = MODELS[name]
-        prof = Profile.from_pipedream(PIPEDREAM / f"{name}.txt", pb)
-        for gbs in gbs_list:
-            for cfg in args.configs.split(","):
-                cluster = Cluster.preset(cfg)
-                micro = pb if args.micro_batch == "profiled" and gbs % pb == 0 and pb >= 16 else None
-                t = time.perf_counter()
-                try:
-                    p = plan(prof, cluster, gbs, micro, model=args.model, overlap=args.overlap,
-                             time_limit=args.time_limit)
-                except ValueError as e:
-                    print(f"{name:<13} {gbs:>5} {cfg:>3}  no plan: {e}")
-                    continue
-                dt = time.perf_counter() - t
-                sim = simulate(p, prof, cluster, overlap=args.overlap).latency_ms
-                try:  # pure data parallelism at the same micro-batch size, for reference
-                    dp = plan(prof, cluster, gbs, model=args.model, overlap=args.overlap, max_stages=1)
-                    dps = f"{simulate(dp, prof, cluster, overlap=args.overlap).latency_ms:9.1f}"
-                except ValueError:
-                    dps = f"{'OOM':>9}"
-                split = " | ".join(f"{s.layers[0]}-{s.layers[1]}" for s in p.stages) if p.num_stages <= 3 else "..."
-                print(f"{name:<13} {gbs:>5} {cfg:>3}  {p.shape:<14} {split:<22} {p.micro_batch_size:>5} "
-                      f"{p.warmup_policy:>3} {p.estimate.latency_ms:9.1f} {sim:9.1f} {dps} {dt:6.2f}"
-                      + ("" if p.meta["search_complete"] else " (time limit)"), flush=True)
+    for name, gbs, cfg, prof, cluster in cases(args):
+        pb = MODELS[name][0]
+        micro = pb if args.micro_batch == "profiled" and gbs % pb == 0 and pb >= 16 else None
+        t = time.perf_counter()
+        try:
+            p = plan(prof, cluster, gbs, micro, model=args.model, overlap=args.overlap,
+                     time_limit=args.time_limit)
+        except ValueError as e:
+            print(f"{name:<13} {gbs:>5} {cfg:>3}  no plan: {e}")
+            continue
+        dt = time.perf_counter() - t
+        sim = simulate(p, prof, cluster, overlap=args.overlap).latency_ms
+        try:  # pure data parallelism at the same micro-batch size, for reference
+            dp = plan(prof, cluster, gbs, model=args.model, overlap=args.overlap, max_stages=1)
+            dps = f"{simulate(dp, prof, cluster, overlap=args.overlap).latency_ms:9.1f}"
+        except ValueError:
+            dps = f"{'OOM':>9}"
+        split = " | ".join(f"{s.layers[0]}-{s.layers[1]}" for s in p.stages) if p.num_stages <= 3 else "..."
+        print(f"{name:<13} {gbs:>5} {cfg:>3}  {p.shape:<14} {split:<22} {p.micro_batch_size:>5} "
+              f"{p.warmup_policy:>3} {p.estimate.latency_ms:9.1f} {sim:9.1f} {dps} {dt:6.2f}"
+              + ("" if p.meta["search_complete"] else " (time limit)"), flush=True)
 
 
 if __name__ == "__main__":
