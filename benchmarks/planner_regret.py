@@ -55,7 +55,7 @@ def layouts(cluster: Cluster, stages: int, max_replicas: int) -> list[tuple[list
     return out
 
 
-def every_plan(prof: Profile, cluster: Cluster, g: int, max_m: int):
+def every_plan(prof: Profile, cluster: Cluster, g: int, max_m: int, overlap: bool = False):
     """Every plan (all devices used) that fits in memory: (Plan, refined-model latency)."""
     N, G = prof.num_layers, cluster.num_devices
     for b in (b for b in range(1, g + 1) if g % b == 0 and g // b <= max_m):
@@ -67,7 +67,8 @@ def every_plan(prof: Profile, cluster: Cluster, g: int, max_m: int):
                     stages = [Stage((bounds[i], bounds[i + 1]), devs[i]) for i in range(S)]
                     for pol in "AB":
                         try:
-                            est = evaluate(prof, cluster, stages, g, b, warmup_policy=pol, model="refined")
+                            est = evaluate(prof, cluster, stages, g, b, warmup_policy=pol, model="refined",
+                                           overlap=overlap)
                         except ValueError:
                             continue  # does not fit in device memory
                         ks = [s["warmup"] for s in est.details["stages"]]
@@ -78,22 +79,22 @@ def every_plan(prof: Profile, cluster: Cluster, g: int, max_m: int):
 def instance(spec: tuple) -> tuple:
     """One instance: (regret per way of planning, cluster name, global batch, our plan's shape, the oracle's,
     plans simulated)."""
-    seed, layers, max_m, link_sharing = spec
+    seed, layers, max_m, link_sharing, overlap = spec
     rng = random.Random(seed)
     prof = synthetic(rng, rng.randint(*layers))
     cluster = rng.choice(clusters())
     cluster.link_sharing = link_sharing
     g = rng.choice([32, 64, 128])
     sizes = [b for b in range(1, g + 1) if g % b == 0 and g // b <= max_m]
-    cands = list(every_plan(prof, cluster, g, max_m))
+    cands = list(every_plan(prof, cluster, g, max_m, overlap))
     if not cands:
         return None
-    sims = [simulate(p, prof, cluster).latency_ms for p, _ in cands]
+    sims = [simulate(p, prof, cluster, overlap=overlap).latency_ms for p, _ in cands]
     oracle = min(sims)
     model_best = min(range(len(cands)), key=lambda i: cands[i][1])
-    ours = {"plan": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes),
-            "plan verify=0": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes, verify=0)}
-    got = {k: simulate(p, prof, cluster).latency_ms for k, p in ours.items()}
+    ours = {"plan": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes, overlap=overlap),
+            "plan verify=0": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes, verify=0, overlap=overlap)}
+    got = {k: simulate(p, prof, cluster, overlap=overlap).latency_ms for k, p in ours.items()}
     got["model's best"] = sims[model_best]
     best = cands[min(range(len(sims)), key=sims.__getitem__)][0]
     return ({k: t / oracle - 1 for k, t in got.items()}, cluster.name, g, ours["plan"].shape,
@@ -107,16 +108,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs=2, default=(4, 6), help="layers per profile: a range")
     ap.add_argument("--max-micro-batches", type=int, default=32, help="micro-batch sizes with M above this are skipped")
     ap.add_argument("--link-sharing", default="held", choices=("held", "shared"))
+    ap.add_argument("--overlap", action="store_true", help="AllReduce overlapped: model, planner and simulator")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    specs = [(args.seed * 100_003 + i, tuple(args.layers), args.max_micro_batches, args.link_sharing)
-             for i in range(args.instances)]
+    specs = [(args.seed * 100_003 + i, tuple(args.layers), args.max_micro_batches, args.link_sharing,
+              args.overlap) for i in range(args.instances)]
     with multiprocessing.Pool(args.workers) as pool:
         results = [r for r in pool.map(instance, specs) if r is not None]
     regrets: dict[str, list[float]] = {k: [r[0][k] for r in results] for k in results[0][0]}
     print(f"{len(results)} instances (seed {args.seed}, {args.layers[0]}-{args.layers[1]} layers, link sharing "
-          f"{args.link_sharing}): {sum(r[-1] for r in results)} plans simulated in {time.perf_counter() - t0:.0f} s")
+          f"{args.link_sharing}{', overlap' if args.overlap else ''}): {sum(r[-1] for r in results)} plans simulated in {time.perf_counter() - t0:.0f} s")
     print("  regret = simulated latency / the best simulated plan's - 1")
     print(f"  {'plan':<14} {'optimal':>8} {'median':>8} {'p90':>7} {'max':>7} {'<=1%':>6} {'<=5%':>6}")
     for k, rs in regrets.items():
