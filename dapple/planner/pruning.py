@@ -28,7 +28,7 @@ class _Pruning:
         q = rest_bound(self.cm, self.M, self.G, fill=self.refined, cut=cut, overlap=ov)
         self.Q = q.tolist()
         self.Qcol = (-q.T).tolist()
-        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut, overlap=ov) if self.ar_bound
+        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut, overlap=ov) if self.refined
               else np.zeros_like(q))
         self.Qar = qa.tolist()
         self.Qarcol = (-qa.T).tolist()
@@ -67,7 +67,7 @@ class _Pruning:
         only (bounds.rest_bound's ``cut``: no stage whose own chain reaches it), and the period bound's tables
         (bounds.period_bound). In the micro-batch-searched 8x8 case of benchmarks/planning_time.py they cut
         the DP's time from 34.9 to 9.05 s (tests/planner/test_bounds.py checks both against every small plan)."""
-        if not self.ar_bound or self.cut == INF:
+        if not self.refined or self.cut == INF:
             return
         self._rest_tables(self.cut)
         lo, hi = self.rho[self.N] / self.G, self.cut / (self.M - 3) if self.M > 3 else 0.0  # beyond hi: L >= cut

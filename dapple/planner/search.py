@@ -54,9 +54,9 @@ class _DP(_Pruning, _StageCosts, _Memo):
                                      for r in range(1, min(self.b, self.G) + 1)))
         self.rho = rho
         self.fill = 1.0 if self.refined else 0.0
-        # a stage's chain ends with the longer of the way down and its AllReduce; overlapped, the AllReduce ends
-        # E >= AR after its last backward starts (CostModel.overlapped_ending), so at least AR - B after it ends
-        self.ar_bound = self.refined
+        # refined: a stage's chain ends with the longer of the way down and its AllReduce; overlapped, the AllReduce
+        # ends E >= AR after its last backward starts (CostModel.overlapped_ending), so at least AR - B after it ends
+        self.ar_less = 1.0 if overlap else 0.0  # x B: what of a stage's AllReduce its last backward may hide
         self._rest_tables(INF)
         # no plan's L is below this (after tighten(): no plan's L is below the smaller of this and the cut then)
         self.root_bound = max(self.Q[0][self.G], self.Qar[0][self.G])
@@ -142,12 +142,12 @@ class _DP(_Pruning, _StageCosts, _Memo):
         the rest bounds' least L of a completion)]."""
         N, M, cut, Q, Qar, fill = self.N, self.M, self.cut, self.Q, self.Qar, self.fill
         fs, bs, ars, ds = self.stage_costs(j, m, multi)
-        ar_bound, ov = self.ar_bound, self.overlap
+        refined, ar_less = self.refined, self.ar_less
         pv = self.pv is not None
         out = []
         for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the cut
             f, bb, ar = fs[j2], bs[j2], ars[j2]
-            if max(base, W + M * (f + bb) + (max(Bsum, ar - bb if ov else ar) if ar_bound else Bsum)) >= cut:
+            if max(base, W + M * (f + bb) + (max(Bsum, ar - ar_less * bb) if refined else Bsum)) >= cut:
                 break  # a longer new stage is only slower
             dn = ds[j2]
             if dn < 1:
@@ -210,8 +210,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
 
         for j2, f, bb, ar, dn, rest_lb in ends:
             # reach's checks again: a plan recorded in this loop may have lowered the cut since
-            lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar - bb if self.overlap else ar) if self.ar_bound
-                                                else Bsum1))
+            lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar - self.ar_less * bb) if refined else Bsum1))
             if lb >= self.cut:
                 break
             if rest_lb >= self.cut:  # reach's rest bounds, computed there

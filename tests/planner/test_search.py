@@ -67,12 +67,12 @@ def test_dp_finds_the_brute_force_optimum_with_overlapped_allreduce():
 
 
 def test_overlapped_search_ranks_prefixes_with_their_allreduce():
-    """With overlap, a stage's chain still ends AR - B after its last backward at least (E >= AR), and the rest
-    bounds still charge it. Before the bounds and the memo's floors did (they left the AllReduce out under
-    overlap), the overlapped search kept prefixes whose replicated stages AllReduce over slow links: on 21
-    of these 60 instances of 6 to 8 devices it returned a plan up to 58% slower, under its own model, than
-    the plan the search without overlap finds. Both searches are heuristic (one prefix per state), so this
-    allows a few small differences, not that."""
+    """With overlap, a stage's chain still ends at least AR - B after its last backward (E >= AR), and the
+    memo's floors and the rest bounds charge that. When they left the AllReduce out under overlap, the
+    overlapped search kept prefixes whose replicated stages AllReduce over slow links: on 21 of these 60
+    instances of 6 to 8 devices it returned a plan up to 58% slower, under its own model, than the plan the
+    search without overlap finds. Both searches are heuristic (one prefix per state), so this allows a few
+    small differences, not that."""
     rng = random.Random(1)
     worse = []
     for i in range(60):
