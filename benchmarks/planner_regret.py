@@ -118,7 +118,8 @@ def main() -> None:
         results = [r for r in pool.map(instance, specs) if r is not None]
     regrets: dict[str, list[float]] = {k: [r[0][k] for r in results] for k in results[0][0]}
     print(f"{len(results)} instances (seed {args.seed}, {args.layers[0]}-{args.layers[1]} layers, link sharing "
-          f"{args.link_sharing}{', overlap' if args.overlap else ''}): {sum(r[-1] for r in results)} plans simulated in {time.perf_counter() - t0:.0f} s")
+          f"{args.link_sharing}{', overlap' if args.overlap else ''}): {sum(r[-1] for r in results)} plans "
+          f"simulated in {time.perf_counter() - t0:.0f} s")
     print("  regret = simulated latency / the best simulated plan's - 1")
     print(f"  {'plan':<14} {'optimal':>8} {'median':>8} {'p90':>7} {'max':>7} {'<=1%':>6} {'<=5%':>6}")
     for k, rs in regrets.items():
