@@ -74,7 +74,9 @@ def split_stages(lg: LayerGraph, stage_layers: Sequence[tuple[int, int]]) -> lis
     num_stages = len(stage_layers)
     stage_of = lg.stage_of_node(cuts_of(stage_layers))
     qualnames: dict[str, str] = {}
-    parts = split_module(lg.gm, None, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=True,
+    # keep_original_order=False: the parent graph calls the stages in dependency order. A later stage's first
+    # node may precede an earlier stage's in the graph (GPT's position ids, layer wpe, come before wte).
+    parts = split_module(lg.gm, None, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=False,
                          keep_original_node_name=True, **_TUPLE_RETURN)
     original = {n.name: n for n in lg.gm.graph.nodes}
     carry = boundary_values(lg, stage_of, num_stages)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -51,6 +53,24 @@ def test_gpt_stages_keep_original_names_and_compose():
     x = torch.randint(0, 40, (3, 7))
     assert torch.equal(_run_stages(stages, {"idx": x}), model(x))
     assert stages[0].inputs == ["idx"] and stages[1].inputs == []
+
+
+def test_every_split_of_gpt_composes_even_when_a_later_stage_starts_earlier_in_the_graph():
+    """GPT's position ids (node ``_positions``, layer wpe) come before ``wte`` in the traced graph: a cut between
+    wte and wpe makes stage 1's first node precede stage 0's. split_module must order the stages by their
+    dependencies, not by where their first node sits (it raised KeyError 'wte' with keep_original_order)."""
+    model = GPT(n_layer=2, n_embd=8, n_head=2, vocab_size=32, block_size=12).double()
+    lg = trace_layers(model)
+    n = len(lg.names)  # wte, wpe, drop, blocks.0, blocks.1, ln_f, lm_head
+    x = torch.randint(0, 32, (3, 7))
+    want = model(x)
+    for k in range(n):
+        for cuts in itertools.combinations(range(1, n), k):
+            bounds = [0, *cuts, n]
+            stages = split_stages(lg, list(zip(bounds, bounds[1:])))
+            assert torch.equal(_run_stages(stages, {"idx": x}), want), bounds
+    stages = split_stages(lg, [(0, 1), (1, n)])
+    assert stages[0].inputs == ["idx"] and stages[1].inputs == ["idx"]  # both read the token ids
 
 
 def test_long_skip_is_relayed_through_the_middle_stage():

@@ -269,6 +269,8 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
                  {"warmup_policy": "B"}),
     "long_skip": (case_skip, ([((0, 1), [0]), ((1, 2), [1, 2]), ((2, 4), [3])], 9, 3), {}),
     "gpt_tied_seq_change": (case_gpt, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {"seqs": (8, 5)}),
+    # the embedding alone on stage 0: stage 1's position ids come first in the graph, and read the token ids too
+    "gpt_embedding_alone": (case_gpt, ([((0, 1), [0]), ((1, 4), [1, 2]), ((4, 7), [3])], 8, 4), {}),
     # layers wte, wpe, drop, h.0, h.1, ln_f, lm_head; the tied lm_head/wte weight spans stages 0 and 2
     **({"nanogpt_export": (case_nanogpt_export, ([((0, 3), [0]), ((3, 4), [1, 2]), ((4, 7), [3])], 6, 3), {})}
        if EXPORT_OK else {}),  # torch.export: torch >= 2.9
