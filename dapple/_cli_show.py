@@ -15,7 +15,8 @@ def _add_show(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--profile", default=None, help="plan --png: the profile it was made for (YAML or PipeDream .txt)")
     p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
     p.add_argument("--cluster", default=None, help="plan --png: preset A, B or C, or a cluster YAML")
-    p.add_argument("--overlap", action="store_true", help="plan --png: AllReduce overlapped with the last backward")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan --png: AllReduce overlapped with the last backward (default: as the plan was made)")
     p.add_argument("--json", default=None, metavar="JSON", help="plan: also write the simulated Chrome trace here")
     p.set_defaults(run=_run_show)
 
@@ -45,6 +46,11 @@ def _run_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_overlap(plan, given: bool | None) -> bool:
+    """``--overlap``/``--no-overlap`` if given, else the setting the plan was made with (``dapple plan --overlap``)."""
+    return bool(plan.meta.get("overlap", False)) if given is None else given
+
+
 def _show_simulated(plan, args: argparse.Namespace) -> int:
     """Draw (and/or save as a Chrome trace) the simulated schedule of ``plan`` on its profile and cluster."""
     from .planner import draw_plan, simulate
@@ -56,10 +62,10 @@ def _show_simulated(plan, args: argparse.Namespace) -> int:
                          f"made for and the --cluster it runs on")
     prof, cluster = load_profile(args.profile, args.profile_batch), load_cluster(args.cluster)
     if args.png:
-        sim = draw_plan(plan, prof, cluster, args.png, overlap=args.overlap)
+        sim = draw_plan(plan, prof, cluster, args.png, overlap=plan_overlap(plan, args.overlap))
         print(f"{sim}\nwrote {args.png}")
     else:
-        sim = simulate(plan, prof, cluster, overlap=args.overlap)
+        sim = simulate(plan, prof, cluster, overlap=plan_overlap(plan, args.overlap))
     if args.json:
         save_chrome_trace(from_simulation(sim), args.json, metadata={"simulated": True, "plan": plan.to_dict()},
                           process_names=device_labels(sim))

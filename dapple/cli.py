@@ -8,7 +8,7 @@ import sys
 from typing import Callable, Sequence
 
 from ._cli_inputs import load_cluster, load_example, load_profile  # noqa: F401 (load_example: public here)
-from ._cli_show import _add_show
+from ._cli_show import _add_show, plan_overlap
 
 Adder = Callable[["argparse._SubParsersAction"], None]
 
@@ -93,7 +93,8 @@ def _add_simulate(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--profile", required=True, help="the profile the plan was made for (YAML or PipeDream .txt)")
     p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
     p.add_argument("--cluster", required=True, help="preset A, B or C or a cluster YAML")
-    p.add_argument("--overlap", action="store_true", help="overlap AllReduce with the last backward (DDP-style)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap AllReduce with the last backward (DDP-style); default: as the plan was made")
     p.add_argument("--schedule", choices=("dapple", "gpipe"), default=None, help="default: the plan's")
     p.add_argument("--link-sharing", choices=("held", "shared"), default=None,
                    help="a transfer holds its links whole, or shares them max-min fairly (default: the cluster's)")
@@ -108,11 +109,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile, args.profile_batch)
     cluster = load_cluster(args.cluster)
     schedule = args.schedule or plan.schedule
-    sim = simulate(plan, prof, cluster, overlap=args.overlap, schedule=schedule, link_sharing=args.link_sharing)
+    overlap = plan_overlap(plan, args.overlap)
+    sim = simulate(plan, prof, cluster, overlap=overlap, schedule=schedule, link_sharing=args.link_sharing)
     print(sim)
     for model in ("refined", "paper"):
         est = evaluate(prof, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size, schedule=schedule,
-                       warmup_policy=plan.warmup_policy, model=model, overlap=args.overlap).latency_ms
+                       warmup_policy=plan.warmup_policy, model=model, overlap=overlap).latency_ms
         print(f"  {model} model estimate: {est:.3f} ms ({(est - sim.latency_ms) / sim.latency_ms:+.1%} vs simulated "
               f"{sim.latency_ms:.3f} ms)")
     return 0

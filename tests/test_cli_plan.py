@@ -33,6 +33,22 @@ def test_plan_then_simulate(tmp_path, capsys):
     assert "transfers sharing links" in capsys.readouterr().out
 
 
+def test_simulate_follows_the_overlap_the_plan_was_made_with(tmp_path, capsys):
+    profile = str(pipedream_path("bert_48"))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", profile, "--profile-batch", "2", "--cluster", "A", "--global-batch", "64", "--overlap",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    plan = Plan.load(out)
+    args = ["simulate", str(out), "--profile", profile, "--profile-batch", "2", "--cluster", "A"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "AllReduce overlapped with the last backward" in text
+    assert f"refined model estimate: {plan.estimate.latency_ms:.3f} ms" in text  # the plan's own estimate
+    assert main([*args, "--no-overlap"]) == 0
+    assert "AllReduce overlapped" not in capsys.readouterr().out
+
+
 def test_pipedream_profile_needs_its_batch_size():
     with pytest.raises(SystemExit, match="vgg19.txt is a PipeDream profile; .* --profile-batch"):
         main(["plan", str(pipedream_path("vgg19")), "--cluster", "A", "--global-batch", "64"])
