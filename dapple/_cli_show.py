@@ -46,11 +46,6 @@ def _run_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_overlap(plan, given: bool | None) -> bool:
-    """``--overlap``/``--no-overlap`` if given, else the setting the plan was made with (``dapple plan --overlap``)."""
-    return bool(plan.meta.get("overlap", False)) if given is None else given
-
-
 def _show_simulated(plan, args: argparse.Namespace) -> int:
     """Draw (and/or save as a Chrome trace) the simulated schedule of ``plan`` on its profile and cluster."""
     from .planner import draw_plan, simulate
@@ -62,10 +57,10 @@ def _show_simulated(plan, args: argparse.Namespace) -> int:
                          f"made for and the --cluster it runs on")
     prof, cluster = load_profile(args.profile, args.profile_batch), load_cluster(args.cluster)
     if args.png:
-        sim = draw_plan(plan, prof, cluster, args.png, overlap=plan_overlap(plan, args.overlap))
+        sim = draw_plan(plan, prof, cluster, args.png, overlap=args.overlap)
         print(f"{sim}\nwrote {args.png}")
     else:
-        sim = simulate(plan, prof, cluster, overlap=plan_overlap(plan, args.overlap))
+        sim = simulate(plan, prof, cluster, overlap=args.overlap)
     if args.json:
         save_chrome_trace(from_simulation(sim), args.json, metadata={"simulated": True, "plan": plan.to_dict()},
                           process_names=device_labels(sim))

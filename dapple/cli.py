@@ -8,7 +8,7 @@ import sys
 from typing import Callable, Sequence
 
 from ._cli_inputs import load_cluster, load_example, load_profile  # noqa: F401 (load_example: public here)
-from ._cli_show import _add_show, plan_overlap
+from ._cli_show import _add_show
 
 Adder = Callable[["argparse._SubParsersAction"], None]
 
@@ -109,12 +109,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile, args.profile_batch)
     cluster = load_cluster(args.cluster)
     schedule = args.schedule or plan.schedule
-    overlap = plan_overlap(plan, args.overlap)
-    sim = simulate(plan, prof, cluster, overlap=overlap, schedule=schedule, link_sharing=args.link_sharing)
+    sim = simulate(plan, prof, cluster, overlap=args.overlap, schedule=schedule, link_sharing=args.link_sharing)
     print(sim)
-    for model in ("refined", "paper"):
-        est = evaluate(prof, cluster, plan.stages, plan.global_batch_size, plan.micro_batch_size, schedule=schedule,
-                       warmup_policy=plan.warmup_policy, model=model, overlap=overlap).latency_ms
+    for model in ("refined", "paper"):  # the plan's batch sizes, warmup policy and (unless given) overlap
+        est = evaluate(prof, cluster, plan, schedule=schedule, model=model, overlap=args.overlap).latency_ms
         print(f"  {model} model estimate: {est:.3f} ms ({(est - sim.latency_ms) / sim.latency_ms:+.1%} vs simulated "
               f"{sim.latency_ms:.3f} ms)")
     return 0

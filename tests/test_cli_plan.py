@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dapple import Cluster, Plan
+from dapple import Cluster, Plan, Profile, simulate
 from dapple.cli import main
 
 from .conftest import pipedream_path
@@ -47,6 +47,9 @@ def test_simulate_follows_the_overlap_the_plan_was_made_with(tmp_path, capsys):
     assert f"refined model estimate: {plan.estimate.latency_ms:.3f} ms" in text  # the plan's own estimate
     assert main([*args, "--no-overlap"]) == 0
     assert "AllReduce overlapped" not in capsys.readouterr().out
+    prof = Profile.from_pipedream(profile, 2)  # the API does the same: simulate() follows plan.meta["overlap"]
+    assert simulate(plan, prof, Cluster.preset("A")).overlap is True
+    assert simulate(plan, prof, Cluster.preset("A"), overlap=False).overlap is False
 
 
 def test_pipedream_profile_needs_its_batch_size():

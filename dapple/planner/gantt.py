@@ -110,10 +110,11 @@ def _first_per_step(events: list[Event]) -> list[float]:
     return sorted(first.values())[1:]
 
 
-def draw_plan(plan: "Plan", profile: "Profile", cluster: "Cluster", path: str | Path, *, overlap: bool = False,
+def draw_plan(plan: "Plan", profile: "Profile", cluster: "Cluster", path: str | Path, *, overlap: bool | None = None,
               title: str | None = None) -> "SimResult":
     """Simulate ``plan`` on ``profile`` and ``cluster`` and draw its schedule to a PNG like a measured trace
-    (one row per device); returns the simulation (its ``latency_ms``, timeline, ...)."""
+    (one row per device); returns the simulation (its ``latency_ms``, timeline, ...). ``overlap``: as
+    :func:`simulate` (default: as the plan was made)."""
     from .simulator import simulate
     from .timeline import from_simulation
 

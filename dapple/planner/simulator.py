@@ -77,7 +77,7 @@ class SimResult:
                 f"{', transfers sharing links' if self.link_sharing == 'shared' else ''}")
 
 
-def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool = False,
+def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool | None = None,
              schedule: str | None = None, bucket_bytes: float = DDP_BUCKET_BYTES,
              link_sharing: str | None = None) -> SimResult:
     """Play ``plan``'s iteration: each device runs ``stage_ops`` of its stage (the runtime's order) on its
@@ -86,7 +86,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     duration, one transfer per link at a time, started in order of readiness as soon as all their links
     are free, and overlap with compute; each replicated stage AllReduces its
     gradients after its last backward (``overlap``: bucket by bucket as the last backward produces them,
-    like DDP). AllReduce does not contend with transfers. Works for any Plan (DAPPLE's, PipeDream's, ...).
+    like DDP; default: as the plan was made, ``plan.meta["overlap"]``, else False). AllReduce does not contend
+    with transfers. Works for any Plan (DAPPLE's, PipeDream's, ...).
     ``link_sharing`` (default: ``cluster.link_sharing``) ``"shared"``: a transfer starts once the earlier
     one between the same two devices in its direction is done (the runtime's forward and backward process
     groups each keep their sends in order) and shares each link max-min fairly with the others in flight
@@ -95,6 +96,7 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     """
     instance("simulate", "plan", plan, Plan)
     profile_and_cluster("simulate", profile, cluster)
+    overlap = bool(plan.meta.get("overlap", False)) if overlap is None else overlap
     flag("overlap", overlap)
     link_sharing = cluster.link_sharing if link_sharing is None else link_sharing
     if link_sharing not in LINK_SHARING:
