@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+import dapple
 from dapple import Plan
 from dapple.planner import Stage, evaluate, simulate
 
@@ -108,6 +109,18 @@ def test_overlapped_allreduce_ends_sooner():
     for overlap in (False, True):  # the refined model tracks both
         est = evaluate(prof, c, plan, model="refined", overlap=overlap).latency_ms
         assert est == pytest.approx(simulate(plan, prof, c, overlap=overlap).latency_ms, rel=1e-6)
+
+
+def test_overlap_defaults_to_the_plans_own():
+    """A plan made with ``overlap=True`` is simulated overlapped unless told otherwise (as ``evaluate`` does)."""
+    prof = linear_profile([1.0] * 4, params=[0, 0, 2e8, 2e8])
+    c = cluster(1, 4, intra=1e10)
+    made = dapple.plan(prof, c, 32, overlap=True)
+    assert made.meta["overlap"] is True
+    assert simulate(made, prof, c).overlap is True
+    assert simulate(made, prof, c).latency_ms == simulate(made, prof, c, overlap=True).latency_ms
+    assert simulate(made, prof, c, overlap=False).overlap is False
+    assert simulate(Plan(32, 8, [Stage((0, 4), [0, 1, 2, 3])]), prof, c).overlap is False  # no meta: not overlapped
 
 
 def test_a_deadlocking_order_is_reported():
