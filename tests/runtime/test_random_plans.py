@@ -61,5 +61,9 @@ def test_random_plans_equal_single_process(world, seed):
     todo = cases(SEED + seed, world, CASES if world > 2 else CASES // 2)
     results = run_ranks(workers.run_cases, world, todo, timeout=240 + 10 * CASES)
     for name, (_, args, kw) in todo.items():
-        worst = max(max(step["loss"], *step["grads"].values()) for r in results for step in r[name])
+        # a rank may hold no parameters (a stage of GPT's dropout alone): its loss still counts
+        worst = max(max([step["loss"], *step["grads"].values()]) for r in results for step in r[name])
         assert worst <= TOL, (name, args, kw, worst)
+        for step in range(len(results[0][name])):  # every parameter is checked on some rank
+            seen = set().union(*(r[name][step]["grads"] for r in results))
+            assert seen == set(results[0][name][step]["expected"]), (name, args)
