@@ -66,7 +66,9 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
     p.add_argument("--search", choices=("auto", "full", "compact"), default="auto",
                    help="placements searched (auto: full up to 4 servers, compact above)")
-    p.add_argument("--time-limit", type=float, default=None, help="stop the search after this many seconds")
+    p.add_argument("--time-limit", type=_seconds, default="auto",
+                   help="stop the search after this many seconds (inf: never; default auto: 60 s for the compact "
+                        "search of clusters over 4 servers, no limit for the full search)")
     p.add_argument("--gap", type=float, default=0.0,
                    help="stop proving once the plan is within this fraction of the best possible (e.g. 0.01)")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
@@ -85,6 +87,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         result.save(args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _seconds(text: str) -> float | str:
+    """``--time-limit``: a number of seconds (``inf`` for none) or ``auto``."""
+    return text if text == "auto" else float(text)
 
 
 def _add_simulate(sub: "argparse._SubParsersAction") -> None:

@@ -15,7 +15,7 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, up + down), ...), chain), each a list
     over cuts. numpy over layers: the routes and links of two layouts are the same at every cut, only the
     bytes differ. ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``:
-    ``Cluster.link_sharing == "shared"``."""
+    ``Cluster.link_sharing == "shared"``. Each is an (N,) array; servers with the same loads share one."""
     # each link's load is a count of route kinds (rows, same server): loads = counts @ times
     kinds: dict = {}  # (rows, same server) -> row of `times`
     links: dict = {}  # link -> {kind: routes}
@@ -41,7 +41,10 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     out, inc = most(("out", "xout")), most(("in", "xin"))
     row = {link: x for x, link in enumerate(names)}
     servers = sorted({who for (k, who) in names if k in ("up", "down")})
-    ud = [(s, sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero).tolist()) for s in servers]
+    ud, alike = [], {}  # servers with the same loads share one array (on 128 x 8: tens of thousands of tables)
+    for s in servers:
+        x = sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero)
+        ud.append((s, alike.setdefault(x.tobytes(), x)))
     busiest = loads.max(axis=0)
     # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
     # start when its last route lands. Its gradients can start back before the others' data is in.
@@ -66,7 +69,7 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     chain = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
     if shared:  # routes sharing the busiest link all land at its end
         chain = busiest
-    return busiest.tolist(), out.tolist(), inc.tolist(), ud, chain.tolist()
+    return busiest, out, inc, ud, chain
 
 
 def route_links(sender: object, receiver: object, src_server: int, dst_server: int) -> tuple:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 Layout = tuple  # the server of each replica of a stage, in replica order: (0, 0, 1) = 2 replicas on server 0, 1 on 1
 
+CACHED_SERVERS = 16  # CostModel.comm_pair caches its per-cut answers for pairs of stages over at most this many servers
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25: gradients are AllReduced in buckets of this size
 
 
@@ -129,25 +130,42 @@ class CostModel:
             canon = self._comm_canon.get(key)
             if canon is None:
                 canon = self._comm_canon[key] = self._comm_all_layers(*key)
-            bz, o, i, ud, ch = canon
+            table, loads, which = canon
             server = list(label)
-            ud = [(server[s], x) for s, x in ud]
-            cache = [None] * self.num_layers
+            which = [(server[s], x) for s, x in which]
+            # per-cut answers are cached for pairs over a few servers; over many (128 x 8) the caches of tens of
+            # thousands of pairs with a (server, ms) entry per server filled gigabytes: those are rebuilt per ask
+            cache = [None] * self.num_layers if len(which) <= CACHED_SERVERS else None
 
             def pair(layer: int) -> tuple:  # (refers to no CostModel: no reference cycle keeps the caches alive)
-                hit = cache[layer]
+                hit = cache[layer] if cache is not None else None
                 if hit is None:
-                    hit = cache[layer] = (bz[layer], o[layer], i[layer], tuple([(s, x[layer]) for s, x in ud]),
-                                          ch[layer])
+                    bz, o, i, ch = table[:, layer].tolist()
+                    at = loads[:, layer].tolist()
+                    hit = (bz, o, i, tuple([(s, at[x]) for s, x in which]), ch)
+                    if cache is not None:
+                        cache[layer] = hit
                 return hit
 
             self._comm[(src, dst)] = pair
         return pair
 
+    def forget_comm(self) -> None:
+        """Drop the memoised :meth:`comm_pair` tables (a long search bounds its memory with this)."""
+        self._comm.clear()
+        self._comm_canon.clear()
+
     def _comm_all_layers(self, src: Layout, dst: Layout) -> tuple:
-        """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`)."""
-        return comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
-                           self.cluster.link_sharing == "shared")
+        """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`), packed: (table (4, N):
+        busiest, out, in, chain; loads (K, N): the K distinct per-server up + down loads; [(server, row of
+        loads)])."""
+        bz, o, i, ud, ch = comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
+                                       self.cluster.link_sharing == "shared")
+        rows: dict = {}  # id of a distinct load array -> its row
+        which = [(s, rows.setdefault(id(x), len(rows))) for s, x in ud]
+        distinct = {id(x): x for _, x in ud}
+        loads = np.stack([distinct[k] for k in rows]) if rows else np.zeros((0, len(bz)))
+        return np.stack([bz, o, i, ch]), loads, which
 
     def _boundary(self, rows: int) -> np.ndarray:
         """(N,): bytes crossing each cut for a slice of ``rows`` rows."""

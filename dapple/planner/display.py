@@ -72,7 +72,8 @@ def format_plan(plan: "Plan") -> str:
                      + (f"; placement {', '.join(plan.meta['placement'])}" if plan.meta.get("placement") else "")
                      + ("; compact search (partly used servers kept alike)"
                         if plan.meta.get("search") == "compact" else "")
-                     + ("; search stopped at its time limit: the best plan found so far"
+                     + (f"; search stopped at its time limit{_limit(plan.meta.get('time_limit_s'))}: the best "
+                        f"plan found so far (time_limit= searches longer)"
                         if plan.meta.get("search_complete") is False else "")
                      + (f"; optimality gap {plan.meta['gap']:.1%}" if plan.meta.get("gap") else ""))
         bound = plan.meta.get("latency_lower_bound_ms")
@@ -81,3 +82,7 @@ def format_plan(plan: "Plan") -> str:
             lines.append(f"  no plan on all {plan.num_devices} devices is modelled below {bound:.1f} ms: " + (
                 "this one is the model's best" if off < 5e-5 else f"this one is within {off:.1%} of the best possible"))
     return "\n".join(lines)
+
+
+def _limit(seconds: object) -> str:
+    return f" ({seconds:g} s)" if isinstance(seconds, (int, float)) else ""

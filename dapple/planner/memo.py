@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -67,7 +68,8 @@ class _Memo:
 
     def options(self, free: tuple, prev: Layout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
-        after it, the rest's layout, and the new state's key and server relabelling."""
+        after it, the rest's device count and layout (its first b replicas when wider), and the new state's key
+        and server relabelling."""
         key = (free, prev, m)
         hit = self._options.get(key)
         if hit is None:
@@ -89,7 +91,8 @@ class _Memo:
                 like = _arrange(take, prev)
                 for new in dict.fromkeys((like, tuple(sorted(like, key=rank.get)))):
                     tail = _arrange(free2, new)
-                    wide = len(tail) > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
+                    n_rest = len(tail)
+                    wide = n_rest > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
                     canon = self._canon.get((free2, new))
                     if canon is None:
                         state_key, perm = _canonical(free2, new)
@@ -98,7 +101,9 @@ class _Memo:
                     kid, perm = canon
                     # comms: the communication costs in and out of the new stage per cut (CostModel.comm_pair),
                     # filled by expand() once a placement passes the bounds
-                    hit.append((name, new, free2, tail, tail[: self.b] if wide else tail, wide, kid, perm, []))
+                    # the rest's layout only as far as a stage can use it (b replicas): on 128 x 8 a whole tail
+                    # per placement filled gigabytes (a wide rest is never recorded as a plan's last stage)
+                    hit.append((name, new, free2, n_rest, tail[: self.b] if wide else tail, wide, kid, perm, []))
             self._options[key] = hit
         return hit
 
@@ -124,7 +129,7 @@ def _arrange(take: Sequence[int], prev: Layout | None) -> Layout:
     return tuple(s for s in servers for _ in range(take[s]))
 
 
-def _canonical(free: Sequence[int], last: Layout) -> tuple[tuple, list[int]]:
+def _canonical(free: Sequence[int], last: Layout) -> tuple[bytes, list[int]]:
     """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it). The
     paper memoises on the devices used (formula 4's (j, m, g)); up to server symmetry that is the multiset of
     free counts. The last stage's replica counts per server are added because they decide the split-concat
@@ -138,7 +143,8 @@ def _canonical(free: Sequence[int], last: Layout) -> tuple[tuple, list[int]]:
     perm = [0] * len(free)
     for new, old in enumerate(order):
         perm[old] = new
-    return tuple(desc[s] for s in order), perm
+    # as bytes: on 128 servers a tuple of pairs took 8 kB per state, these 1 kB
+    return array("I", [x for s in order for x in desc[s]]).tobytes(), perm
 
 
 @contextmanager

@@ -21,6 +21,7 @@ VERIFY_WITHIN = 0.1  # plan(verify=): candidates modelled more than this fractio
 SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
 SEARCHES = ("auto", "full", "compact")
 COMPACT_ABOVE = 4  # search="auto": servers above which the compact search is used
+COMPACT_TIME_LIMIT = 60.0  # time_limit="auto": seconds the compact search may take (the full search: no limit)
 
 
 def devices_of(spans: Sequence[tuple[int, int, Layout]], cluster: "Cluster") -> list[list[int]]:
@@ -45,7 +46,7 @@ def divisors(n: int) -> list[int]:
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
          model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
-         max_stages: int | None = None, search: str = "auto", time_limit: float | None = None,
+         max_stages: int | None = None, search: str = "auto", time_limit: float | str | None = "auto",
          gap: float = 0.0, verify: int = 6) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``,
     among the plans that use every device of it (a plan's device ids are the ranks 0..n-1 of the job that runs
@@ -68,6 +69,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     "auto" (default): full up to 4 servers, compact above (benchmarks/compact_vs_full.py: what it gives up).
     ``time_limit`` (seconds) makes the search anytime: when it runs out, the best plan found so far is
     returned and ``plan.meta["search_complete"]`` is False (large clusters: see benchmarks/planning_time.py).
+    "auto" (default): no limit for the full search, COMPACT_TIME_LIMIT = 60 s for the compact one (128 x 8 would
+    search for hours; ``meta["latency_lower_bound_ms"]`` says how far from the optimum the plan can be);
+    None or ``math.inf``: no limit.
     ``gap`` (a fraction, e.g. 0.01) stops proving sooner: the search drops whatever cannot beat the best plan
     found by more than this, so the plan is within (1 + gap) of the best the search would find without it (a
     branch-and-bound's optimality gap; the model's own error against the simulator is a few percent).
@@ -88,7 +92,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     number("optimizer_factor", optimizer_factor, positive=True)
     if max_stages is not None:
         positive_int("max_stages", max_stages)
-    if time_limit is not None:
+    if time_limit is not None and time_limit != "auto":
         number("time_limit", time_limit)
     if model not in MODELS:
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
@@ -100,6 +104,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         raise ValueError(f"search: expected one of {SEARCHES}, got {search!r}")
     if search == "auto":
         search = "compact" if cluster.servers > COMPACT_ABOVE else "full"
+    if time_limit == "auto":
+        time_limit = COMPACT_TIME_LIMIT if search == "compact" else None
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
     flag("overlap", overlap, "AllReduce overlapped with the last backward")
@@ -178,7 +184,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     meta = {"model": profile.model, "cluster": cluster.name or "", "planner": "dapple",
             "latency_model": model, "overlap": overlap, "placement": list(policies),
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
-            "dp_transitions": found.transitions, "search": search, "search_complete": complete}
+            "dp_transitions": found.transitions, "search": search, "search_complete": complete,
+            "time_limit_s": time_limit}
     if gap:
         meta["gap"] = gap
     # what the search proves: no modelled L below this (a finished full search: its best plan's)

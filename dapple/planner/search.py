@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from .cluster import Cluster
 
 
+# memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both
+# are recomputed on use): 8 x 8 needs ~7k, 128 x 8 makes ~1k a second, each a few kB
+COMM_CACHE_LIMIT = 30_000
+
+
 class _DP(_Pruning, _StageCosts, _Memo):
     """Formulas 4-5 for one micro-batch size (see :func:`dp_search`)."""
 
@@ -103,6 +108,9 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     self.complete = False
                     return
+                if len(cm._comm) > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
+                    self._options.clear()
+                    cm.forget_comm()
                 free = pre.free
                 R = sum(free)
                 if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.cut:
@@ -166,10 +174,9 @@ class _DP(_Pruning, _StageCosts, _Memo):
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
         N, M, ns, cm = self.N, self.M, self.ns, self.cm
-        name, new, free2, tail, tail_eval, wide, key, perm, comms = option
+        name, new, free2, n_rest, tail_eval, wide, key, perm, comms = option
         refined = self.refined
         multi = len(set(new)) > 1
-        n_rest = len(tail)
         ends = gate[multi]  # the ends that pass the bounds before the transfer into the new stage is priced
         if not ends:
             return
@@ -248,7 +255,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
                                     C + [chain2, t_b], D + [t_d], period, INF if enters else self.best[0])
             if not wide and t_d >= 1 and lat < self.best[0]:
-                self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail)), pre.policies + (name, "rest"), pol)
+                self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail_eval)), pre.policies + (name, "rest"), pol)
             if full and (bucket[-1].floor, bucket[-1].latency) <= (floor, lat):
                 continue
             relabelled = [0] * ns

@@ -311,6 +311,33 @@ def test_search_auto_is_compact_above_four_servers():
         dapple.plan(prof, cluster(2, 2), 32, 8, search="greedy")
 
 
+def test_time_limit_auto_bounds_only_the_compact_search(monkeypatch):
+    """Default "auto": no limit for the full search, COMPACT_TIME_LIMIT for the compact one (128 x 8 would search
+    for hours); None or inf: none."""
+    import dapple.planner.planning as planning
+    prof = random_profile(random.Random(2), 12)
+    assert dapple.plan(prof, cluster(2, 2), 32, 8).meta["time_limit_s"] is None
+    assert dapple.plan(prof, cluster(6, 2), 48, 8).meta["time_limit_s"] == planning.COMPACT_TIME_LIMIT
+    assert dapple.plan(prof, cluster(6, 2), 48, 8, time_limit=None).meta["time_limit_s"] is None
+    monkeypatch.setattr(planning, "COMPACT_TIME_LIMIT", 0.0)  # stops at once: the seed plans
+    stopped = dapple.plan(prof, cluster(6, 2), 48, 8)
+    assert stopped.meta["search_complete"] is False and "search stopped at its time limit (0 s)" in str(stopped)
+    assert dapple.plan(prof, cluster(6, 2), 48, 8, time_limit=float("inf")).meta["search_complete"]
+
+
+def test_dropping_the_memoised_tables_changes_nothing(monkeypatch):
+    """A long search drops its memoised transfer tables and placements (COMM_CACHE_LIMIT bounds its memory):
+    they are recomputed, and the search is the same."""
+    import dapple.planner.search as search
+    prof = random_profile(random.Random(3), 10)
+    c = cluster(3, 2, intra=5e10, inter=3e8, intra_lat=5e-6, inter_lat=3e-5)
+    kept = dp_search(prof, c, 32, 8, model="refined", seed=False)
+    monkeypatch.setattr(search, "COMM_CACHE_LIMIT", 5)
+    dropped = dp_search(prof, c, 32, 8, model="refined", seed=False)
+    assert (dropped.latency, dropped.spans, dropped.states, dropped.transitions) == (
+        kept.latency, kept.spans, kept.states, kept.transitions)
+
+
 def test_a_gap_keeps_the_plan_within_it_and_prunes():
     """gap=g: the DP's plan is within (1 + g) of the exact DP's, the search does less, and the bound reported
     (best / (1 + g)) is below the exact optimum."""
