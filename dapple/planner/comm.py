@@ -12,10 +12,10 @@ from .slices import Route
 def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
                 shared: bool = False) -> tuple:
     """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
-    ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, up + down), ...), chain), each a list
-    over cuts. numpy over layers: the routes and links of two layouts are the same at every cut, only the
-    bytes differ. ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``:
-    ``Cluster.link_sharing == "shared"``. Each is an (N,) array; servers with the same loads share one."""
+    ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, up + down), ...), chain), each an (N,)
+    array over cuts (servers with the same loads share one). numpy over layers: the routes and links of two
+    layouts are the same at every cut, only the bytes differ. ``route_times(rows, same_server)``: (N,) ms of
+    one route at every cut; ``shared``: ``Cluster.link_sharing == "shared"``."""
     # each link's load is a count of route kinds (rows, same server): loads = counts @ times
     kinds: dict = {}  # (rows, same server) -> row of `times`
     links: dict = {}  # link -> {kind: routes}

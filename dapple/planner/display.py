@@ -85,4 +85,5 @@ def format_plan(plan: "Plan") -> str:
 
 
 def _limit(seconds: object) -> str:
+    """" (60 s)" for a plan's ``meta["time_limit_s"]``, "" when it has none."""
     return f" ({seconds:g} s)" if isinstance(seconds, (int, float)) else ""
