@@ -90,9 +90,9 @@ class _Memo:
                 rank = {s: r for r, s in enumerate(ahead)}
                 like = _arrange(take, prev)
                 for new in dict.fromkeys((like, tuple(sorted(like, key=rank.get)))):
-                    tail = _arrange(free2, new)
-                    n_rest = len(tail)
+                    n_rest = sum(free2)
                     wide = n_rest > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
+                    tail = _arrange(free2, new, self.b)
                     canon = self._canon.get((free2, new))
                     if canon is None:
                         state_key, perm = _canonical(free2, new)
@@ -103,7 +103,7 @@ class _Memo:
                     # filled by expand() once a placement passes the bounds
                     # the rest's layout only as far as a stage can use it (b replicas): on 128 x 8 a whole tail
                     # per placement filled gigabytes (a wide rest is never recorded as a plan's last stage)
-                    hit.append((name, new, free2, n_rest, tail[: self.b] if wide else tail, wide, kid, perm, []))
+                    hit.append((name, new, free2, n_rest, tail, wide, kid, perm, []))
             self._options[key] = hit
         return hit
 
@@ -119,14 +119,19 @@ class SearchResult:
     transitions: int
 
 
-def _arrange(take: Sequence[int], prev: Layout | None) -> Layout:
+def _arrange(take: Sequence[int], prev: Layout | None, limit: int | None = None) -> Layout:
     """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
-    (split-concat then pairs replicas on the same server where it can)."""
+    (split-concat then pairs replicas on the same server where it can); with ``limit``, only the first ones."""
     first: dict = {}
     for k, s in enumerate(prev or ()):
         first.setdefault(s, k)
     servers = sorted((s for s in range(len(take)) if take[s] > 0), key=lambda s: (first.get(s, 1 << 30), s))
-    return tuple(s for s in servers for _ in range(take[s]))
+    out: list = []
+    for s in servers:
+        out += [s] * take[s]
+        if limit is not None and len(out) >= limit:
+            return tuple(out[:limit])
+    return tuple(out)
 
 
 def _canonical(free: Sequence[int], last: Layout) -> tuple[bytes, list[int]]:
