@@ -69,8 +69,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     "auto" (default): full up to 4 servers, compact above (benchmarks/compact_vs_full.py: what it gives up).
     ``time_limit`` (seconds) makes the search anytime: when it runs out, the best plan found so far is
     returned and ``plan.meta["search_complete"]`` is False (large clusters: see benchmarks/planning_time.py).
-    "auto" (default): no limit for the full search, COMPACT_TIME_LIMIT = 60 s for the compact one (128 x 8 would
-    search for hours; ``meta["latency_lower_bound_ms"]`` says how far from the optimum the plan can be);
+    "auto" (default): no limit for the full search, COMPACT_TIME_LIMIT = 60 s for the compact one (128 x 8 had not
+    finished after 10 minutes; ``meta["latency_lower_bound_ms"]`` says how far from the optimum the plan can be);
     None or ``math.inf``: no limit.
     ``gap`` (a fraction, e.g. 0.01) stops proving sooner: the search drops whatever cannot beat the best plan
     found by more than this, so the plan is within (1 + gap) of the best the search would find without it (a
