@@ -91,7 +91,12 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _seconds(text: str) -> float | str:
     """``--time-limit``: a number of seconds (``inf`` for none) or ``auto``."""
-    return text if text == "auto" else float(text)
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, inf or auto, got {text!r}") from None
 
 
 def _add_simulate(sub: "argparse._SubParsersAction") -> None:

@@ -52,6 +52,19 @@ def test_simulate_follows_the_overlap_the_plan_was_made_with(tmp_path, capsys):
     assert simulate(plan, prof, Cluster.preset("A"), overlap=False).overlap is False
 
 
+def test_time_limit_takes_seconds_inf_or_auto(tmp_path, capsys):
+    from tests.planner.helpers import linear_profile
+    profile, out = tmp_path / "p.yaml", tmp_path / "plan.yaml"
+    linear_profile([1.0, 2.0, 1.0]).save(profile)
+    args = ["plan", str(profile), "--cluster", "A", "--global-batch", "16", "-o", str(out)]
+    with pytest.raises(SystemExit):
+        main([*args, "--time-limit", "abc"])
+    assert "--time-limit: expected seconds, inf or auto, got 'abc'" in capsys.readouterr().err
+    assert main(args) == 0 and Plan.load(out).meta["time_limit_s"] is None  # auto: the full search has none
+    assert main([*args, "--time-limit", "inf"]) == 0 and Plan.load(out).meta["time_limit_s"] == float("inf")
+    assert main([*args, "--time-limit", "5"]) == 0 and Plan.load(out).meta["time_limit_s"] == 5.0
+
+
 def test_pipedream_profile_needs_its_batch_size():
     with pytest.raises(SystemExit, match="vgg19.txt is a PipeDream profile; .* --profile-batch"):
         main(["plan", str(pipedream_path("vgg19")), "--cluster", "A", "--global-batch", "64"])
