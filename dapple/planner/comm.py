@@ -13,8 +13,8 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
                 shared: bool = False) -> tuple:
     """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
     ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, up + down), ...), chain), each an (N,)
-    array over cuts (servers with the same loads share one). numpy over layers: the routes and links of two
-    layouts are the same at every cut, only the bytes differ. ``route_times(rows, same_server)``: (N,) ms of
+    array over cuts. numpy over layers: the routes and links of two layouts are the same at every cut, only
+    the bytes differ. ``route_times(rows, same_server)``: (N,) ms of
     one route at every cut; ``shared``: ``Cluster.link_sharing == "shared"``."""
     # each link's load is a count of route kinds (rows, same server): loads = counts @ times
     kinds: dict = {}  # (rows, same server) -> row of `times`
@@ -41,10 +41,7 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     out, inc = most(("out", "xout")), most(("in", "xin"))
     row = {link: x for x, link in enumerate(names)}
     servers = sorted({who for (k, who) in names if k in ("up", "down")})
-    ud, alike = [], {}  # servers with the same loads share one array (on 128 x 8: tens of thousands of tables)
-    for s in servers:
-        x = sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero)
-        ud.append((s, alike.setdefault(x.tobytes(), x)))
+    ud = [(s, sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero)) for s in servers]
     busiest = loads.max(axis=0)
     # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
     # start when its last route lands. Its gradients can start back before the others' data is in.

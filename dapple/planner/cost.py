@@ -161,10 +161,9 @@ class CostModel:
         loads)])."""
         bz, o, i, ud, ch = comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
                                        self.cluster.link_sharing == "shared")
-        rows: dict = {}  # id of a distinct load array -> its row
-        which = [(s, rows.setdefault(id(x), len(rows))) for s, x in ud]
-        distinct = {id(x): x for _, x in ud}
-        loads = np.stack([distinct[k] for k in rows]) if rows else np.zeros((0, len(bz)))
+        distinct: dict = {}  # servers with the same loads share a row (on 128 x 8: tens of thousands of tables)
+        which = [(s, distinct.setdefault(x.tobytes(), (len(distinct), x))[0]) for s, x in ud]
+        loads = np.stack([x for _, x in distinct.values()]) if distinct else np.zeros((0, len(bz)))
         return np.stack([bz, o, i, ch]), loads, which
 
     def _boundary(self, rows: int) -> np.ndarray:
