@@ -73,12 +73,14 @@ def test_amoebanet_36_is_straight_as_in_paper(tie_break):
 def test_xlnet_36_straight_is_one_of_pipedreams_tied_optima():
     # The paper prints "straight". XLNet's 36 identical layers make many splits tie exactly in PipeDream's
     # objective; its DP keeps the first it meets in a Python set's order. Scanning splits last-first gives
-    # the straight pipeline, first-first a 14-stage one with a 3-way replicated stage, at the same time.
+    # the straight pipeline, first-first one with a replicated stage, at the same time. Which replicated one
+    # depends on rounding in the sums that tie: 14 stages (a 3-way stage) on Python 3.11, 15 (a 2-way stage)
+    # on 3.12, whose sum() of floats is compensated.
     prof = pipedream_profile("xlnet_36")
     last = pipedream_plan(prof, PAPER, global_batch_size=128, tie_break="last")
     assert last.num_stages == 16 and all(s.replicas == 1 for s in last.stages) and _raw(last)[-1][1] == 41
     first = pipedream_plan(prof, PAPER, global_batch_size=128)
-    assert first.num_stages == 14 and sorted(s.replicas for s in first.stages)[-1] == 3
+    assert first.num_stages < 16 and max(s.replicas for s in first.stages) > 1
     # the slowest stage of both holds 3 of the identical blocks, 8.3 ms each (forward + backward in the file)
     block = prof.costs(1)
     assert block.forward_ms[20] + block.backward_ms[20] == pytest.approx(8.3)
