@@ -27,6 +27,16 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _join(backend: str, timeout: float, seconds: timedelta) -> None:
+    """``init_process_group`` from torchrun's environment, with the rendezvous (waiting for every rank) bounded
+    by dapple's ``timeout`` and the group by ``seconds``: on NCCL that is the watchdog's longer
+    :func:`group_timeout`, which ``init_process_group(timeout=...)`` would also give the rendezvous."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+    store.set_timeout(seconds)
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
+                            timeout=seconds)
+
+
 def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistContext:
     """Initialise the default process group unless the user already did, and pick this rank's device.
 
@@ -48,8 +58,7 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistC
             if backend == "nccl":
                 torch.cuda.set_device(cuda_device())
             bounded(timeout, f"rank {os.environ['RANK']}: joining the default process group of "
-                    f"{os.environ['WORLD_SIZE']} ranks (did every rank start?)",
-                    dist.init_process_group, backend, timeout=seconds)
+                    f"{os.environ['WORLD_SIZE']} ranks (did every rank start?)", _join, backend, timeout, seconds)
         else:  # not launched by torchrun: a world of one process
             store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=timeout))
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=seconds)

@@ -50,8 +50,10 @@ def test_stalled_rank_times_out_the_others(outcomes):
 
 
 @pytest.mark.slow
-def test_a_rank_that_never_calls_pipeline_is_named_within_the_timeout():
-    msg = run_ranks(workers.run_absent_rank, 2, 1.5, timeout=60)[0]
+@pytest.mark.parametrize("long_group_timeout", [False, True], ids=["gloo", "nccl_watchdog"])
+def test_a_rank_that_never_calls_pipeline_is_named_within_the_timeout(long_group_timeout):
+    # an NCCL group's timeout is its watchdog's, 2 x timeout + 30 s: joining is still bounded by dapple's timeout
+    msg = run_ranks(workers.run_absent_rank, 2, 1.5, long_group_timeout, timeout=60)[0]
     assert "rank 0: joining the default process group of 2 ranks (did every rank start?) failed or timed out " \
         "(timeout 1.5s)" in msg, msg
     assert _seconds(msg) < 1.5 + 5, msg

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -15,6 +16,7 @@ import dapple
 from dapple.models import GPT, ResNet, lm_loss
 from dapple.planner import Plan, Stage
 from dapple.profiler import trace_layers
+from dapple.runtime.distributed import init_distributed
 from tests.conftest import EXPORT_OK
 
 
@@ -313,10 +315,14 @@ def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall
     world = int(os.environ["WORLD_SIZE"])
     model = Chain(depth=world - 1).double()
     plan = _plan(model, [((i, i + 1), [i]) for i in range(world)], 8, 2)
+    x, y = _chain_data(8)
+    device = init_distributed(timeout).device
+    if device.type == "cuda":  # load the kernels and handles first: a short timeout is for the steps, not for that
+        F.cross_entropy(copy.deepcopy(model).to(device)(x.to(device)), y.to(device)).backward()
+        torch.cuda.synchronize(device)
     pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=timeout)
     first = next(m for m in pipe.module.modules() if isinstance(m, nn.Linear))
     first.register_forward_pre_hook(_vanish_hook(dying_rank, after_forwards, stall))
-    x, y = _chain_data(8)
     for _ in range(5):
         t0 = time.monotonic()
         try:
@@ -326,11 +332,15 @@ def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall
     return "no error"
 
 
-def run_absent_rank(timeout: float) -> str | None:
-    """Rank 1 never calls dapple.pipeline (it sleeps past the timeout, then exits); what rank 0 saw, and when."""
+def run_absent_rank(timeout: float, long_group_timeout: bool = False) -> str | None:
+    """Rank 1 never calls dapple.pipeline (it sleeps past the timeout, then exits); what rank 0 saw, and when.
+    ``long_group_timeout``: the group gets NCCL's longer timeout (2 x timeout + 30 s), whatever the backend."""
     if int(os.environ["RANK"]) == 1:
         time.sleep(timeout + 2)
         return None
+    if long_group_timeout:
+        from dapple.runtime import distributed
+        distributed.group_timeout = lambda t, backend: timedelta(seconds=2 * t + 30)
     model = Chain().double()
     plan = _plan(model, [((0, 2), [0]), ((2, 5), [1])], 8, 2)
     t0 = time.monotonic()
