@@ -128,4 +128,5 @@ def _train(cfg_dict: dict, plan_dict: dict) -> dict | None:
             tr.save(cfg.trace)
         if rank == 0 and (step % 5 == 0 or step == cfg.steps - 1):
             print(f"      step {step + 1:>3}/{cfg.steps}  loss {loss:.4f}  ({times[-1] * 1e3:.1f} ms)", flush=True)
+    dist.destroy_process_group()  # flushes this rank's last transfers (NCCL) before it exits; peers may need them
     return {"losses": losses, "step_ms": statistics.median(times[1:] or times) * 1e3} if rank == 0 else None

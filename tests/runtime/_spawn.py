@@ -22,7 +22,32 @@ def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple) 
     except BaseException:  # the traceback goes back to the test
         out = (rank, False, traceback.format_exc())
     q.put(out)
+    if out[1]:
+        _exit_together(world)
     os._exit(0)  # skip process-group destructors: a test about dead peers must not hang on them
+
+
+def _exit_together(world: int, timeout: float = 10.0) -> None:
+    """On NCCL, wait (through the store, at most ``timeout`` s) until every rank has finished its function.
+
+    A rank's NCCL op is complete when its own part is, while its proxy may still be sending to a peer: a rank
+    that exits then breaks the peer's op ("remote process exited"; seen on an H100 with ranks sharing it).
+    Once every rank has returned, every op is complete on every rank. gloo's ops end with their data.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
+        return
+    try:
+        torch.cuda.synchronize()
+        store = dist.distributed_c10d._get_default_store()
+        store.add("tests_exit_together", 1)
+        deadline = time.monotonic() + timeout
+        while store.add("tests_exit_together", 0) < world and time.monotonic() < deadline:  # a rank may be gone
+            time.sleep(0.01)
+    except Exception:  # the store's host (rank 0) left first: everyone had arrived
+        pass
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 150.0) -> list[Any]:
@@ -43,8 +68,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 150.0) -> l
                 for r, p in enumerate(procs):  # exited cleanly without a result (a test's vanishing rank)
                     if p.exitcode == 0 and r not in results and q.empty():
                         results[r] = (True, None)
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results]  # a result first, then death: fine
+                if dead and q.empty():
                     raise RuntimeError(f"ranks died without a result: {dead}")
                 time.sleep(0.02)
                 continue
