@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from datetime import timedelta
 from typing import Any, Callable
@@ -20,8 +21,33 @@ class PipelineError(RuntimeError):
     """A transfer or collective failed or timed out; the message names the rank, stage, peer and micro-batch."""
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the OS takes outgoing connections' local ports from (Linux's file; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on this machine."""
+    """A TCP port that was free a moment ago on this machine, for a store that a process binds seconds later.
+
+    It is drawn below the OS's ephemeral range: a port the OS handed out (bind to port 0) can meanwhile become
+    the local port of an outgoing connection (NCCL opens many), and the store then fails with EADDRINUSE while
+    its clients wait on the wrong port (seen running tests in parallel on an H100 machine).
+    """
+    low = _ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(64 if low > 11024 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

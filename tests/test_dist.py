@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,3 +127,14 @@ def test_nccl_groups_outlast_dapples_waits(backend):
 
 def test_gloo_groups_take_the_timeout_as_is():
     assert _dist.group_timeout(2.5, "gloo").total_seconds() == 2.5
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range(monkeypatch):
+    # outgoing connections take local ports from the ephemeral range: a store's port there could be taken
+    low, _ = _dist._ephemeral_ports()
+    ports = {_dist.free_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1, (low, ports)
+    monkeypatch.setattr(_dist, "_ephemeral_ports", lambda: (5000, 60999))  # no room below it: the OS's choice
+    port = _dist.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

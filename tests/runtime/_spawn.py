@@ -62,8 +62,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 150.0) -> l
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
+            if time.monotonic() > deadline:  # with what the others raised, often the cause
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s"
+                                   + "".join(f"\n--- rank {r} ---\n{v}" for r, (ok, v) in results.items() if not ok))
             if q.empty():
                 for r, p in enumerate(procs):  # exited cleanly without a result (a test's vanishing rank)
                     if p.exitcode == 0 and r not in results and q.empty():
