@@ -56,4 +56,4 @@ def test_a_rank_that_never_calls_pipeline_is_named_within_the_timeout(long_group
     msg = run_ranks(workers.run_absent_rank, 2, 1.5, long_group_timeout, timeout=60)[0]
     assert "rank 0: joining the default process group of 2 ranks (did every rank start?) failed or timed out " \
         "(timeout 1.5s)" in msg, msg
-    assert _seconds(msg) < 1.5 + 5, msg
+    assert _seconds(msg) < 1.5 + 15, msg  # not 2 x 1.5 + 30 s; slack for building the pipeline on a busy machine

@@ -316,8 +316,8 @@ def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall
     model = Chain(depth=world - 1).double()
     plan = _plan(model, [((i, i + 1), [i]) for i in range(world)], 8, 2)
     x, y = _chain_data(8)
-    device = init_distributed(timeout).device
-    if device.type == "cuda":  # load the kernels and handles first: a short timeout is for the steps, not for that
+    device = init_distributed(30.0).device  # join and load CUDA's kernels first: the short timeout is for steps
+    if device.type == "cuda":
         F.cross_entropy(copy.deepcopy(model).to(device)(x.to(device)), y.to(device)).backward()
         torch.cuda.synchronize(device)
     pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=timeout)
