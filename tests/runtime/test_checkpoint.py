@@ -164,11 +164,14 @@ def resume(root: str) -> bytes:
 
     # a rank that never joins: the others fail within the pipeline's timeout instead of hanging; a load on a
     # pipeline whose group exists, and the first save of a fresh one, which creates it (`if rank == 0: save`)
+    # (built with a long timeout, then 2 s: building connects NCCL's communicators, seconds on a busy GPU machine)
     model = gpt()
-    tpipe = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=2)
+    tpipe = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
+    tpipe.timeout = 2.0
     dapple.runtime.checkpoint._group(tpipe, "warm-up")  # made while all are present (it waits on the store)
     out["timeout"] = _without_rank_2(lambda: dapple.load_checkpoint(f"{root}/ckpt1", tpipe))
-    fresh = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=2)
+    fresh = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
+    fresh.timeout = 2.0
     out["first_save"] = _without_rank_2(lambda: dapple.save_checkpoint(f"{root}/never", fresh))
     return pack(out)
 
