@@ -43,30 +43,97 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     servers = sorted({who for (k, who) in names if k in ("up", "down")})
     ud = [(s, sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero)) for s in servers]
     busiest = loads.max(axis=0)
-    # one micro-batch alone: routes in posting order, each when its links are free; a receiver may
-    # start when its last route lands. Its gradients can start back before the others' data is in.
+    longest = times.max(axis=0)
+    if shared:  # routes sharing the busiest link all land at its end
+        return busiest, out, inc, ud, busiest
+    if len(rs) <= LIST_ROUTES:  # one micro-batch's round trip, the transfers started as the simulator does
+        return busiest, out, inc, ud, np.maximum(longest, _round_trip(rs, src, dst, times, kinds) - busiest)
+    # many routes: a closed form. One micro-batch alone, routes in posting order, each when its links are free;
+    # a receiver's gradients can start back before the others' data is in
     free: dict = {}
     done: dict = {}
-    longest = zero
     for r in rs:
         a, b = src[r.src], dst[r.dst]
-        t = times[kinds[(r.rows, a == b)]]
-        longest = np.maximum(longest, t)
         end = zero
         ls = route_links(r.src, r.dst, a, b)
         for x in ls:
             if x in free:
                 end = np.maximum(end, free[x])
-        end = end + t
+        end = end + times[kinds[(r.rows, a == b)]]
         for x in ls:
             free[x] = end
         done[r.dst] = np.maximum(done[r.dst], end) if r.dst in done else end
-    first = np.minimum.reduce(list(done.values())) if done else zero
-    last = np.maximum.reduce(list(done.values())) if done else zero
-    chain = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
-    if shared:  # routes sharing the busiest link all land at its end
-        chain = busiest
-    return busiest, out, inc, ud, chain
+    first = np.minimum.reduce(list(done.values()))
+    last = np.maximum.reduce(list(done.values()))
+    return busiest, out, inc, ud, np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
+
+
+LIST_ROUTES = 24  # routes of a pair of layouts up to which they are scheduled as the simulator does
+EARLY = 1e-9  # ms per row: a replica's compute ends this much later per row it has (only the order counts)
+
+
+def _start_order(ready: list, dur: list, links: list) -> list:
+    """Indices in the order the simulator starts them: at each event, every waiting transfer (in order) whose
+    links are all free starts."""
+    free: dict = {}
+    waiting = sorted(range(len(dur)), key=lambda x: (ready[x], x))
+    out: list = []
+    t = 0.0
+    while waiting:
+        still = []
+        for x in waiting:
+            if ready[x] <= t and all(free.get(link, 0.0) <= t for link in links[x]):
+                out.append(x)
+                for link in links[x]:
+                    free[link] = t + dur[x]
+            else:
+                still.append(x)
+        waiting = still
+        if waiting:
+            later = [v for v in free.values() if v > t] + [ready[x] for x in waiting if ready[x] > t]
+            t = min(later)
+    return out
+
+
+def _round_trip(rs: Sequence[Route], src: tuple, dst: tuple, times: np.ndarray, kinds: dict) -> np.ndarray:
+    """(N,) ms from the first activations leaving to the last gradients landing, for one micro-batch with
+    nothing below the receivers (what is below shifts every receiver's gradients alike): the routes run as
+    the simulator starts them (order taken at the cut with the most bytes), each receiver's gradients when its
+    own data is in."""
+    rep = int(np.argmax(times.sum(axis=0)))
+    rows_of: dict = {}  # a replica's rows: one with fewer finishes its compute and posts its transfers first
+    for r in rs:
+        rows_of[("s", r.src)] = rows_of.get(("s", r.src), 0) + r.rows
+        rows_of[("r", r.dst)] = rows_of.get(("r", r.dst), 0) + r.rows
+    fw = [route_links(("s", r.src), ("r", r.dst), src[r.src], dst[r.dst]) for r in rs]
+    t = [times[kinds[(r.rows, src[r.src] == dst[r.dst])]] for r in rs]
+    zero = np.zeros(times.shape[1])
+    free: dict = {}
+    done: dict = {}
+    for x in _start_order([EARLY * rows_of[("s", r.src)] for r in rs], [float(v[rep]) for v in t], fw):
+        end = zero
+        for link in fw[x]:
+            if link in free:
+                end = np.maximum(end, free[link])
+        end = end + t[x]
+        for link in fw[x]:
+            free[link] = end
+        j = rs[x].dst
+        done[j] = np.maximum(done[j], end) if j in done else end
+    bw = [route_links(("r", r.dst), ("s", r.src), dst[r.dst], src[r.src]) for r in rs]
+    ready = [done[r.dst] for r in rs]
+    free, back = {}, zero
+    for x in _start_order([float(v[rep]) + EARLY * rows_of[("r", r.dst)] for v, r in zip(ready, rs)],
+                          [float(v[rep]) for v in t], bw):
+        end = ready[x]
+        for link in bw[x]:
+            if link in free:
+                end = np.maximum(end, free[link])
+        end = end + t[x]
+        for link in bw[x]:
+            free[link] = end
+        back = np.maximum(back, end)
+    return back
 
 
 def route_links(sender: object, receiver: object, src_server: int, dst_server: int) -> tuple:

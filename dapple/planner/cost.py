@@ -112,11 +112,14 @@ class CostModel:
         """(busiest link ms, busiest sender device link ms, busiest receiver device link ms,
         ((server, its uplink + downlink ms), ...), chain ms) of one micro-batch's transfers after ``layer``.
 
-        ``chain``: what the gradients' way back adds to one micro-batch's round trip. Receivers whose data
-        landed first send their gradients back while later routes are still busy, so only the part of the
-        backward transfers not overlapped with the forward ones counts: max(longest route, B - (last - first
-        receiver's arrival)); a concat (one receiver) gets no overlap, nor do links shared between routes
-        (``Cluster.link_sharing == "shared"``: the routes on the busiest link all land when it is done)."""
+        ``chain``: what the gradients' way back adds to one micro-batch's round trip, whose activations'
+        share is the busiest link. Up to ``comm.LIST_ROUTES`` routes: the round trip of one micro-batch, its
+        transfers started as the simulator starts them (any whose links are free, replicas with fewer rows
+        first), each receiver's gradients when its own data is in, less the busiest link. Split-concat routes
+        between unequal replica counts chain through alternately shared links, so the last receiver's data
+        can land well after its own link's load. With more routes, a closed form: max(longest route, B -
+        (last - first receiver's arrival)). Links shared between routes (``Cluster.link_sharing ==
+        "shared"``): B, the routes on the busiest link all land when it is done."""
         return self.comm_pair(src, dst)(layer)
 
     def comm_pair(self, src: Layout, dst: Layout):

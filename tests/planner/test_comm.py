@@ -50,3 +50,21 @@ def test_a_split_credits_the_early_receivers_gradients_unless_links_are_shared()
     assert busiest == pytest.approx([80.0] * 3)
     assert chain == pytest.approx([40.0] * 3)  # max(longest 40, 80 - (80 - 40))
     assert comm_tables(routes(8, 1, 2), (0,), (1, 2), _times, shared=True)[4] == pytest.approx(busiest)
+
+
+def test_one_micro_batch_round_trip_is_the_simulators_between_unequal_replica_counts():
+    # 10 replicas -> 6 (one device per server): split-concat routes chain through alternately shared links, so
+    # the last receiver's data lands well after its downlink's own load, and its gradients leave only then
+    from dapple.planner import Plan, Stage, evaluate, simulate
+
+    from .helpers import linear_profile
+    prof = linear_profile([0.01] * 4, boundary=1e6)  # transfers dwarf compute
+    c = cluster(16, 1, inter=1e9)
+    plan = Plan(1024, 1024, [Stage((0, 2), list(range(10))), Stage((2, 4), list(range(10, 16)))])  # 103/102 rows
+    est = evaluate(prof, c, plan, model="refined").latency_ms
+    sim = simulate(plan, prof, c).latency_ms  # 391.4 ms; the closed form before it: 290.4 ms
+    assert est == pytest.approx(sim, rel=0.01)
+    # the last receiver's data lands 204 ms after the first send, not after its downlink's 171 ms
+    busiest, _, _, _, chain = comm_tables(routes(1024, 10, 6), tuple(range(10)), tuple(range(10, 16)),
+                                          lambda rows, same: np.array([rows / 6.0]))
+    assert busiest == pytest.approx([171.0 / 6]) and busiest + chain == pytest.approx([(204.0 + 171.0) / 6])
