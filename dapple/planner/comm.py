@@ -108,32 +108,29 @@ def _round_trip(rs: Sequence[Route], src: tuple, dst: tuple, times: np.ndarray, 
     fw = [route_links(("s", r.src), ("r", r.dst), src[r.src], dst[r.dst]) for r in rs]
     t = [times[kinds[(r.rows, src[r.src] == dst[r.dst])]] for r in rs]
     zero = np.zeros(times.shape[1])
-    free: dict = {}
-    done: dict = {}
-    for x in _start_order([EARLY * rows_of[("s", r.src)] for r in rs], [float(v[rep]) for v in t], fw):
-        end = zero
-        for link in fw[x]:
-            if link in free:
-                end = np.maximum(end, free[link])
-        end = end + t[x]
-        for link in fw[x]:
-            free[link] = end
-        j = rs[x].dst
-        done[j] = np.maximum(done[j], end) if j in done else end
+    done: dict = {}  # receiver -> when its last activations land
+    for r, end in zip(rs, _replay([zero] * len(rs), [EARLY * rows_of[("s", r.src)] for r in rs], t, fw, rep)):
+        done[r.dst] = np.maximum(done[r.dst], end) if r.dst in done else end
     bw = [route_links(("r", r.dst), ("s", r.src), dst[r.dst], src[r.src]) for r in rs]
-    ready = [done[r.dst] for r in rs]
-    free, back = {}, zero
-    for x in _start_order([float(v[rep]) + EARLY * rows_of[("r", r.dst)] for v, r in zip(ready, rs)],
-                          [float(v[rep]) for v in t], bw):
+    early = [EARLY * rows_of[("r", r.dst)] for r in rs]
+    return np.maximum.reduce(_replay([done[r.dst] for r in rs], early, t, bw, rep))
+
+
+def _replay(ready: list, early: list, t: list, links: list, rep: int) -> list:
+    """Each transfer's (N,) end, started as the simulator does (:func:`_start_order` at cut ``rep``): at the
+    later of its ``ready`` time and its links' last transfer's end. ``early``: a tie-break on readiness."""
+    free: dict = {}
+    ends: list = [None] * len(t)
+    for x in _start_order([float(r[rep]) + e for r, e in zip(ready, early)], [float(v[rep]) for v in t], links):
         end = ready[x]
-        for link in bw[x]:
+        for link in links[x]:
             if link in free:
                 end = np.maximum(end, free[link])
         end = end + t[x]
-        for link in bw[x]:
+        for link in links[x]:
             free[link] = end
-        back = np.maximum(back, end)
-    return back
+        ends[x] = end
+    return ends
 
 
 def route_links(sender: object, receiver: object, src_server: int, dst_server: int) -> tuple:
