@@ -12,8 +12,8 @@ from .slices import Route
 def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
                 shared: bool = False) -> tuple:
     """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
-    ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, up + down), ...), chain), each an (N,)
-    array over cuts. numpy over layers: the routes and links of two layouts are the same at every cut, only
+    ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, up + down), ...), chain, window), each
+    an (N,) array over cuts. numpy over layers: the routes and links of two layouts are the same at every cut, only
     the bytes differ. ``route_times(rows, same_server)``: (N,) ms of
     one route at every cut; ``shared``: ``Cluster.link_sharing == "shared"``."""
     # each link's load is a count of route kinds (rows, same server): loads = counts @ times
@@ -45,11 +45,9 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     busiest = loads.max(axis=0)
     longest = times.max(axis=0)
     if shared:  # routes sharing the busiest link all land at its end
-        return busiest, out, inc, ud, busiest
-    if len(rs) <= LIST_ROUTES:  # one micro-batch's round trip, the transfers started as the simulator does
-        return busiest, out, inc, ud, np.maximum(longest, _round_trip(rs, src, dst, times, kinds) - busiest)
-    # many routes: a closed form. One micro-batch alone, routes in posting order, each when its links are free;
-    # a receiver's gradients can start back before the others' data is in
+        return busiest, out, inc, ud, busiest, busiest
+    # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links are
+    # free; a receiver's gradients start back before the others' data is in, overlapping later forward routes
     free: dict = {}
     done: dict = {}
     for r in rs:
@@ -65,7 +63,11 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
         done[r.dst] = np.maximum(done[r.dst], end) if r.dst in done else end
     first = np.minimum.reduce(list(done.values()))
     last = np.maximum.reduce(list(done.values()))
-    return busiest, out, inc, ud, np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
+    window = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
+    if len(rs) > LIST_ROUTES:  # many routes: the same closed form for the first micro-batch
+        return busiest, out, inc, ud, window, window
+    # the first micro-batch's: its round trip, the transfers started as the simulator does
+    return busiest, out, inc, ud, np.maximum(longest, _round_trip(rs, src, dst, times, kinds) - busiest), window
 
 
 LIST_ROUTES = 24  # routes of a pair of layouts up to which they are scheduled as the simulator does

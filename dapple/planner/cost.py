@@ -110,7 +110,8 @@ class CostModel:
 
     def comm_links(self, layer: int, src: Layout, dst: Layout) -> tuple:
         """(busiest link ms, busiest sender device link ms, busiest receiver device link ms,
-        ((server, its uplink + downlink ms), ...), chain ms) of one micro-batch's transfers after ``layer``.
+        ((server, its uplink + downlink ms), ...), chain ms, window ms) of one micro-batch's transfers after
+        ``layer``.
 
         ``chain``: what the gradients' way back adds to one micro-batch's round trip, whose activations'
         share is the busiest link. Up to ``comm.LIST_ROUTES`` routes: the round trip of one micro-batch, its
@@ -119,7 +120,10 @@ class CostModel:
         between unequal replica counts chain through alternately shared links, so the last receiver's data
         can land well after its own link's load. With more routes, a closed form: max(longest route, B -
         (last - first receiver's arrival)). Links shared between routes (``Cluster.link_sharing ==
-        "shared"``): B, the routes on the busiest link all land when it is done."""
+        "shared"``): B, the routes on the busiest link all land when it is done.
+
+        ``window``: the same share in the steady state, where a stage holds K_i micro-batches per round trip:
+        that closed form, since there early receivers' gradients overlap later forward routes."""
         return self.comm_pair(src, dst)(layer)
 
     def comm_pair(self, src: Layout, dst: Layout):
@@ -143,9 +147,9 @@ class CostModel:
             def pair(layer: int) -> tuple:  # (refers to no CostModel: no reference cycle keeps the caches alive)
                 hit = cache[layer] if cache is not None else None
                 if hit is None:
-                    bz, o, i, ch = table[:, layer].tolist()
+                    bz, o, i, ch, w = table[:, layer].tolist()
                     at = loads[:, layer].tolist()
-                    hit = (bz, o, i, tuple([(s, at[x]) for s, x in which]), ch)
+                    hit = (bz, o, i, tuple([(s, at[x]) for s, x in which]), ch, w)
                     if cache is not None:
                         cache[layer] = hit
                 return hit
@@ -159,15 +163,15 @@ class CostModel:
         self._comm_canon.clear()
 
     def _comm_all_layers(self, src: Layout, dst: Layout) -> tuple:
-        """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`), packed: (table (4, N):
-        busiest, out, in, chain; loads (K, N): the K distinct per-server up + down loads; [(server, row of
-        loads)])."""
-        bz, o, i, ud, ch = comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
+        """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`), packed: (table (5, N):
+        busiest, out, in, chain, window; loads (K, N): the K distinct per-server up + down loads; [(server, row
+        of loads)])."""
+        bz, o, i, ud, ch, w = comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
                                        self.cluster.link_sharing == "shared")
         distinct: dict = {}  # servers with the same loads share a row (on 128 x 8: tens of thousands of tables)
         which = [(s, distinct.setdefault(x.tobytes(), (len(distinct), x))[0]) for s, x in ud]
         loads = np.stack([x for _, x in distinct.values()]) if distinct else np.zeros((0, len(bz)))
-        return np.stack([bz, o, i, ch]), loads, which
+        return np.stack([bz, o, i, ch, w]), loads, which
 
     def _boundary(self, rows: int) -> np.ndarray:
         """(N,): bytes crossing each cut for a slice of ``rows`` rows."""
@@ -183,7 +187,7 @@ class CostModel:
         period, per_server = 0.0, {}
         prev_in = 0.0
         for i in range(len(spans) - 1):
-            _, out, inc, servers, _ = self.comm_links(spans[i][1] - 1, spans[i][2], spans[i + 1][2])
+            _, out, inc, servers, _, _ = self.comm_links(spans[i][1] - 1, spans[i][2], spans[i + 1][2])
             period = max(period, out + prev_in)
             prev_in = inc
             for s, t in servers:

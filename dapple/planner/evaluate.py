@@ -33,12 +33,13 @@ class PipelineCosts:
     M: int
     link_period: float = 0.0  # least steady ms per micro-batch the links allow (CostModel.link_period)
     chain: list | None = None  # B, with the gradients' share of a round trip for communication stages
+    window: list | None = None  # the same in the steady state (CostModel.comm_links)
 
     def latency(self, model: str = "paper", overlap: bool = False) -> Latency:
         if model == "paper":
             return paper_latency(self.F, self.B, self.AR, self.M)
         return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
-                               self.link_period, self.chain)
+                               self.link_period, self.chain, self.window)
 
 
 def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
@@ -65,7 +66,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
                    warmup: Sequence[int] | None = None, check: bool = True) -> tuple[PipelineCosts, list[int]]:
     """Interleaved costs of stages ``(a, c, layout)`` and D per stage (paper V-C); raises ValueError when a
     stage does not fit in device memory (``check``)."""
-    F, B, AR, E, D, chain = [], [], [], [], [], []
+    F, B, AR, E, D, chain, window = [], [], [], [], [], [], []
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
         f, b = cm.compute(a, c, len(lay))
@@ -76,6 +77,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
         F.append(f)
         B.append(b)
         chain.append(b)
+        window.append(b)
         AR.append(cm.allreduce(a, c, lay))
         E.append(cm.overlapped_ending(a, c, lay))
         if i + 1 < len(spans):
@@ -84,6 +86,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
             F.append(cf)
             B.append(cb)
             chain.append(cl[4])
+            window.append(cl[5])
             AR.append(0.0)
             E.append(cb)
     if warmup is None:
@@ -94,7 +97,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
             for i, (a, c, lay) in enumerate(spans):
                 if K[i] > D[i]:
                     check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem, K[i])
-    return PipelineCosts(F, B, AR, E, K, M, cm.link_period(spans), chain), D
+    return PipelineCosts(F, B, AR, E, K, M, cm.link_period(spans), chain, window), D
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,

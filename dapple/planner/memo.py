@@ -43,6 +43,7 @@ class _Prefix:
     tmax: float = 0.0  # slowest F + B of the prefix's compute stages
     floor: float = 0.0  # the least L of any completion by the search's bounds when it was made (tighten() raises
     # the floors of prefixes made after it): the memo's rank
+    Cw: list | None = None  # as C, the steady state's share (CostModel.comm_links' window)
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""

@@ -9,7 +9,7 @@ from .latency import Latency
 
 def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                     K: Sequence[int], M: int, link_period: float | None = None,
-                    chain: Sequence[float] | None = None) -> Latency:
+                    chain: Sequence[float] | None = None, window: Sequence[float] | None = None) -> Latency:
     """Latency of the early-backward schedule over interleaved stages (compute 2i, communication 2i+1).
 
     Like formula 2, the latency is the chain of one pivot stage: the first micro-batch reaching it (Tw), its
@@ -32,18 +32,21 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
       its busiest link, and go no faster than once per ``link_period``: its link may carry other stages'
       transfers too (a server's uplink, two stages' activations; benchmarks/RESULTS.md "Estimate vs
       simulator");
-    - ``chain``: what a communication stage adds to a round trip on the gradients' way back (gradients of
-      early receivers overlap later forward routes, :meth:`CostModel.comm_links`), default B;
+    - ``chain``: what a communication stage adds to a round trip on the gradients' way back, for the first
+      micro-batch and the endings (:meth:`CostModel.comm_links`), default B; ``window``: the same for the
+      round trips that bound the steady state (gradients of early receivers overlap later forward routes),
+      default ``chain``;
     - with ``E`` (overlap), a stage's AllReduce runs bucket by bucket during its last backward, ending E_s
       after that backward starts, instead of B_s + AR_s;
     - stages after the pivot: their own chains, not formula 2's negative terms.
     """
-    return Latency(*refined_chains(F, B, AR, E, [K], M, link_period, chain)[0][1])
+    return Latency(*refined_chains(F, B, AR, E, [K], M, link_period, chain, window=window)[0][1])
 
 
 def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                    Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
-                   chain: Sequence[float] | None = None, limit: float = float("inf")) -> list[tuple]:
+                   chain: Sequence[float] | None = None, limit: float = float("inf"),
+                   window: Sequence[float] | None = None) -> list[tuple]:
     """Per warmup choice: (L, (Tw, Ts, Te, pivot)); once a stage's chain reaches ``limit`` the rest of that
     choice's stages are skipped (L is then only known to be >= limit: what the search needs to reject it)."""
     n = (len(F) + 1) // 2
@@ -68,6 +71,14 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
     for a in range(S - 1, -1, -1):
         acc += F[a] + Bc[a]
         down[a] = acc
+    if window is None or window == Bc:  # the round trips that bound the steady state (windows, loops, pairs)
+        downw = down
+    else:
+        downw = [0.0] * (S + 1)
+        acc = 0.0
+        for a in range(S - 1, -1, -1):
+            acc += F[a] + window[a]
+            downw[a] = acc
     # tail[i]: from the end of stage i's last backward to the end of the iteration below it (formula 2's Te)
     tail = [0.0] * n
     below = None  # max over s < i of (own_s + the B between s's end and stage i)
@@ -98,13 +109,13 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
         for i in range(n):  # window: K_i micro-batches per round trip, once the stage alternates
             k = K[i]
             if k < M:
-                x = down[2 * i] / (k if k > 1 else 1)
+                x = downw[2 * i] / (k if k > 1 else 1)
                 if x > period:
                     period = x
                 # the loop from stage i to stage j and back holds K_i - K_j + 1 (j = the last: the line above)
                 for j in range(i + 1, n - 1):
                     t = k - K[j] + 1
-                    x = (down[2 * i] - down[2 * j + 1]) / (t if t > 1 else 1)
+                    x = (downw[2 * i] - downw[2 * j + 1]) / (t if t > 1 else 1)
                     if x > period:
                         period = x
         # reach[i]: when stage i's first backward can start, from 0 = the first forward upstream: after its K_i-th
@@ -143,7 +154,7 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                     last = max(M * (f + b), r0 + M * b, arrive + f + d + b, M * f + d + b) - f
                 else:  # k forwards; the first backward waits for the round trip; M-k pairs; k backwards
                     first = r0
-                    pair = (f + d + Bc[a]) / k
+                    pair = downw[a] / k
                     if f + b > pair:
                         pair = f + b
                     steady = (M - k) * pair

@@ -98,7 +98,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
             if d >= 1:
                 lat, pol = self.latency([f], [bb], [ar], [e], [bb], [d], 0.0)
                 self.record(lat, ((0, N, lay0),), ("fresh",), pol)
-        root = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0)
+        root = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0,
+                       Cw=[])
         tighten_at = self.states + TIGHTEN_AFTER
         for j in range(N):
             for pre in ([root] if j == 0 else self.frontier(states[j])):
@@ -184,12 +185,13 @@ class _DP(_Pruning, _StageCosts, _Memo):
             comms += [cm.comm_pair(prev, new) if prev is not None else None, cm.comm_pair(new, tail_eval)]
         comm_in, comm_to_rest = comms
         if prev is not None:
-            busy1, out1, in1, servers1, chain1 = comm_in(j - 1)
+            busy1, out1, in1, servers1, chain1, window1 = comm_in(j - 1)
             # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
             base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
             if base >= self.cut:
                 return
             F0, B0, AR0, E0, C0 = pre.F + [busy1], pre.B + [busy1], pre.AR + [0.0], pre.E + [busy1], pre.C + [chain1]
+            Cw0 = pre.Cw + [window1]
             if refined:
                 dev1 = max(pre.dev, out1 + pre.last_in)
                 srv1 = dict(pre.servers)
@@ -206,7 +208,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
         else:
             base = pre.lb
             busy1, chain1 = 0.0, None
-            F0, B0, AR0, E0, C0 = [], [], [], [], []
+            F0, B0, AR0, E0, C0, Cw0 = [], [], [], [], [], []
             dev1, srv1, srvmax1, last_in1 = 0.0, {}, 0.0, 0.0
             W1 = Bsum1 = 0.0
         tails = self.tails(tail_eval)
@@ -222,7 +224,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 break
             if rest_lb >= self.cut:  # reach's rest bounds, computed there
                 continue
-            busy2, out2, in2, servers2, chain2 = comm_to_rest(j2 - 1)
+            busy2, out2, in2, servers2, chain2, window2 = comm_to_rest(j2 - 1)
             rest = tails[j2] or self.tail(j2, tail_eval)
             t_f, t_b, t_ar, t_e, t_d = rest
             skey = (pre.depth + 1, key) if self.max_stages is not None else key  # stage count limits what follows
@@ -251,9 +253,11 @@ class _DP(_Pruning, _StageCosts, _Memo):
             e = cm.overlapped_ending(j, j2, new) if e is None else e
             period = link_period(servers2, out2, in2) if period is None else period
             F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
+            Cw = Cw0 + [bb]
             # a plan that cannot enter the bucket matters only if it beats the best: stop there
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
-                                    C + [chain2, t_b], D + [t_d], period, INF if enters else self.best[0])
+                                    C + [chain2, t_b], D + [t_d], period, INF if enters else self.best[0],
+                                    Cw + [window2, t_b])
             if not wide and t_d >= 1 and lat < self.best[0]:
                 self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail_eval)), pre.policies + (name, "rest"), pol)
             if full and (bucket[-1].floor, bucket[-1].latency) <= (floor, lat):
@@ -265,7 +269,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
                           pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
                           W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
-                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb), floor)
+                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb), floor, Cw)
             if bucket is None:
                 states[j2][skey] = [nxt]
             elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):

@@ -37,18 +37,20 @@ def _times(rows: int, same_server: bool) -> np.ndarray:
 
 def test_a_concat_gets_no_stagger_credit():
     # 2 replicas on server 0 -> 1 on server 1: both routes cross server 1's downlink, one after the other
-    busiest, out, inc, ud, chain = comm_tables(routes(8, 2, 1), (0, 0), (1,), _times)
+    busiest, out, inc, ud, chain, window = comm_tables(routes(8, 2, 1), (0, 0), (1,), _times)
     assert busiest == pytest.approx([80.0] * 3)  # 2 routes x 4 rows x 10 ms
     assert inc == pytest.approx([80.0] * 3) and out == pytest.approx([40.0] * 3)
     assert dict(ud) == {0: pytest.approx([80.0] * 3), 1: pytest.approx([80.0] * 3)}
     assert chain == pytest.approx(busiest)  # one receiver: its gradients leave after all its data is in
+    assert window == pytest.approx(busiest)
 
 
 def test_a_split_credits_the_early_receivers_gradients_unless_links_are_shared():
     # 1 replica on server 0 -> 2 on servers 1 and 2: the uplink carries both routes; the first lands at 40 ms
-    busiest, _, _, _, chain = comm_tables(routes(8, 1, 2), (0,), (1, 2), _times)
+    busiest, _, _, _, chain, window = comm_tables(routes(8, 1, 2), (0,), (1, 2), _times)
     assert busiest == pytest.approx([80.0] * 3)
-    assert chain == pytest.approx([40.0] * 3)  # max(longest 40, 80 - (80 - 40))
+    assert chain == pytest.approx([40.0] * 3)  # the second receiver's 40 ms back, after its data at 80 ms
+    assert window == pytest.approx([40.0] * 3)  # max(longest 40, 80 - (80 - 40))
     assert comm_tables(routes(8, 1, 2), (0,), (1, 2), _times, shared=True)[4] == pytest.approx(busiest)
 
 
@@ -65,6 +67,22 @@ def test_one_micro_batch_round_trip_is_the_simulators_between_unequal_replica_co
     sim = simulate(plan, prof, c).latency_ms  # 391.4 ms; the closed form before it: 290.4 ms
     assert est == pytest.approx(sim, rel=0.01)
     # the last receiver's data lands 204 ms after the first send, not after its downlink's 171 ms
-    busiest, _, _, _, chain = comm_tables(routes(1024, 10, 6), tuple(range(10)), tuple(range(10, 16)),
-                                          lambda rows, same: np.array([rows / 6.0]))
+    busiest, _, _, _, chain, window = comm_tables(routes(1024, 10, 6), tuple(range(10)), tuple(range(10, 16)),
+                                                  lambda rows, same: np.array([rows / 6.0]))
     assert busiest == pytest.approx([171.0 / 6]) and busiest + chain == pytest.approx([(204.0 + 171.0) / 6])
+    assert window == pytest.approx([103.0 / 6])  # the steady state's closed form: the longest route
+
+
+def test_the_steady_state_windows_take_the_overlapped_share():
+    # 13 -> 3 replicas, 32 micro-batches, K = 3, 1: stage 0's window of 3 micro-batches per round trip binds.
+    # In the steady state early receivers' gradients overlap later forward routes (`window`); the first
+    # micro-batch's round trip (`chain`) in the windows instead puts the plan 18.5% above the simulator
+    from dapple.planner import Plan, Stage, evaluate, simulate
+
+    from .helpers import linear_profile
+    prof = linear_profile([0.5, 0.5, 0.1, 0.1], boundary=6.5e5)
+    c = cluster(16, 1, inter=1e9)
+    plan = Plan(2048, 64, [Stage((0, 2), list(range(13))), Stage((2, 4), list(range(13, 16)))], warmup_policy="B")
+    est = evaluate(prof, c, plan, model="refined")
+    assert [s["warmup"] for s in est.details["stages"]] == [3, 1]
+    assert est.latency_ms == pytest.approx(simulate(plan, prof, c).latency_ms, rel=0.02)
