@@ -21,6 +21,9 @@ class PipelineError(RuntimeError):
     """A transfer or collective failed or timed out; the message names the rank, stage, peer and micro-batch."""
 
 
+LOWEST_PORT = 10000  # free_port draws from here up to the ephemeral range (clear of the well-known ports)
+
+
 def _ephemeral_ports() -> tuple[int, int]:
     """The range the OS takes outgoing connections' local ports from (Linux's file; its default elsewhere)."""
     try:
@@ -40,8 +43,8 @@ def free_port() -> int:
     """
     low = _ephemeral_ports()[0]
     rng = random.SystemRandom()
-    for _ in range(64 if low > 11024 else 0):
-        port = rng.randrange(10000, low)
+    for _ in range(64 if low - LOWEST_PORT > 1024 else 0):  # 64 tries, where 1024+ ports lie below the range
+        port = rng.randrange(LOWEST_PORT, low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
