@@ -12,8 +12,8 @@ from .slices import Route
 def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
                 shared: bool = False) -> tuple:
     """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
-    ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, up + down), ...), chain, window), each
-    an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are). numpy over layers: the
+    ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, uplink, downlink), ...), chain,
+    window), each an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are). numpy over layers: the
     routes and links of two layouts are the same at every cut, only the bytes differ. ``route_times(rows,
     same_server)``: (N,) ms of one route at every cut; ``shared``: ``Cluster.link_sharing == "shared"``."""
     # each link's load is a count of route kinds (rows, same server): loads = counts @ times
@@ -41,7 +41,7 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     out, inc = most(("out", "xout")), most(("in", "xin"))
     row = {link: x for x, link in enumerate(names)}
     servers = sorted({who for (k, who) in names if k in ("up", "down")})
-    ud = [(s, sum((loads[row[(k, s)]] for k in ("up", "down") if (k, s) in row), zero)) for s in servers]
+    ud = [(s, *(loads[row[(k, s)]] if (k, s) in row else zero for k in ("up", "down"))) for s in servers]
     busiest = loads.max(axis=0)
     longest = times.max(axis=0)
     if shared:  # routes sharing the busiest link all land at its end

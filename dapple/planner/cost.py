@@ -110,7 +110,7 @@ class CostModel:
 
     def comm_links(self, layer: int, src: Layout, dst: Layout) -> tuple:
         """(busiest link ms, busiest sender device link ms, busiest receiver device link ms,
-        ((server, its uplink + downlink ms), ...), chain ms, window ms) of one micro-batch's transfers after
+        ((server, its uplink ms, its downlink ms), ...), chain ms, window ms) of one micro-batch's transfers after
         ``layer``.
 
         ``chain``: what the gradients' way back adds to one micro-batch's round trip, whose activations'
@@ -139,7 +139,7 @@ class CostModel:
                 canon = self._comm_canon[key] = self._comm_all_layers(*key)
             table, loads, which = canon
             server = list(label)
-            which = [(server[s], x) for s, x in which]
+            which = [(server[s], u, d) for s, u, d in which]
             # per-cut answers are cached for pairs over a few servers; over many (128 x 8) the caches of tens of
             # thousands of pairs with a (server, ms) entry per server filled gigabytes: those are rebuilt per ask
             cache = [None] * self.num_layers if len(which) <= CACHED_SERVERS else None
@@ -149,7 +149,7 @@ class CostModel:
                 if hit is None:
                     bz, o, i, ch, w = table[:, layer].tolist()
                     at = loads[:, layer].tolist()
-                    hit = (bz, o, i, tuple([(s, at[x]) for s, x in which]), ch, w)
+                    hit = (bz, o, i, tuple([(s, at[u], at[d]) for s, u, d in which]), ch, w)
                     if cache is not None:
                         cache[layer] = hit
                 return hit
@@ -164,12 +164,16 @@ class CostModel:
 
     def _comm_all_layers(self, src: Layout, dst: Layout) -> tuple:
         """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`), packed: (table (5, N):
-        busiest, out, in, chain, window; loads (K, N): the K distinct per-server up + down loads; [(server, row
-        of loads)])."""
+        busiest, out, in, chain, window; loads (K, N): the K distinct per-server uplink and downlink loads;
+        [(server, its uplink's row of loads, its downlink's)])."""
         bz, o, i, ud, ch, w = comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
                                        self.cluster.link_sharing == "shared")
-        distinct: dict = {}  # servers with the same loads share a row (on 128 x 8: tens of thousands of tables)
-        which = [(s, distinct.setdefault(x.tobytes(), (len(distinct), x))[0]) for s, x in ud]
+        distinct: dict = {}  # links with the same loads share a row (on 128 x 8: tens of thousands of tables)
+
+        def row(x: np.ndarray) -> int:
+            return distinct.setdefault(x.tobytes(), (len(distinct), x))[0]
+
+        which = [(s, row(u), row(d)) for s, u, d in ud]
         loads = np.stack([x for _, x in distinct.values()]) if distinct else np.zeros((0, len(bz)))
         return np.stack([bz, o, i, ch, w]), loads, which
 
@@ -180,19 +184,25 @@ class CostModel:
             hit = self._bbytes[rows] = np.asarray(self.profile.costs(rows).boundary_bytes, dtype=float)
         return hit
 
-    def link_period(self, spans: Sequence[tuple[int, int, Layout]]) -> float:
-        """Least ms per micro-batch the links allow in the steady phase: a device link carries its stage's
-        activations forward and gradients back (two communication stages), a server's uplink and downlink
-        every cross-server transfer of the plan in either direction."""
-        period, per_server = 0.0, {}
-        prev_in = 0.0
+    def link_periods(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, float]:
+        """(period, drain): the least ms per micro-batch the links allow in the steady phase, where a device link
+        carries its stage's activations forward and gradients back (two communication stages) and a server's
+        uplink and downlink every cross-server transfer of the plan in either direction; and once activations
+        have stopped (the drain), where each link carries gradients alone: a device link one communication
+        stage's, a server's uplink the gradients of what its downlink took forward."""
+        period = drain = prev_in = 0.0
+        up: dict = {}
+        down: dict = {}
         for i in range(len(spans) - 1):
             _, out, inc, servers, _, _ = self.comm_links(spans[i][1] - 1, spans[i][2], spans[i + 1][2])
             period = max(period, out + prev_in)
+            drain = max(drain, out, inc)
             prev_in = inc
-            for s, t in servers:
-                per_server[s] = per_server.get(s, 0.0) + t
-        return max([period, prev_in] + list(per_server.values()))
+            for s, u, d in servers:
+                up[s] = up.get(s, 0.0) + u
+                down[s] = down.get(s, 0.0) + d
+        period = max([period, prev_in] + [up[s] + down[s] for s in up])
+        return period, max([drain] + list(up.values()) + list(down.values()))
 
     # ---- AllReduce ---------------------------------------------------------------------------------
     def ring_allreduce_ms(self, nbytes: float, layout: Layout) -> float:

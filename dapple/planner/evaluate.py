@@ -31,15 +31,16 @@ class PipelineCosts:
     E: list[float]  # last backward + overlapped AllReduce (DDP-style), per interleaved stage (B for comm)
     K: list[int]  # warmup K_i per compute stage
     M: int
-    link_period: float = 0.0  # least steady ms per micro-batch the links allow (CostModel.link_period)
+    link_period: float = 0.0  # least steady ms per micro-batch the links allow (CostModel.link_periods)
     chain: list | None = None  # B, with the gradients' share of a round trip for communication stages
     window: list | None = None  # the same in the steady state (CostModel.comm_links)
+    drain_period: float | None = None  # the same once activations stop: gradients alone (default link_period)
 
     def latency(self, model: str = "paper", overlap: bool = False) -> Latency:
         if model == "paper":
             return paper_latency(self.F, self.B, self.AR, self.M)
         return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
-                               self.link_period, self.chain, self.window)
+                               self.link_period, self.chain, self.window, self.drain_period)
 
 
 def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
@@ -97,7 +98,8 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
             for i, (a, c, lay) in enumerate(spans):
                 if K[i] > D[i]:
                     check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem, K[i])
-    return PipelineCosts(F, B, AR, E, K, M, cm.link_period(spans), chain, window), D
+    period, drain = cm.link_periods(spans)
+    return PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain), D
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,

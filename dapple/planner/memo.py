@@ -32,7 +32,7 @@ class _Prefix:
     lb: float  # lower bound on L of any completion, from the fixed stages' steady costs
     free: tuple  # free devices per server (canonical order)
     latency: float  # formula 5: the complete plan prefix + the remaining layers as one stage on the free devices
-    servers: dict  # per server, uplink + downlink ms per micro-batch of the prefix's transfers (refined model)
+    servers: dict  # per server, (uplink, downlink) ms per micro-batch of the prefix's transfers (refined model)
     server_max: float
     dev: float  # busiest device link of the prefix per micro-batch (refined model)
     last_in: float  # busiest receiving device link of the prefix's last communication stage
@@ -44,6 +44,7 @@ class _Prefix:
     floor: float = 0.0  # the least L of any completion by the search's bounds when it was made (tighten() raises
     # the floors of prefixes made after it): the memo's rank
     Cw: list | None = None  # as C, the steady state's share (CostModel.comm_links' window)
+    dev_drain: float = 0.0  # busiest device link of the prefix per micro-batch once activations stop (one way)
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""

@@ -9,7 +9,8 @@ from .latency import Latency
 
 def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                     K: Sequence[int], M: int, link_period: float | None = None,
-                    chain: Sequence[float] | None = None, window: Sequence[float] | None = None) -> Latency:
+                    chain: Sequence[float] | None = None, window: Sequence[float] | None = None,
+                    drain_period: float | None = None) -> Latency:
     """Latency of the early-backward schedule over interleaved stages (compute 2i, communication 2i+1).
 
     Like formula 2, the latency is the chain of one pivot stage: the first micro-batch reaching it (Tw), its
@@ -31,7 +32,9 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
     - a communication stage is a pivot candidate too: its M forward (and M backward) transfers queue on
       its busiest link, and go no faster than once per ``link_period``: its link may carry other stages'
       transfers too (a server's uplink, two stages' activations; benchmarks/RESULTS.md "Estimate vs
-      simulator");
+      simulator"); once the next stage has done its last forward, its last K_{i+1} - 1 gradient transfers
+      go once per ``drain_period`` (the links' gradients alone, :meth:`CostModel.link_periods`; default
+      ``link_period``);
     - ``chain``: what a communication stage adds to a round trip on the gradients' way back, for the first
       micro-batch and the endings (:meth:`CostModel.comm_links`), default B; ``window``: the same for the
       round trips that bound the steady state (gradients of early receivers overlap later forward routes),
@@ -40,13 +43,14 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
       after that backward starts, instead of B_s + AR_s;
     - stages after the pivot: their own chains, not formula 2's negative terms.
     """
-    return Latency(*refined_chains(F, B, AR, E, [K], M, link_period, chain, window=window)[0][1])
+    return Latency(*refined_chains(F, B, AR, E, [K], M, link_period, chain, window=window,
+                                   drain_period=drain_period)[0][1])
 
 
 def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                    Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
                    chain: Sequence[float] | None = None, limit: float = float("inf"),
-                   window: Sequence[float] | None = None) -> list[tuple]:
+                   window: Sequence[float] | None = None, drain_period: float | None = None) -> list[tuple]:
     """Per warmup choice: (L, (Tw, Ts, Te, pivot)); once a stage's chain reaches ``limit`` the rest of that
     choice's stages are skipped (L is then only known to be >= limit: what the search needs to reject it)."""
     n = (len(F) + 1) // 2
@@ -66,6 +70,7 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
             if x > base:
                 base = x
     lp = link_period if link_period is not None else 0.0  # a transfer's queue moves at most this fast
+    ld = drain_period if drain_period is not None else lp  # the same once activations have stopped
     down = [0.0] * (S + 1)  # down[a] = sum_{a' >= a} (F + Bc): a round trip from stage a on
     acc = 0.0
     for a in range(S - 1, -1, -1):
@@ -171,7 +176,10 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 # the first gradients leave when the next stage has done its first backward (``reach``: after its
                 # K forwards and the round trip below it, so at least d after the first transfer)
                 g = reach[i + 1] + B[a + 1] - warms[a + 1]
-                bwd = g - stagger + (M - 1) * (B[a] if B[a] > lp else lp) + B[a]
+                # M - K_{i+1} of them while activations still flow, the last K_{i+1} - 1 gradients alone
+                kn = K[i + 1] if K[i + 1] < M else M
+                bwd = (g - stagger + (M - kn) * (B[a] if B[a] > lp else lp) + (kn - 1) * (B[a] if B[a] > ld else ld)
+                       + B[a])
                 steady = (M - 1) * rate if fwd >= bwd else bwd - d - Bc[a]
                 last = d + Bc[a]
                 end_tail = B[2 * i] + tail[i]  # then stage i's last backward and what follows below it

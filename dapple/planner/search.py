@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 # memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both
 # are recomputed on use): 8 x 8 needs ~7k, 128 x 8 makes ~1k a second, each a few kB
 COMM_CACHE_LIMIT = 30_000
+NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
 
 
 class _DP(_Pruning, _StageCosts, _Memo):
@@ -194,13 +195,16 @@ class _DP(_Pruning, _StageCosts, _Memo):
             Cw0 = pre.Cw + [window1]
             if refined:
                 dev1 = max(pre.dev, out1 + pre.last_in)
+                devd1 = max(pre.dev_drain, out1, in1)
                 srv1 = dict(pre.servers)
-                for s, t in servers1:
-                    srv1[s] = srv1.get(s, 0.0) + t
-                srvmax1 = max(srv1.values(), default=0.0)
+                for s, tu, td in servers1:
+                    u, d = srv1.get(s, NO_LOAD)
+                    srv1[s] = (u + tu, d + td)
+                srvmax1 = max((u + d for u, d in srv1.values()), default=0.0)
+                srvd1 = max((u if u > d else d for u, d in srv1.values()), default=0.0)
                 W1, Bsum1 = pre.W + busy1, pre.Bsum + chain1
             else:
-                dev1, srv1, srvmax1 = 0.0, pre.servers, 0.0
+                dev1, devd1, srv1, srvmax1, srvd1 = 0.0, 0.0, pre.servers, 0.0, 0.0
                 W1 = Bsum1 = 0.0
             last_in1 = in1
             ends = self.reach(pre, j, m, multi, n_rest, ends[0][0], base, W1, Bsum1,
@@ -209,13 +213,23 @@ class _DP(_Pruning, _StageCosts, _Memo):
             base = pre.lb
             busy1, chain1 = 0.0, None
             F0, B0, AR0, E0, C0, Cw0 = [], [], [], [], [], []
-            dev1, srv1, srvmax1, last_in1 = 0.0, {}, 0.0, 0.0
+            dev1, devd1, srv1, srvmax1, srvd1, last_in1 = 0.0, 0.0, {}, 0.0, 0.0, 0.0
             W1 = Bsum1 = 0.0
         tails = self.tails(tail_eval)
 
-        def link_period(servers2, out2, in2) -> float:  # CostModel.link_period of prefix + new + rest
-            return max(dev1, out2 + last_in1, in2, srvmax1,
-                       max((srv1.get(s, 0.0) + t for s, t in servers2), default=0.0))
+        def link_periods(servers2, out2, in2) -> tuple[float, float]:  # CostModel.link_periods of prefix + new + rest
+            two = one = 0.0
+            for s, tu, td in servers2:
+                u, d = srv1.get(s, NO_LOAD)
+                u += tu
+                d += td
+                if u + d > two:
+                    two = u + d
+                if u > one:
+                    one = u
+                if d > one:
+                    one = d
+            return max(dev1, out2 + last_in1, in2, srvmax1, two), max(devd1, out2, in2, srvd1, one)
 
         for j2, f, bb, ar, dn, rest_lb in ends:
             # reach's checks again: a plan recorded in this loop may have lowered the cut since
@@ -234,7 +248,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             enters = not full or floor <= bucket[-1].floor  # (ties: by latency, below)
             # the new stage's ending (overlapped: costed once asked) and the plan's link period (refined model)
             e = None if self.overlap else bb
-            period = None if refined else 0.0
+            periods = None if refined else (0.0, 0.0)
             if not enters:
                 # the rest-as-one-stage's chain bounds this complete plan's L from below (formula 2: M (F+B) of
                 # any stage); skip evaluating a plan that can neither beat the best nor enter the bucket
@@ -243,21 +257,22 @@ class _DP(_Pruning, _StageCosts, _Memo):
                                                                       Bsum1 + bb + chain2)  # cheap, lower
                     if quick < self.cut:
                         e = cm.overlapped_ending(j, j2, new) if e is None else e
-                        period = link_period(servers2, out2, in2)
-                        quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period)
+                        periods = link_periods(servers2, out2, in2)
+                        quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e,
+                                                periods[0])
                 else:
                     quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
                 if quick >= self.cut:
                     continue
             self.transitions += 1
             e = cm.overlapped_ending(j, j2, new) if e is None else e
-            period = link_period(servers2, out2, in2) if period is None else period
+            period, drain = link_periods(servers2, out2, in2) if periods is None else periods
             F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
             Cw = Cw0 + [bb]
             # a plan that cannot enter the bucket matters only if it beats the best: stop there
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
                                     C + [chain2, t_b], D + [t_d], period, INF if enters else self.best[0],
-                                    Cw + [window2, t_b])
+                                    Cw + [window2, t_b], drain)
             if not wide and t_d >= 1 and lat < self.best[0]:
                 self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail_eval)), pre.policies + (name, "rest"), pol)
             if full and (bucket[-1].floor, bucket[-1].latency) <= (floor, lat):
@@ -269,7 +284,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
                           pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
                           W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
-                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb), floor, Cw)
+                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb), floor, Cw, devd1)
             if bucket is None:
                 states[j2][skey] = [nxt]
             elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):

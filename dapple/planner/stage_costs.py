@@ -15,7 +15,8 @@ from .refined import refined_chains
 class _StageCosts:
     """What ``search._DP`` prices a stage and a plan with (it provides the cost model, M, b and the memos)."""
 
-    def latency(self, F, B, AR, E, C, D, link_period: float, limit: float = INF, W=None) -> tuple[float, str]:
+    def latency(self, F, B, AR, E, C, D, link_period: float, limit: float = INF, W=None,
+                drain: float | None = None) -> tuple[float, str]:
         """The plan's L under the search's model and the better warmup policy; any value >= ``limit`` when L is."""
         M = self.M
         if not self.refined:
@@ -34,7 +35,7 @@ class _StageCosts:
             Ks.append(K)
         if len(Ks) == 2 and Ks[0] == Ks[1]:
             Ks.pop()
-        lats = refined_chains(F, B, AR, E if self.overlap else None, Ks, M, link_period, C, limit, W)
+        lats = refined_chains(F, B, AR, E if self.overlap else None, Ks, M, link_period, C, limit, W, drain)
         if len(lats) == 2 and lats[1][0] < lats[0][0] - 1e-9:
             return lats[1][0], pols[1]
         return lats[0][0], pols[0]
@@ -47,7 +48,7 @@ class _StageCosts:
             pc, D = pipeline_costs(self.cm, spans, self.M, "A")
         except ValueError:
             return None
-        return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period, W=pc.window)
+        return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period, W=pc.window, drain=pc.drain_period)
 
     def tails(self, lay: Layout) -> list:
         """``[tail(a, lay) for a in range(N)]``, each filled on first use (the search reads it by index)."""

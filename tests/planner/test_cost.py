@@ -39,6 +39,15 @@ def test_gradients_of_early_receivers_leave_early_only_on_held_links():
     assert held.comm(0, (0,), (0, 0)) == shared.comm(0, (0,), (0, 0))  # the busiest link: the same
 
 
+def test_the_drain_period_counts_each_link_one_way():
+    """Stages of 2 -> 1 -> 1 replicas on servers 0 -> 1 -> 2: server 1's downlink takes 8 rows forward and 8
+    rows of gradients back from server 2, its uplink the other way round, so the steady period holds both
+    directions (16 ms) and the drain, with gradients alone, one (8 ms)."""
+    cm = CostModel(linear_profile([1.0] * 3, boundary=1e6), cluster(3, 2), micro_batch_size=8)
+    spans = [(0, 1, (0, 0)), (1, 2, (1,)), (2, 3, (2,))]
+    assert cm.link_periods(spans) == pytest.approx((16.0, 8.0))
+
+
 def test_latency_is_paid_per_route():
     cm = CostModel(linear_profile([1.0] * 2, boundary=1e6), cluster(2, 2, inter_lat=30e-6), micro_batch_size=8)
     assert cm.comm(0, (0, 0), (1, 1))[0] == pytest.approx(2 * (0.030 + 4.0))
