@@ -13,9 +13,10 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
                 shared: bool = False) -> tuple:
     """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
     ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, uplink, downlink), ...), chain,
-    window), each an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are). numpy over layers: the
-    routes and links of two layouts are the same at every cut, only the bytes differ. ``route_times(rows,
-    same_server)``: (N,) ms of one route at every cut; ``shared``: ``Cluster.link_sharing == "shared"``."""
+    window), each an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are). numpy
+    over layers: the routes and links of two layouts are the same at every cut, only the bytes differ.
+    ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``: ``Cluster.link_sharing
+    == "shared"``."""
     # each link's load is a count of route kinds (rows, same server): loads = counts @ times
     kinds: dict = {}  # (rows, same server) -> row of `times`
     links: dict = {}  # link -> {kind: routes}
