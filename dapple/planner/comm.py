@@ -13,8 +13,10 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
                 shared: bool = False) -> tuple:
     """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
     ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, uplink, downlink), ...), chain,
-    window), each an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are). numpy
-    over layers: the routes and links of two layouts are the same at every cut, only the bytes differ.
+    window, hot), each an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are), and
+    ``hot``: ((link, (N,) bool), ...), a receiver-side link ("in", receiver replica) or ("down", server) and
+    the cuts where it is a busiest link (:func:`queues`; none with shared links). numpy over layers: the
+    routes and links of two layouts are the same at every cut, only the bytes differ.
     ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``: ``Cluster.link_sharing
     == "shared"``."""
     # each link's load is a count of route kinds (rows, same server): loads = counts @ times
@@ -46,7 +48,10 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     busiest = loads.max(axis=0)
     longest = times.max(axis=0)
     if shared:  # routes sharing the busiest link all land at its end
-        return busiest, out, inc, ud, busiest, busiest
+        return busiest, out, inc, ud, busiest, busiest, ()
+    top = busiest * (1 - 1e-9)
+    hot = tuple(((k, who[1] if k == "in" else who), loads[x] >= top) for x, (k, who) in enumerate(names)
+                if k in ("in", "down"))
     # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links are
     # free; a receiver's gradients start back before the others' data is in, overlapping later forward routes
     free: dict = {}
@@ -66,9 +71,28 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     last = np.maximum.reduce(list(done.values()))
     window = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
     if len(rs) > LIST_ROUTES:  # many routes: the same closed form for the first micro-batch
-        return busiest, out, inc, ud, window, window
+        return busiest, out, inc, ud, window, window, hot
     # the first micro-batch's: its round trip, the transfers started as the simulator does
-    return busiest, out, inc, ud, np.maximum(longest, _round_trip(rs, src, dst, times, kinds) - busiest), window
+    return (busiest, out, inc, ud, np.maximum(longest, _round_trip(rs, src, dst, times, kinds) - busiest), window,
+            hot)
+
+
+def gradient_ports(rs: Sequence[Route], src: tuple, dst: tuple) -> tuple[frozenset, frozenset]:
+    """Where the gradients of routes ``rs`` come into the senders' stage: (sender replicas that take some on
+    their own server's device link ("in"), servers whose downlink takes some from another server)."""
+    own = frozenset(r.src for r in rs if src[r.src] == dst[r.dst])
+    return own, frozenset(src[r.src] for r in rs if src[r.src] != dst[r.dst])
+
+
+def queues(hot: tuple, ports: tuple[frozenset, frozenset]) -> bool:
+    """Whether a stage's first gradients queue behind its warmup activations: the simulator starts waiting
+    transfers in order of readiness, so a gradient from the stage below waits on a link it shares with the
+    activations from the stage above while earlier-posted ones hold it, which they do only where that link is
+    the busiest of their transfer (``hot``: ``CostModel.comm_links``' links at the cut above the stage,
+    (("in", receiver replica) or ("down", server), ...); ``ports``: :func:`gradient_ports` of the routes to
+    the stage below)."""
+    own, servers = ports
+    return any(who in (own if k == "in" else servers) for k, who in hot)
 
 
 LIST_ROUTES = 24  # routes of a pair of layouts up to which they are scheduled as the simulator does

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .._checks import number, positive_int
-from .comm import comm_tables
+from .comm import comm_tables, gradient_ports
 from .slices import routes
 
 if TYPE_CHECKING:
@@ -110,8 +110,8 @@ class CostModel:
 
     def comm_links(self, layer: int, src: Layout, dst: Layout) -> tuple:
         """(busiest link ms, busiest sender device link ms, busiest receiver device link ms,
-        ((server, its uplink ms, its downlink ms), ...), chain ms, window ms) of one micro-batch's transfers after
-        ``layer``.
+        ((server, its uplink ms, its downlink ms), ...), chain ms, window ms, hot) of one micro-batch's transfers
+        after ``layer``.
 
         ``chain``: what the gradients' way back adds to one micro-batch's round trip, whose activations'
         share is the busiest link. Up to ``comm.LIST_ROUTES`` routes: the round trip of one micro-batch, its
@@ -123,7 +123,11 @@ class CostModel:
         "shared"``): B, the routes on the busiest link all land when it is done.
 
         ``window``: the same share in the steady state, where a stage holds K_i micro-batches per round trip:
-        that closed form, since there early receivers' gradients overlap later forward routes."""
+        that closed form, since there early receivers' gradients overlap later forward routes.
+
+        ``hot``: the receiver-side links that are a busiest link, (("in", receiver replica) or ("down",
+        server), ...) (:func:`comm.queues`); ``comm_pair(src, dst).ports`` says where the gradients of the
+        same routes come in (:func:`comm.gradient_ports`)."""
         return self.comm_pair(src, dst)(layer)
 
     def comm_pair(self, src: Layout, dst: Layout):
@@ -137,9 +141,10 @@ class CostModel:
             canon = self._comm_canon.get(key)
             if canon is None:
                 canon = self._comm_canon[key] = self._comm_all_layers(*key)
-            table, loads, which = canon
+            table, loads, which, hot, hot_at = canon
             server = list(label)
             which = [(server[s], u, d) for s, u, d in which]
+            hot = [(k, server[who] if k == "down" else who) for k, who in hot]
             # per-cut answers are cached for pairs over a few servers; over many (128 x 8) the caches of tens of
             # thousands of pairs with a (server, ms) entry per server filled gigabytes: those are rebuilt per ask
             cache = [None] * self.num_layers if len(which) <= CACHED_SERVERS else None
@@ -149,11 +154,13 @@ class CostModel:
                 if hit is None:
                     bz, o, i, ch, w = table[:, layer].tolist()
                     at = loads[:, layer].tolist()
-                    hit = (bz, o, i, tuple([(s, at[u], at[d]) for s, u, d in which]), ch, w)
+                    hit = (bz, o, i, tuple([(s, at[u], at[d]) for s, u, d in which]), ch, w,
+                           tuple([link for link, x in zip(hot, hot_at[:, layer]) if x]))
                     if cache is not None:
                         cache[layer] = hit
                 return hit
 
+            pair.ports = gradient_ports(routes(self.micro, len(src), len(dst)), src, dst)  # type: ignore[attr-defined]
             self._comm[(src, dst)] = pair
         return pair
 
@@ -165,9 +172,12 @@ class CostModel:
     def _comm_all_layers(self, src: Layout, dst: Layout) -> tuple:
         """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`), packed: (table (5, N):
         busiest, out, in, chain, window; loads (K, N): the K distinct per-server uplink and downlink loads;
-        [(server, its uplink's row of loads, its downlink's)])."""
-        bz, o, i, ud, ch, w = comm_tables(routes(self.micro, len(src), len(dst)), src, dst, self._route_times,
-                                       self.cluster.link_sharing == "shared")
+        [(server, its uplink's row of loads, its downlink's)]; the receiver-side links busiest at some cut;
+        (links, N) bool: where each is)."""
+        bz, o, i, ud, ch, w, hot = comm_tables(routes(self.micro, len(src), len(dst)), src, dst,
+                                               self._route_times, self.cluster.link_sharing == "shared")
+        hot = [(link, at) for link, at in hot if at.any()]
+        hot_at = np.stack([at for _, at in hot]) if hot else np.zeros((0, len(bz)), dtype=bool)
         distinct: dict = {}  # links with the same loads share a row (on 128 x 8: tens of thousands of tables)
 
         def row(x: np.ndarray) -> int:
@@ -175,7 +185,7 @@ class CostModel:
 
         which = [(s, row(u), row(d)) for s, u, d in ud]
         loads = np.stack([x for _, x in distinct.values()]) if distinct else np.zeros((0, len(bz)))
-        return np.stack([bz, o, i, ch, w]), loads, which
+        return np.stack([bz, o, i, ch, w]), loads, which, [link for link, _ in hot], hot_at
 
     def _boundary(self, rows: int) -> np.ndarray:
         """(N,): bytes crossing each cut for a slice of ``rows`` rows."""
@@ -194,7 +204,7 @@ class CostModel:
         up: dict = {}
         down: dict = {}
         for i in range(len(spans) - 1):
-            _, out, inc, servers, _, _ = self.comm_links(spans[i][1] - 1, spans[i][2], spans[i + 1][2])
+            _, out, inc, servers, _, _, _ = self.comm_links(spans[i][1] - 1, spans[i][2], spans[i + 1][2])
             period = max(period, out + prev_in)
             drain = max(drain, out, inc)
             prev_in = inc

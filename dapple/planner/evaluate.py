@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .._checks import positive_int
 from .checks import profile_and_cluster
+from .comm import queues
 from .cost import CostModel, Layout, layout_of
 from .latency import Latency, paper_latency
 from .memory import check_stage_memory, max_in_flight
@@ -35,12 +36,13 @@ class PipelineCosts:
     chain: list | None = None  # B, with the gradients' share of a round trip for communication stages
     window: list | None = None  # the same in the steady state (CostModel.comm_links)
     drain_period: float | None = None  # the same once activations stop: gradients alone (default link_period)
+    queue: list | None = None  # per compute stage: its first gradient queues behind its activations (comm.queues)
 
     def latency(self, model: str = "paper", overlap: bool = False) -> Latency:
         if model == "paper":
             return paper_latency(self.F, self.B, self.AR, self.M)
         return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
-                               self.link_period, self.chain, self.window, self.drain_period)
+                               self.link_period, self.chain, self.window, self.drain_period, self.queue)
 
 
 def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
@@ -67,7 +69,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
                    warmup: Sequence[int] | None = None, check: bool = True) -> tuple[PipelineCosts, list[int]]:
     """Interleaved costs of stages ``(a, c, layout)`` and D per stage (paper V-C); raises ValueError when a
     stage does not fit in device memory (``check``)."""
-    F, B, AR, E, D, chain, window = [], [], [], [], [], [], []
+    F, B, AR, E, D, chain, window, hots = [], [], [], [], [], [], [], [()]
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
         f, b = cm.compute(a, c, len(lay))
@@ -88,6 +90,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
             B.append(cb)
             chain.append(cl[4])
             window.append(cl[5])
+            hots.append(cl[6])
             AR.append(0.0)
             E.append(cb)
     if warmup is None:
@@ -99,7 +102,9 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
                 if K[i] > D[i]:
                     check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem, K[i])
     period, drain = cm.link_periods(spans)
-    return PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain), D
+    queue = [i + 1 < len(spans) and queues(hots[i], cm.comm_pair(spans[i][2], spans[i + 1][2]).ports)
+             for i in range(len(spans))]
+    return PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue), D
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,

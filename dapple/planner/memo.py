@@ -45,6 +45,8 @@ class _Prefix:
     # the floors of prefixes made after it): the memo's rank
     Cw: list | None = None  # as C, the steady state's share (CostModel.comm_links' window)
     dev_drain: float = 0.0  # busiest device link of the prefix per micro-batch once activations stop (one way)
+    queue: tuple = ()  # comm.queues of each stage before the last (the last's needs the next stage)
+    hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CostModel.comm_links)
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""

@@ -10,7 +10,7 @@ from .latency import Latency
 def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                     K: Sequence[int], M: int, link_period: float | None = None,
                     chain: Sequence[float] | None = None, window: Sequence[float] | None = None,
-                    drain_period: float | None = None) -> Latency:
+                    drain_period: float | None = None, queue: Sequence[bool] | None = None) -> Latency:
     """Latency of the early-backward schedule over interleaved stages (compute 2i, communication 2i+1).
 
     Like formula 2, the latency is the chain of one pivot stage: the first micro-batch reaching it (Tw), its
@@ -35,6 +35,9 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
       simulator"); once the next stage has done its last forward, its last K_{i+1} - 1 gradient transfers
       go once per ``drain_period`` (the links' gradients alone, :meth:`CostModel.link_periods`; default
       ``link_period``);
+    - ``queue[i]`` (per compute stage, :func:`comm.queues`): stage i's first gradient from below shares a
+      link with its activations from above, the busiest of their transfer, and transfers start in order of
+      readiness: it lands only after the activations stage i-1 posted before it was sent (at most K_{i-1});
     - ``chain``: what a communication stage adds to a round trip on the gradients' way back, for the first
       micro-batch and the endings (:meth:`CostModel.comm_links`), default B; ``window``: the same for the
       round trips that bound the steady state (gradients of early receivers overlap later forward routes),
@@ -44,13 +47,14 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
     - stages after the pivot: their own chains, not formula 2's negative terms.
     """
     return Latency(*refined_chains(F, B, AR, E, [K], M, link_period, chain, window=window,
-                                   drain_period=drain_period)[0][1])
+                                   drain_period=drain_period, queue=queue)[0][1])
 
 
 def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                    Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
                    chain: Sequence[float] | None = None, limit: float = float("inf"),
-                   window: Sequence[float] | None = None, drain_period: float | None = None) -> list[tuple]:
+                   window: Sequence[float] | None = None, drain_period: float | None = None,
+                   queue: Sequence[bool] | None = None) -> list[tuple]:
     """Per warmup choice: (L, (Tw, Ts, Te, pivot)); once a stage's chain reaches ``limit`` the rest of that
     choice's stages are skipped (L is then only known to be >= limit: what the search needs to reject it)."""
     n = (len(F) + 1) // 2
@@ -132,6 +136,13 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
             x = warms[a] + F[a] + ((k if k > 1 else 1) - 1) * supplies[a]
             if i < n - 1:
                 y = reach[i + 1] + B[a + 2] + Bc[a + 1]
+                if queue is not None and queue[i]:  # behind the activations stage i-1 posted before it
+                    k = K[i - 1] if K[i - 1] < M else M  # posted one per slowest forward up to stage i-1
+                    posted = int((y - Bc[a + 1] - warms[a - 1]) / supplies[a - 2]) + 1 if supplies[a - 2] > 0 else k
+                    posted = k if posted > k else (posted if posted > 1 else 1)
+                    z = warms[a] + (posted - 1) * supplies[a - 1] + Bc[a + 1]  # landed one per supply
+                    if z > y:
+                        y = z
                 if y > x:
                     x = y
             reach[i] = x

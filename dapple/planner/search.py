@@ -6,6 +6,7 @@ import bisect
 import time
 from typing import TYPE_CHECKING
 
+from .comm import queues
 from .cost import CostModel
 from .memo import SearchResult, _gc_paused, _Memo, _Prefix
 from .pruning import INF, TIGHTEN_AFTER, _Pruning
@@ -186,7 +187,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
             comms += [cm.comm_pair(prev, new) if prev is not None else None, cm.comm_pair(new, tail_eval)]
         comm_in, comm_to_rest = comms
         if prev is not None:
-            busy1, out1, in1, servers1, chain1, window1 = comm_in(j - 1)
+            busy1, out1, in1, servers1, chain1, window1, hot1 = comm_in(j - 1)
+            queue0 = pre.queue + (bool(pre.hot) and queues(pre.hot, comm_in.ports),)  # the last stage's, now known
             # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
             base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
             if base >= self.cut:
@@ -215,7 +217,9 @@ class _DP(_Pruning, _StageCosts, _Memo):
             F0, B0, AR0, E0, C0, Cw0 = [], [], [], [], [], []
             dev1, devd1, srv1, srvmax1, srvd1, last_in1 = 0.0, 0.0, {}, 0.0, 0.0, 0.0
             W1 = Bsum1 = 0.0
+            hot1, queue0 = (), ()
         tails = self.tails(tail_eval)
+        queue = (*queue0, bool(hot1) and queues(hot1, comm_to_rest.ports), False) if refined else None
 
         def link_periods(servers2, out2, in2) -> tuple[float, float]:  # CostModel.link_periods of prefix + new + rest
             two = one = 0.0
@@ -238,7 +242,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 break
             if rest_lb >= self.cut:  # reach's rest bounds, computed there
                 continue
-            busy2, out2, in2, servers2, chain2, window2 = comm_to_rest(j2 - 1)
+            busy2, out2, in2, servers2, chain2, window2, _ = comm_to_rest(j2 - 1)
             rest = tails[j2] or self.tail(j2, tail_eval)
             t_f, t_b, t_ar, t_e, t_d = rest
             skey = (pre.depth + 1, key) if self.max_stages is not None else key  # stage count limits what follows
@@ -272,7 +276,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             # a plan that cannot enter the bucket matters only if it beats the best: stop there
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
                                     C + [chain2, t_b], D + [t_d], period, INF if enters else self.best[0],
-                                    Cw + [window2, t_b], drain)
+                                    Cw + [window2, t_b], drain, queue)
             if not wide and t_d >= 1 and lat < self.best[0]:
                 self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail_eval)), pre.policies + (name, "rest"), pol)
             if full and (bucket[-1].floor, bucket[-1].latency) <= (floor, lat):
@@ -284,7 +288,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
                           pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
                           W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
-                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb), floor, Cw, devd1)
+                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb), floor, Cw, devd1, queue0,
+                          tuple([(k, perm[w] if k == "down" else w) for k, w in hot1]))
             if bucket is None:
                 states[j2][skey] = [nxt]
             elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dapple.planner.comm import comm_tables, route_links
+from dapple.planner.comm import comm_tables, gradient_ports, queues, route_links
+from dapple.planner.cost import CostModel
 from dapple.planner.slices import routes
 
-from .helpers import cluster
+from .helpers import cluster, linear_profile
 
 
 def _edge(c, link: tuple) -> tuple:
@@ -37,7 +38,7 @@ def _times(rows: int, same_server: bool) -> np.ndarray:
 
 def test_a_concat_gets_no_stagger_credit():
     # 2 replicas on server 0 -> 1 on server 1: both routes cross server 1's downlink, one after the other
-    busiest, out, inc, ud, chain, window = comm_tables(routes(8, 2, 1), (0, 0), (1,), _times)
+    busiest, out, inc, ud, chain, window, _ = comm_tables(routes(8, 2, 1), (0, 0), (1,), _times)
     assert busiest == pytest.approx([80.0] * 3)  # 2 routes x 4 rows x 10 ms
     assert inc == pytest.approx([80.0] * 3) and out == pytest.approx([40.0] * 3)
     assert {s: (list(u), list(d)) for s, u, d in ud} == {0: ([80.0] * 3, [0.0] * 3), 1: ([0.0] * 3, [80.0] * 3)}
@@ -47,7 +48,7 @@ def test_a_concat_gets_no_stagger_credit():
 
 def test_a_split_credits_the_early_receivers_gradients_unless_links_are_shared():
     # 1 replica on server 0 -> 2 on servers 1 and 2: the uplink carries both routes; the first lands at 40 ms
-    busiest, _, _, _, chain, window = comm_tables(routes(8, 1, 2), (0,), (1, 2), _times)
+    busiest, _, _, _, chain, window, _ = comm_tables(routes(8, 1, 2), (0,), (1, 2), _times)
     assert busiest == pytest.approx([80.0] * 3)
     assert chain == pytest.approx([40.0] * 3)  # the second receiver's 40 ms back, after its data at 80 ms
     assert window == pytest.approx([40.0] * 3)  # max(longest 40, 80 - (80 - 40))
@@ -67,7 +68,7 @@ def test_one_micro_batch_round_trip_is_the_simulators_between_unequal_replica_co
     sim = simulate(plan, prof, c).latency_ms  # 391.4 ms; the closed form before it: 290.4 ms
     assert est == pytest.approx(sim, rel=0.01)
     # the last receiver's data lands 204 ms after the first send, not after its downlink's 171 ms
-    busiest, _, _, _, chain, window = comm_tables(routes(1024, 10, 6), tuple(range(10)), tuple(range(10, 16)),
+    busiest, _, _, _, chain, window, _ = comm_tables(routes(1024, 10, 6), tuple(range(10)), tuple(range(10, 16)),
                                                   lambda rows, same: np.array([rows / 6.0]))
     assert busiest == pytest.approx([171.0 / 6]) and busiest + chain == pytest.approx([(204.0 + 171.0) / 6])
     assert window == pytest.approx([103.0 / 6])  # the steady state's closed form: the longest route
@@ -86,3 +87,26 @@ def test_the_steady_state_windows_take_the_overlapped_share():
     est = evaluate(prof, c, plan, model="refined")
     assert [s["warmup"] for s in est.details["stages"]] == [3, 1]
     assert est.latency_ms == pytest.approx(simulate(plan, prof, c).latency_ms, rel=0.02)
+
+
+def test_gradients_queue_only_where_the_activations_hold_their_busiest_link():
+    # comm_tables' hot links and gradient_ports, through CostModel, on 3 servers of 2 devices
+    cm = CostModel(linear_profile([1.0, 1.0], boundary=1e6), cluster(3, 2), 8)
+    # 1 replica on server 0 -> 1 on server 1: its uplink and server 1's downlink carry the same load (hot)
+    hot = cm.comm_links(0, (0,), (1,))[6]
+    assert ("down", 1) in hot
+    assert queues(hot, cm.comm_pair((1,), (2,)).ports)  # gradients from server 2 come in on that downlink
+    assert not queues(hot, cm.comm_pair((1,), (1,)).ports)  # from server 1 itself: on the device link
+    # 2 replicas on server 0 -> one on server 1 and one on server 2: server 0's uplink carries both (busiest)
+    hot = cm.comm_links(0, (0, 0), (1, 2))[6]
+    assert not any(k == "down" for k, _ in hot)
+    assert not queues(hot, cm.comm_pair((1, 2), (0, 0)).ports)
+    # 2 replicas on server 0 -> 2 on server 0: each receiver's own device link is a busiest link
+    hot = cm.comm_links(0, (0, 0), (0, 0))[6]
+    assert set(hot) == {("in", 0), ("in", 1)}
+    assert gradient_ports(routes(8, 2, 1), (0, 0), (0,)) == (frozenset({0, 1}), frozenset())
+    assert queues(hot, cm.comm_pair((0, 0), (0,)).ports)
+    assert not queues(hot, cm.comm_pair((0, 0), (1,)).ports)
+    # shared links: transfers start at once, nothing queues
+    shared = CostModel(linear_profile([1.0, 1.0], boundary=1e6), cluster(3, 2, link_sharing="shared"), 8)
+    assert shared.comm_links(0, (0,), (1,))[6] == ()

@@ -148,9 +148,11 @@ def test_the_simulator_has_the_last_word():
 
 
 def test_the_simulator_also_judges_the_best_plan_of_other_micro_batch_sizes():
-    """benchmarks/planner_regret.py's worst case before: the DP's straight pipeline at micro-batch 4 (379.5 ms
-    modelled, 398.8 simulated) against micro-batch 16's own best, 1:1:2 (398.1 modelled, 389.0 simulated),
-    which neither the DP's plan nor an even split is. Each size's best within VERIFY_WITHIN is simulated now."""
+    """benchmarks/planner_regret.py's worst case before: the DP's straight pipeline at micro-batch 4 (391.3 ms
+    modelled, 398.5 simulated) against micro-batch 8's own best, 1:1:2 (394.1 modelled, 378.6 simulated),
+    which neither the DP's plan nor an even split is. Each size's best within VERIFY_WITHIN is simulated now.
+    (Before stage 1's first gradient queued behind its warmup activations in the model: 379.5 ms modelled
+    for the straight pipeline, and micro-batch 16's 1:1:2 was the one simulated best, at 389.0 ms.)"""
     from dapple import Profile
     from dapple.profiler import LayerProfile
     spec = [(1.90, 1e4, 1e7), (1.43, 1e4, 1e8), (1.88, 1e7, 1e8), (2.92, 5e7, 1e8), (0.60, 1e4, 0), (1.36, 1e7, 1e7)]
@@ -162,7 +164,7 @@ def test_the_simulator_also_judges_the_best_plan_of_other_micro_batch_sizes():
     trusted = dapple.plan(prof, c, 128, micro_batch_sizes=sizes, verify=0)
     checked = dapple.plan(prof, c, 128, micro_batch_sizes=sizes)
     assert (trusted.shape, trusted.micro_batch_size) == ("straight4", 4)
-    assert (checked.shape, checked.micro_batch_size) == ("1:1:2", 16)
+    assert (checked.shape, checked.micro_batch_size) == ("1:1:2", 8)
     assert checked.estimate.latency_ms > trusted.estimate.latency_ms  # modelled slower, simulated faster:
     assert simulate(checked, prof, c).latency_ms < simulate(trusted, prof, c).latency_ms * 0.98
 
