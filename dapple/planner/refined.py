@@ -137,9 +137,10 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
             if i < n - 1:
                 y = reach[i + 1] + B[a + 2] + Bc[a + 1]
                 if queue is not None and queue[i]:  # behind the activations stage i-1 posted before it
-                    k = K[i - 1] if K[i - 1] < M else M  # posted one per slowest forward up to stage i-1
-                    posted = int((y - Bc[a + 1] - warms[a - 1]) / supplies[a - 2]) + 1 if supplies[a - 2] > 0 else k
-                    posted = k if posted > k else (posted if posted > 1 else 1)
+                    up = K[i - 1] if K[i - 1] < M else M  # it posts up to K_{i-1}, one per slowest forward so far
+                    sp = supplies[a - 2]
+                    posted = int((y - Bc[a + 1] - warms[a - 1]) / sp) + 1 if sp > 0 else up
+                    posted = up if posted > up else (posted if posted > 1 else 1)
                     z = warms[a] + (posted - 1) * supplies[a - 1] + Bc[a + 1]  # landed one per supply
                     if z > y:
                         y = z
