@@ -136,7 +136,7 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
             x = warms[a] + F[a] + ((k if k > 1 else 1) - 1) * supplies[a]
             if i < n - 1:
                 y = reach[i + 1] + B[a + 2] + Bc[a + 1]
-                if queue is not None and queue[i]:  # behind the activations stage i-1 posted before it
+                if i and queue is not None and queue[i]:  # behind the activations stage i-1 posted before it
                     up = K[i - 1] if K[i - 1] < M else M  # it posts up to K_{i-1}, one per slowest forward so far
                     sp = supplies[a - 2]
                     posted = int((y - Bc[a + 1] - warms[a - 1]) / sp) + 1 if sp > 0 else up
