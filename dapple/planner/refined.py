@@ -28,7 +28,7 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
     - forwards arrive at the rate of the slowest upstream forward while upstream warms up (its first
       K_{i-1}), then once per period P: the slowest resource of the whole pipeline, compute or link
       (``link_period``: a device link carries activations forward and gradients back, a server's uplink
-      every cross-server transfer, :meth:`CostModel.link_period`);
+      every cross-server transfer, :meth:`CostModel.link_periods`);
     - a communication stage is a pivot candidate too: its M forward (and M backward) transfers queue on
       its busiest link, and go no faster than once per ``link_period``: its link may carry other stages'
       transfers too (a server's uplink, two stages' activations; benchmarks/RESULTS.md "Estimate vs
