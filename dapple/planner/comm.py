@@ -14,8 +14,8 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
     ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, uplink, downlink), ...), chain,
     window, hot), each an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are), and
-    ``hot``: ((link, (N,) bool), ...), a receiver-side link ("in", receiver replica) or ("down", server) and
-    the cuts where it is a busiest link (:func:`queues`; none with shared links). numpy over layers: the
+    ``hot``: ((link, (N,) bool), ...), each receiver-side link ("in", receiver replica) or ("down", server)
+    that is a busiest link at some cut, and the cuts where it is (:func:`queues`; none with shared links). numpy over layers: the
     routes and links of two layouts are the same at every cut, only the bytes differ.
     ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``: ``Cluster.link_sharing
     == "shared"``."""
@@ -50,8 +50,8 @@ def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callab
     if shared:  # routes sharing the busiest link all land at its end
         return busiest, out, inc, ud, busiest, busiest, ()
     top = busiest * (1 - 1e-9)
-    hot = tuple(((k, who[1] if k == "in" else who), loads[x] >= top) for x, (k, who) in enumerate(names)
-                if k in ("in", "down"))
+    hot = tuple(((k, who[1] if k == "in" else who), at) for (k, who), at in zip(names, loads >= top)
+                if k in ("in", "down") and at.any())
     # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links are
     # free; a receiver's gradients start back before the others' data is in, overlapping later forward routes
     free: dict = {}

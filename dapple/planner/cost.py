@@ -176,7 +176,6 @@ class CostModel:
         (links, N) bool: where each is)."""
         bz, o, i, ud, ch, w, hot = comm_tables(routes(self.micro, len(src), len(dst)), src, dst,
                                                self._route_times, self.cluster.link_sharing == "shared")
-        hot = [(link, at) for link, at in hot if at.any()]
         hot_at = np.stack([at for _, at in hot]) if hot else np.zeros((0, len(bz)), dtype=bool)
         distinct: dict = {}  # links with the same loads share a row (on 128 x 8: tens of thousands of tables)
 

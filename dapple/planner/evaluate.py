@@ -69,7 +69,8 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
                    warmup: Sequence[int] | None = None, check: bool = True) -> tuple[PipelineCosts, list[int]]:
     """Interleaved costs of stages ``(a, c, layout)`` and D per stage (paper V-C); raises ValueError when a
     stage does not fit in device memory (``check``)."""
-    F, B, AR, E, D, chain, window, hots = [], [], [], [], [], [], [], [()]
+    F, B, AR, E, D, chain, window, queue = [], [], [], [], [], [], [], []
+    hot: tuple = ()  # the busiest inbound links of stage i (comm.queues), from the transfer into it
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
         f, b = cm.compute(a, c, len(lay))
@@ -84,13 +85,15 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
         AR.append(cm.allreduce(a, c, lay))
         E.append(cm.overlapped_ending(a, c, lay))
         if i + 1 < len(spans):
-            cl = cm.comm_links(c - 1, lay, spans[i + 1][2])
+            pair = cm.comm_pair(lay, spans[i + 1][2])
+            queue.append(queues(hot, pair.ports))
+            cl = pair(c - 1)
             cf = cb = cl[0]
             F.append(cf)
             B.append(cb)
             chain.append(cl[4])
             window.append(cl[5])
-            hots.append(cl[6])
+            hot = cl[6]
             AR.append(0.0)
             E.append(cb)
     if warmup is None:
@@ -102,8 +105,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
                 if K[i] > D[i]:
                     check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem, K[i])
     period, drain = cm.link_periods(spans)
-    queue = [i + 1 < len(spans) and queues(hots[i], cm.comm_pair(spans[i][2], spans[i + 1][2]).ports)
-             for i in range(len(spans))]
+    queue.append(False)  # the last stage: no gradients from below
     return PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue), D
 
 

@@ -188,7 +188,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
         comm_in, comm_to_rest = comms
         if prev is not None:
             busy1, out1, in1, servers1, chain1, window1, hot1 = comm_in(j - 1)
-            queue0 = pre.queue + (bool(pre.hot) and queues(pre.hot, comm_in.ports),)  # the last stage's, now known
+            queue0 = pre.queue + (queues(pre.hot, comm_in.ports),)  # the last stage's, now that its next is known
             # formula 2: L >= M (F+B) of every stage; refined: L >= its chain >= W + M max(F, B) + the B below
             base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
             if base >= self.cut:
@@ -219,7 +219,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             W1 = Bsum1 = 0.0
             hot1, queue0 = (), ()
         tails = self.tails(tail_eval)
-        queue = (*queue0, bool(hot1) and queues(hot1, comm_to_rest.ports), False) if refined else None
+        queue = (*queue0, queues(hot1, comm_to_rest.ports), False) if refined else None
 
         def link_periods(servers2, out2, in2) -> tuple[float, float]:  # CostModel.link_periods of prefix + new + rest
             two = one = 0.0
