@@ -82,52 +82,88 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     return Q  # non-increasing in R (Q[N] = 0 lets a split leave devices unused)
 
 
+def stage_u(M: int, stages: int | None) -> float:
+    """The share of min(F, B) in a stage's U = max(F, B) + share x min(F, B) when ``stages`` stages (itself
+    included; None: any number) run from it to the last: its warmup K <= 2 stages - 1 (policy B, the larger)
+    and M, and its chain and the last stage's ``lead`` give L >= round trip + (M - 1) max + (M - K) min."""
+    if M <= 1 or stages is None:
+        return 0.0
+    k = min(M, 2 * stages - 1)
+    return (M - k) / (M - 1)
+
+
 def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cut: float = INF,
-                overlap: bool = False) -> np.ndarray:
-    """``V[k, j, R]``: the least sum of T = F + B over the stages of any split of layers ``[j, N)`` on at most
-    ``R`` devices whose every stage has T <= ``taus[k]`` (stages of at most ``cm.micro`` replicas that fit in
-    memory and, with ``cut``, whose M T + least AllReduce is below it, as in :func:`rest_bound`; INF where
-    none does). A DP from the last layer backwards, V[k, j, R] = min over the first stage [j, c) on r
-    replicas of T + V[k, c, R - r], over all thresholds at once: :func:`period_bound` reads it."""
-    N, G = cm.num_layers, devices
+                overlap: bool = False, counts: int = 1) -> np.ndarray:
+    """``V[k, c, j, R]``: the least sum of T = F + B over the stages of any split of layers ``[j, N)`` into c + 1
+    stages (c = counts - 1: at least ``counts``) on at most ``R`` devices whose every stage has U <= ``taus[k]``
+    (U = max(F, B) + :func:`stage_u` min(F, B) with the stages from it to the last; stages of at most
+    ``cm.micro`` replicas that fit in memory and, with ``cut``, whose M T + least AllReduce is below it, as in
+    :func:`rest_bound`; INF where none does). A DP from the last layer backwards over (stage count, j, R),
+    V[k, c, j, R] = min over the first stage [j, e) on r replicas of T + V[k, c - 1, e, R - r], over all
+    thresholds at once: :func:`period_bound` reads it."""
+    N, G, C = cm.num_layers, devices, counts
     K = len(taus)
-    V = np.full((K, N + 1, G + 1), INF)
-    V[:, N, :] = 0.0
+    X = np.full((K, C + 1, N + 1, G + 1), INF)  # X[:, s]: exactly s stages (s = C: at least C); s = 0 at N only
+    X[:, 0, N, :] = 0.0
     first = _FirstStages(cm, M, G, cut, overlap)
-    tau = np.asarray(taus, dtype=float)[:, None]  # (K, 1)
+    tau = np.asarray(taus, dtype=float)[:, None, None]  # (K, 1, 1)
+    share = np.array([stage_u(M, s if s < C else None) for s in range(1, C + 1)])[:, None]  # (C, 1)
     for j in range(N - 1, -1, -1):
-        best = np.full((K, G + 1), INF)
+        best = np.full((K, C, G + 1), INF)
         for r in first.reps:
-            T, fits, _, n = first(j, r, False)  # stages [j, c) for c = j+1..j+n: no later end is allowed
+            T, fits, _, n = first(j, r, False)  # stages [j, e) for e = j+1..j+n: no later end is allowed
             if not n:
                 continue
-            ok = (T[None, :n] <= tau) & fits[None, :n]  # (K, n)
-            Tk = np.where(ok, T[None, :n], INF)  # (K, n)
-            cand = Tk[:, :, None] + V[:, j + 1:j + 1 + n, : G + 1 - r]  # (K, n, G + 1 - r)
-            np.minimum(best[:, r:], cand.min(axis=1), out=best[:, r:])
-        V[:, j] = best
-    return V
+            fr, br = first.f[r], first.b[r]
+            f, b = fr[j + 1:j + 1 + n] - fr[j], br[j + 1:j + 1 + n] - br[j]  # (n,)
+            U = np.maximum(f, b)[None, :] + share * np.minimum(f, b)[None, :]  # (C, n)
+            ok = (U[None] <= tau) & fits[None, None, :n]  # (K, C, n)
+            Tk = np.where(ok, T[None, None, :n], INF)  # (K, C, n)
+            # s - 1 stages after it (s = C: C - 1 or at least C): (K, C, n, G + 1 - r), min over the ends
+            cand = (Tk[..., None] + X[:, :C, j + 1:j + 1 + n, : G + 1 - r]).min(axis=2)
+            more = (Tk[:, C - 1, :, None] + X[:, C, j + 1:j + 1 + n, : G + 1 - r]).min(axis=1)  # (K, G + 1 - r)
+            np.minimum(cand[:, C - 1], more, out=cand[:, C - 1])
+            np.minimum(best[:, :, r:], cand, out=best[:, :, r:])
+        X[:, 1:, j] = best
+    return X[:, 1:]
 
 
 def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, thresholds: int,
-                 cut: float = INF, overlap: bool = False) -> tuple[list, list, list]:
-    """Tables for a lower bound on L - (one micro-batch's round trip so far) of any split of layers [j, N) on
-    at most R devices that follows stages whose period is t (refined model, M > 3).
+                 cut: float = INF, overlap: bool = False, counts: int = 1) -> tuple[list, "PeriodRows"]:
+    """Tables for a lower bound on L - (one micro-batch's round trip so far) of any split of layers [j, N) into
+    c + 1 stages (c = counts - 1: at least counts) on at most R devices that follows stages whose largest U is
+    t_c (refined model, M > 3; U as in :func:`period_sums`, with the stage count of the whole plan).
 
-    The last stage's chain in ``refined.refined_chains`` is at least the round trip of one micro-batch
-    (every stage's and transfer's F on the way up and B on the way down) plus (M - 3) periods: after its
-    upstream stage's K <= 3 warmup forwards, the forwards arrive once per period P, and P >= the largest
-    F + B of any stage. So L >= (round trip so far) + sum over the rest's stages of T + (M - 3) max(t, max T).
-    Over thresholds ``taus`` (``thresholds`` of them from ``lo`` to ``hi``, then infinity) a split whose
-    largest T lies in (taus[k-1], taus[k]] adds at least V[k][j][R] + (M - 3) max(t, taus[k-1])
-    (:func:`period_sums`); returns (taus, V, S) with S[k] = min over k' >= k of V[k'] + (M - 3) taus[k'-1]
-    (taus[-1] = 0), read by ``_DP.period_rest``."""
+    In ``refined.refined_chains`` every stage b's chain is at least the round trip of one micro-batch (every
+    stage's and transfer's F on the way up and B on the way down) plus (M - 1) B_b + (M - K_b) F_b: its M
+    backwards after the first gradient reaches it and the forwards its warmup did not hide. The last stage's
+    is at least the round trip plus (M - 1) F_b + (M - K_b) B_b of each stage b above it (forwards reach it no
+    closer than b releases them, ``lead``). So L >= (round trip so far) + sum over the rest's stages of T +
+    (M - 1) max(t, max U). Over thresholds ``taus`` (``thresholds`` of them from ``lo`` to ``hi``, then
+    infinity) a split whose largest U lies in (taus[k-1], taus[k]] adds at least V[k][c][j][R] + (M - 1)
+    max(t_c, taus[k-1]) (:func:`period_sums`); returns (taus, V, S) with S[k] = min over k' >= k of V[k'] +
+    (M - 1) taus[k'-1] (taus[-1] = 0); returns (taus, :class:`PeriodRows`), read by ``_DP.period_rest``."""
     taus = np.linspace(lo, hi, thresholds)
-    V = period_sums(cm, M, devices, np.concatenate([taus, [INF]]), cut, overlap)  # (K + 1, N + 1, G + 1)
-    low = np.concatenate([[0.0], taus]) * (M - 3)  # (K + 1,): each threshold's lower limit x (M - 3)
-    S = np.minimum.accumulate((V + low[:, None, None])[::-1], axis=0)[::-1]
+    V = period_sums(cm, M, devices, np.concatenate([taus, [INF]]), cut, overlap, counts)  # (K + 1, C, N + 1, G + 1)
+    low = np.concatenate([[0.0], taus]) * (M - 1)  # (K + 1,): each threshold's lower limit x (M - 1)
+    S = np.minimum.accumulate((V + low[:, None, None, None])[::-1], axis=0)[::-1]
     S = np.concatenate([S, np.full((1,) + S.shape[1:], INF)])  # S[K + 1]: no threshold above the last
-    return taus.tolist(), V.tolist(), S.tolist()
+    return taus.tolist(), PeriodRows(V, S)
+
+
+class PeriodRows:
+    """rows[j][R] = [(c, V[:, c, j, R], S[:, c, j, R]) as lists, ...] over the buckets c that some split falls in,
+    made on first use (:meth:`row`; the search reads few (j, R))."""
+
+    def __init__(self, V: np.ndarray, S: np.ndarray):
+        self.V, self.S = V.transpose(2, 3, 1, 0), S.transpose(2, 3, 1, 0)  # (N + 1, G + 1, C, thresholds)
+        self.rows: list = [[None] * V.shape[3] for _ in range(V.shape[2])]
+
+    def row(self, j: int, R: int) -> list:
+        S = self.S[j, R]  # (C, K + 2)
+        live = np.flatnonzero(S[:, 0] < INF).tolist()
+        out = self.rows[j][R] = [(c, v, s) for c, v, s in zip(live, self.V[j, R, live].tolist(), S[live].tolist())]
+        return out
 
 
 class _FirstStages:

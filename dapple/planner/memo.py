@@ -40,13 +40,14 @@ class _Prefix:
     Bsum: float = 0.0  # sum of the prefix's B (communication: its round-trip share): the last gradient's way back
     below: float | None = None  # refined_chains' `below` after the last stage: its ending and what follows it
     fmax: float = 0.0  # slowest forward of the prefix (compute or communication)
-    tmax: float = 0.0  # slowest F + B of the prefix's compute stages
     floor: float = 0.0  # the least L of any completion by the search's bounds when it was made (tighten() raises
     # the floors of prefixes made after it): the memo's rank
     Cw: list | None = None  # as C, the steady state's share (CostModel.comm_links' window)
     dev_drain: float = 0.0  # busiest device link of the prefix per micro-batch once activations stop (one way)
     queue: tuple = ()  # comm.queues of each stage before the last (the last's needs the next stage)
     hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CostModel.comm_links)
+    lead: tuple | None = None  # least `lead` and own chain terms of its stages in a plan of depth + 2 (_DP.prefix_lead)
+    u: dict | None = None  # _DP.period_ts' prefix U per bucket, per (stages after, most) (filled on use)
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""

@@ -6,13 +6,14 @@ import bisect
 
 import numpy as np
 
-from .bounds import INF, efficient_replicas, period_bound, rest_bound
+from .bounds import INF, efficient_replicas, period_bound, rest_bound, stage_u
 from .memo import _Prefix
 
 TIGHTEN_AFTER = 100  # states expanded before the search tightens its bounds (small searches do not need to)
-PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 3) x their spacing
+PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 1) x their spacing
 PERIOD_WORK = 1.5e9  # at most this many array elements for its tables (about 2 s here; 128 x 8: 11 thresholds)
-PERIOD_MIN_M = 16  # fewer micro-batches: (M - 3) periods add too little to pay for the tables
+PERIOD_COUNTS = 16  # bounds.period_bound's stage-count buckets of the rest (1, 2, ..., at least this many stages)
+PERIOD_MIN_M = 16  # fewer micro-batches: (M - 1) max(F, B) adds too little to pay for the tables
 
 
 class _Pruning:
@@ -46,44 +47,136 @@ class _Pruning:
     def rest_chain(self, pre: _Prefix, chain1: float | None, f: float, bb: float, ar: float, busy1: float,
                    busy2: float, chain2: float, W1: float, rest: tuple, e: float, link_period: float) -> float:
         """A lower bound on L of prefix + new stage + the rest as one stage: the rest's chain in refined_chains
-        (a last stage has K = 1: warm + F + max((M-1)(F+B), arrive) + B + tail), with the arrival period and the
-        slowest supply taken from what is known without the window terms, and the new stage's K at most 3 (A: 2,
-        B: 3; arrive falls as K grows). Nearly every plan's pivot is its last stage (the search rejects most
-        plans here without evaluating them)."""
+        (a last stage has K = 1: warm + F + max((M-1)(F+B), arrive) + B + tail), with the arrival period (of the
+        new stage and the rest) and the slowest supply taken from what is known without the window terms, the
+        new stage's K at most 3 (A: 2, B: 3), and each stage's ``lead`` at its least; or any other stage's
+        chain, at least the round trip without AllReduces + its least M - 1 backwards and M - K forwards
+        (:meth:`prefix_lead`). Nearly every plan's pivot is its last stage (the search rejects most plans here
+        without evaluating them)."""
         M = self.M
         t_f, t_b, t_ar, t_e, _ = rest
         below = self.below(pre, chain1, bb, ar, e) + chain2
         own = t_e if self.overlap else t_b + t_ar
         tail = below if below > own - t_b else own - t_b
         supply = max(pre.fmax, busy1, f, busy2, t_f)
-        period = max(pre.tmax, f + bb, t_f + t_b, link_period)
+        pace = max(f + bb, t_f + t_b, link_period)
         up = 3 if M > 3 else M
-        arrive = min(min(M - 1, up - 1) * supply + (M - up) * period, (M - 1) * period)
+        arrive = min(min(M - 1, up - 1) * supply + (M - up) * pace, (M - 1) * pace)
+        lead, own = pre.lead if pre.lead is not None else self.prefix_lead(pre)
+        k = 3 if M > 3 else M  # the new stage's K at most
+        arrive = max(arrive, lead, (M - 1) * f + (M - k) * bb)
         steady = max((M - 1) * (t_f + t_b), arrive + t_f - t_f)  # in refined_chains' order of operations
-        return W1 + f + busy2 + t_f + steady + t_b + tail
+        trip = W1 + f + busy2 + t_f + t_b
+        bsum = pre.Bsum + (chain1 if chain1 is not None else 0.0) + bb + chain2 + t_b
+        return max(trip + steady + tail, trip - t_b + bsum + max(own, (M - 1) * bb + (M - k) * f))
+
+    def prefix_lead(self, pre: _Prefix) -> tuple[float, float]:
+        """In a plan of pre.depth + 2 stages, the least over the prefix's stages j of: (``lead`` in refined_chains,
+        from j's first forward to its last, at least K_j F_j + B_j + (M - 1 - K_j)(F_j + B_j) (K_j < M) or
+        (M - 1) F_j; what j's chain adds to the round trip: M - K_j pairs F_j + B_j and K_j backwards after its
+        first, at least (M - K_j) F_j + (M - 1) B_j), each at least its value for K = the most K_j can be
+        (policy B's 2(S - j) - 1, D_j, M). Cached on the prefix."""
+        M, S = self.M, pre.depth + 2
+        lead = own = 0.0
+        for j in range(pre.depth):
+            k = min(M, max(1, pre.D[j]), 2 * (S - j) - 1)
+            f, b = pre.F[2 * j], pre.B[2 * j]
+            lead = max(lead, (M - 1) * f + (M - k) * b)
+            own = max(own, (M - k) * f + (M - 1) * b)
+        pre.lead = (lead, own)
+        return lead, own
+
+    def prefix_us(self, pre: _Prefix, mores: list) -> list:
+        """Per count ``more`` of stages after the prefix: the largest over its stages b of U_b = max(F_b, B_b) +
+        (M - K) / (M - 1) min(F_b, B_b), K the most K_b can be (policy B's 2(S - b) - 1 with S = depth + more,
+        D_b, M): b's chain and the last stage's ``lead`` make L >= the round trip + (M - 1) max + (M - K_b) min
+        (bounds.stage_u)."""
+        M = self.M
+        us = [0.0] * len(mores)
+        if M <= 1:
+            return us
+        F, B, D, depth = pre.F, pre.B, pre.D, pre.depth
+        m1 = M - 1
+        for j in range(depth):
+            f, b = F[2 * j], B[2 * j]
+            hi, lo = (f, b) if f > b else (b, f)
+            cap = D[j] if D[j] > 1 else 1
+            if cap > M:
+                cap = M
+            for i, more in enumerate(mores):
+                k = 2 * (depth + more - j) - 1
+                if k > cap:
+                    k = cap
+                x = hi + (M - k) / m1 * lo
+                if x > us[i]:
+                    us[i] = x
+        return us
+
+    counts = 1  # period_bound's stage-count buckets (tighten() sets them)
+    new_share: list = [0.0]
+
+    def period_floor(self, u: float, links: float) -> float:
+        """t for :meth:`period_rest` after stages whose largest U is ``u`` and whose links take at least
+        ``links`` ms per micro-batch: the last stage's forwards come one per link period P >= links after its
+        upstream stage's K <= 3 warmup forwards, so L >= the round trip + (M - 3) links = (M - 1) t."""
+        M = self.M
+        x = links * (M - 3) / (M - 1) if M > 3 else 0.0
+        return u if u > x else x
 
     def tighten(self) -> None:
         """Once the search is large (TIGHTEN_AFTER states): the rest bounds again, now for plans below the cut
         only (bounds.rest_bound's ``cut``: no stage whose own chain reaches it), and the period bound's tables
-        (bounds.period_bound). In the micro-batch-searched 8x8 case of benchmarks/planning_time.py they cut
-        the DP's time from 34.9 to 9.05 s (tests/planner/test_bounds.py checks both against every small plan)."""
+        (bounds.period_bound, with up to PERIOD_COUNTS stage-count buckets, M / 4 at most: K <= 2 x stages - 1
+        nears M only past M / 2 stages). tests/planner/test_bounds.py checks both against every small plan."""
         if not self.refined or self.cut == INF:
             return
         self._rest_tables(self.cut)
-        lo, hi = self.rho[self.N] / self.G, self.cut / (self.M - 3) if self.M > 3 else 0.0  # beyond hi: L >= cut
+        lo, hi = self.rho[self.N] / self.G / 2, self.cut / (self.M - 1) if self.M > 3 else 0.0  # beyond hi: L >= cut
         # the tables' numpy work is about N^2 / 2 x (G + 1) x replica counts per threshold: fewer on large clusters
         per = self.N ** 2 // 2 * (self.G + 1) * len(efficient_replicas(self.b, self.G))
-        K = min(PERIOD_THRESHOLDS, int(PERIOD_WORK // per))
+        C = max(1, min(PERIOD_COUNTS, self.M // 4, int(PERIOD_WORK // (per * 4))))  # few M: little to gain
+        K = min(PERIOD_THRESHOLDS, int(PERIOD_WORK // (per * C)))
         if hi > lo and K >= 4 and self.M >= PERIOD_MIN_M:
-            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut, self.overlap)
+            self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut, self.overlap, C)
+            self.counts = C
+            # the new stage's share of min(F, B) in its U (bounds.stage_u) per bucket of the rest after it
+            self.new_share = [stage_u(self.M, c + 2 if c < C - 1 else None) for c in range(C)]
         self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G],
-                              self.period_rest(0, self.G, 0.0) if self.pv is not None else 0.0)
+                              self.period_rest(0, self.G, [0.0] * self.counts) if self.pv is not None else 0.0)
 
-    def period_rest(self, j: int, R: int, t: float) -> float:
-        """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices, after stages
-        whose period is t (bounds.period_bound)."""
-        taus, V, S = self.pv
-        k = bisect.bisect_right(taus, t)
-        a = V[k][j][R] + (self.M - 3) * t
-        c = S[k + 1][j][R]
-        return a if a < c else c
+    def period_ts(self, pre: _Prefix, after: int, most: int, links: float) -> list:
+        """period_rest's t per stage-count bucket of the rest (c + 1 stages; the last, at least ``counts``), after
+        ``pre`` and ``after`` more stages: :meth:`period_floor` of :meth:`prefix_us` with that many stages after
+        the prefix (the last bucket: ``most``, as many as the rest can have). Cached on the prefix."""
+        C = self.counts
+        last = most if most > C else C
+        key = (after, last)
+        cache = pre.u
+        us = None if cache is None else cache.get(key)
+        if us is None:
+            us = self.prefix_us(pre, [after + c + 1 for c in range(C - 1)] + [after + last])
+            if cache is None:
+                cache = pre.u = {}
+            cache[key] = us
+        M = self.M
+        x = links * (M - 3) / (M - 1) if M > 3 else 0.0
+        return [u if u > x else x for u in us]
+
+    def period_rest(self, j: int, R: int, ts: list) -> float:
+        """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices into c + 1
+        stages (the last bucket: at least ``counts``), after stages whose largest U is ts[c] (bounds.period_bound;
+        :meth:`period_ts` gives ts): the least over the buckets some split falls in."""
+        taus, pr = self.pv
+        m1 = self.M - 1
+        best = INF
+        rw = pr.rows[j][R]
+        for c, V, S in (rw if rw is not None else pr.row(j, R)):
+            t = ts[c]
+            k = bisect.bisect_right(taus, t)
+            a = V[k] + m1 * t
+            s = S[k + 1]
+            if s < a:
+                a = s
+            if a < best:
+                best = a
+        return best

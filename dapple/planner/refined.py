@@ -26,9 +26,11 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
       follows its forward of m + K_j - 1, which needs i's forward of m + K_j - 1, which follows i's backward
       of m + K_j - 1 - K_i): the period is at least its F and B over that count (j = the last: RT_i/K_i);
     - forwards arrive at the rate of the slowest upstream forward while upstream warms up (its first
-      K_{i-1}), then once per period P: the slowest resource of the whole pipeline, compute or link
-      (``link_period``: a device link carries activations forward and gradients back, a server's uplink
-      every cross-server transfer, :meth:`CostModel.link_periods`);
+      K_{i-1}), then once per period of the stages from i-1 down, P_{i-1} (P_0 = P: the slowest resource of
+      the whole pipeline, compute or link; ``link_period``: a device link carries activations forward and
+      gradients back, a server's uplink every cross-server transfer, :meth:`CostModel.link_periods`), and
+      no closer than a stage j above releases them: after its first backward it alternates, one forward
+      per P_j (K_j < M), or it runs all M forwards back to back (K_j >= M);
     - a communication stage is a pivot candidate too: its M forward (and M backward) transfers queue on
       its busiest link, and go no faster than once per ``link_period``: its link may carry other stages'
       transfers too (a server's uplink, two stages' activations; benchmarks/RESULTS.md "Estimate vs
@@ -60,19 +62,6 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
     n = (len(F) + 1) // 2
     S = len(F)
     Bc = B if chain is None else chain  # the gradients' way back through each stage, for round trips and endings
-    base = 0.0
-    for a in range(0, S, 2):
-        x = F[a] + B[a]
-        if x > base:
-            base = x
-    if link_period is not None:  # CostModel.link_period: device links and server up/downlinks
-        if link_period > base:
-            base = link_period
-    else:  # a communication stage's busiest link, forward and backward directions apart
-        for a in range(1, S, 2):
-            x = F[a] if F[a] > B[a] else B[a]
-            if x > base:
-                base = x
     lp = link_period if link_period is not None else 0.0  # a transfer's queue moves at most this fast
     ld = drain_period if drain_period is not None else lp  # the same once activations have stopped
     down = [0.0] * (S + 1)  # down[a] = sum_{a' >= a} (F + Bc): a round trip from stage a on
@@ -114,10 +103,22 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
     order = range(S) if limit == float("inf") else [S - 1, *range(S - 1)]
     out = []
     for K in Ks:
-        period = base
-        for i in range(n):  # window: K_i micro-batches per round trip, once the stage alternates
+        # pace[i]: the period of stages i and below alone: their F + B, windows and loops, and the links
+        # (``link_period``: device links and server up/downlinks; without it each communication stage's busiest
+        # link, forward and backward directions apart); pace[0] is the plan's period P
+        pace = [0.0] * n
+        period = lp
+        for i in range(n - 1, -1, -1):
+            a = 2 * i
+            x = F[a] + B[a]
+            if x > period:
+                period = x
+            if link_period is None and i < n - 1:
+                x = F[a + 1] if F[a + 1] > B[a + 1] else B[a + 1]
+                if x > period:
+                    period = x
             k = K[i]
-            if k < M:
+            if k < M:  # window: K_i micro-batches per round trip, once the stage alternates
                 x = downw[2 * i] / (k if k > 1 else 1)
                 if x > period:
                     period = x
@@ -127,6 +128,7 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                     x = (downw[2 * i] - downw[2 * j + 1]) / (t if t > 1 else 1)
                     if x > period:
                         period = x
+            pace[i] = period
         # reach[i]: when stage i's first backward can start, from 0 = the first forward upstream: after its K_i-th
         # forward arrives, and after the first gradients come back, which wait for the warmups below it
         reach = [0.0] * n
@@ -147,6 +149,17 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 if y > x:
                     x = y
             reach[i] = x
+        # lead[i]: the longest time from first to last forward of a stage above i (its forwards reach stage i as
+        # far apart): one that alternates (K_j < M) runs its last M-1-K_j forwards one per pace[j] after its
+        # first backward; one that holds every micro-batch (K_j >= M) back to back, as the forwards reach it
+        lead = [0.0] * n
+        x = 0.0
+        for j in range(n - 1):
+            k = K[j]
+            y = reach[j] - warms[2 * j] + B[2 * j] + (M - 1 - k) * pace[j] if k < M else (M - 1) * supplies[2 * j]
+            if y > x:
+                x = y
+            lead[j + 1] = x
         best_total, best = -1.0, (0.0, 0.0, 0.0, S)
         for a in order:
             i = a >> 1
@@ -163,7 +176,9 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 else:
                     up = K[i - 1] if K[i - 1] < M else M
                     up = up if up > 1 else 1
-                    arrive = (min(M - 1, up - 1)) * supply + (M - up) * period
+                    arrive = (min(M - 1, up - 1)) * supply + (M - up) * pace[i - 1]
+                    if lead[i] > arrive:
+                        arrive = lead[i]
                 r0 = reach[i] - warms[a]  # from this stage's first forward to its first backward
                 if M <= k:  # every forward before the first backward (gpipe, or few micro-batches)
                     first = f

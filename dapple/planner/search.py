@@ -10,7 +10,7 @@ from .comm import queues
 from .cost import CostModel
 from .memo import SearchResult, _gc_paused, _Memo, _Prefix
 from .pruning import INF, TIGHTEN_AFTER, _Pruning
-from .seeds import even_seeds
+from .seeds import even_seeds, refine_cuts
 from .stage_costs import _StageCosts
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 # memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both
 # are recomputed on use): 8 x 8 needs ~7k, 128 x 8 makes ~1k a second, each a few kB
 COMM_CACHE_LIMIT = 30_000
+REFINED_SEEDS = 3  # seed plans whose cuts _DP.refine_seeds improves by local search
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
 
 
@@ -45,6 +46,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
         self.gap = gap
         self.set_best(incumbent, None)
         self.states = self.transitions = 0
+        self._seeds: list = []  # (L, spans) of the best seed plans, for refine_seeds
         self.pv = None  # the period bound's tables (bounds.period_bound), made by tighten()
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
@@ -80,10 +82,24 @@ class _DP(_Pruning, _StageCosts, _Memo):
 
     # ---- seeds: a few simple complete plans give the bound something to prune with ------------------
     def seed(self) -> None:
+        found = []
         for spans in even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages):
             res = self.evaluate_spans(spans)
             if res is not None:
                 self.record(res[0], spans, ("even",) * len(spans), res[1])
+                found.append((res[0], spans))
+        found.sort(key=lambda x: x[0])
+        self._seeds = found[:REFINED_SEEDS]
+
+    def refine_seeds(self) -> None:
+        """Local search over the cuts of the best seeds (seeds.refine_cuts), once: a near-optimal incumbent
+        before the DP halves its states on the 8x8 case of benchmarks/planning_time.py."""
+        for _, spans in self._seeds:
+            lat, spans = refine_cuts(lambda sp: (self.evaluate_spans(sp) or (None,))[0], spans)
+            res = self.evaluate_spans(spans) if lat < self.best[0] else None
+            if res is not None:
+                self.record(res[0], spans, ("even",) * len(spans), res[1])
+        self._seeds = []
 
     # ---- the DP ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -120,8 +136,9 @@ class _DP(_Pruning, _StageCosts, _Memo):
                     continue
                 if pre.W + max(pre.Bsum + self.Q[j][R], self.Qar[j][R]) >= self.cut:
                     continue
-                t0 = max(pre.tmax, pre.server_max, pre.dev)  # the plan's period is at least this
-                if self.pv is not None and pre.W + pre.Bsum + self.period_rest(j, R, t0) >= self.cut:
+                links = max(pre.server_max, pre.dev)
+                if self.pv is not None and pre.W + pre.Bsum + self.period_rest(
+                        j, R, self.period_ts(pre, 0, min(R, N - j), links)) >= self.cut:
                     continue
                 if self.max_stages is not None and pre.depth + 2 > self.max_stages:
                     continue
@@ -140,21 +157,26 @@ class _DP(_Pruning, _StageCosts, _Memo):
                     # reach() without the incoming transfer, shared by this m's placements (>= 0): most m end here,
                     # before their placements are listed (the ends of a stage within one server or across servers)
                     kinds = ([False] if m <= most else []) + ([True] if m > 1 and ns > 1 else [])
-                    gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, t0) for multi in kinds}
+                    ts = self.period_ts(pre, 1, min(R - m, N - j - 1), links) if self.pv is not None else None
+                    gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts) for multi in kinds}
                     if not any(gate.values()):
                         continue
                     for option in self.options(free, prev, m):
                         self.expand(states, pre, j, m, option, prev, lo, gate)
 
     def reach(self, pre: _Prefix, j: int, m: int, multi: bool, n_rest: int, lo: int, base: float, W: float,
-              Bsum: float, t0: float = 0.0) -> list:
+              Bsum: float, ts: list | None = None) -> list:
         """The ends j2 of a new stage [j, j2) on m replicas that pass the bounds, with the first micro-batch
         reaching it after ``W`` and the last gradient leaving it ``Bsum`` before the end: [(j2, F, B, AR, D,
-        the rest bounds' least L of a completion)]."""
+        the rest bounds' least L of a completion)]; ``ts``: period_rest's t per stage-count bucket of the
+        rest, before the new stage's own U."""
         N, M, cut, Q, Qar, fill = self.N, self.M, self.cut, self.Q, self.Qar, self.fill
         fs, bs, ars, ds = self.stage_costs(j, m, multi)
         refined, ar_less = self.refined, self.ar_less
-        pv = self.pv is not None
+        pv = self.pv is not None and ts is not None
+        shares, m1 = self.new_share, M - 1
+        taus, pr = self.pv if pv else (None, None)
+        rows = pr.rows if pv else None
         out = []
         for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the cut
             f, bb, ar = fs[j2], bs[j2], ars[j2]
@@ -168,7 +190,21 @@ class _DP(_Pruning, _StageCosts, _Memo):
             if low >= cut:
                 continue
             if pv:
-                low = max(low, W + Bsum + f + bb + self.period_rest(j2, n_rest, t0 if t0 > f + bb else f + bb))
+                # period_rest, inlined, with the new stage's U in each bucket's t (its share of min(F, B) per bucket)
+                hi_, lo_ = (f, bb) if f > bb else (bb, f)
+                rb = INF
+                rw = rows[j2][n_rest]
+                for c, V, S in (rw if rw is not None else pr.row(j2, n_rest)):
+                    t = hi_ + shares[c] * lo_
+                    if ts[c] > t:
+                        t = ts[c]
+                    k = bisect.bisect_right(taus, t)
+                    x = V[k] + m1 * t
+                    if S[k + 1] < x:
+                        x = S[k + 1]
+                    if x < rb:
+                        rb = x
+                low = max(low, W + Bsum + f + bb + rb)
                 if low >= cut:
                     continue
             out.append((j2, f, bb, ar, dn, low))
@@ -210,7 +246,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 W1 = Bsum1 = 0.0
             last_in1 = in1
             ends = self.reach(pre, j, m, multi, n_rest, ends[0][0], base, W1, Bsum1,
-                              max(pre.tmax, srvmax1, dev1))
+                              self.period_ts(pre, 1, min(n_rest, N - j - 1), max(srvmax1, dev1))
+                              if self.pv is not None else None)
         else:
             base = pre.lb
             busy1, chain1 = 0.0, None
@@ -288,7 +325,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
                           pre.policies + (name,), F, B, AR, E, C, D, lb, tuple(relabelled), lat,
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
                           W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
-                          max(pre.fmax, busy1, f), max(pre.tmax, f + bb), floor, Cw, devd1, queue0,
+                          max(pre.fmax, busy1, f), floor, Cw, devd1, queue0,
                           tuple([(k, perm[w] if k == "down" else w) for k, w in hot1]))
             if bucket is None:
                 states[j2][skey] = [nxt]
@@ -328,11 +365,12 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     faster). Replica order inside a stage: two candidates (aligned with the previous stage; fullest remaining
     servers first).
 
-    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the even-split
-    ``seed`` plans, and every complete plan the DP meets): L >= M (F_s+B_s) for every stage under both models,
-    and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) + (last gradient's way
-    back), the remaining layers' least work over the free devices, one micro-batch's round trip, and that
-    round trip + (M - 3) periods (bounds.period_bound).
+    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the ``seed`` plans
+    with their cuts refined by local search, and every complete plan the DP meets): L >= M (F_s+B_s) for every
+    stage under both models, and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) +
+    (last gradient's way back), the remaining layers' least work over the free devices, one micro-batch's round
+    trip, and that round trip + (M - 1) max(F_s, B_s) + (M - K_s) min(F_s, B_s) for every stage s
+    (bounds.period_bound, per count of the rest's stages).
     ``partial_kinds``: only placements after which the partly used servers come in at most this many kinds
     (free devices, replicas of the new stage): the compact search of :func:`dapple.plan` (1). ``time_limit``:
     stop after that many seconds with the best plan so far (SearchResult via the seeds). ``gap``: prune what
@@ -346,6 +384,7 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
              optimizer_factor, beam, incumbent, max_stages, partial_kinds, gap)
     if seed:
         dp.seed()
+        dp.refine_seeds()
     if time_limit is not None:
         dp.deadline = time.perf_counter() + time_limit
     dp.run()

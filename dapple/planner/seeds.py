@@ -1,8 +1,8 @@
-"""Seed plans for the DP's bound: S stages of about G/S replicas on consecutive devices, cut to balance."""
+"""Seed plans for the DP's bound: S stages of about G/S replicas on consecutive devices, cut to balance, refined."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from .cost import Layout
 
@@ -69,14 +69,30 @@ def balanced_cuts(cm: "CostModel", reps: Sequence[int]) -> list[int] | None:
     return best
 
 
+def replica_patterns(devices: int, per_server: int) -> Iterator[list[int]]:
+    """Replicas per stage of the seeds: for every stage count S, G/S each (the first G mod S one more); then
+    one stage per server with k servers split into two halves, at the end or at the start (k = 1..servers)."""
+    G = devices
+    for S in range(1, G + 1):
+        yield [G // S + (1 if i < G % S else 0) for i in range(S)]
+    servers, half = G // per_server, per_server // 2
+    if per_server < 2 or servers < 2 or G % per_server:
+        return
+    for k in range(1, servers + 1):
+        halves = [half, per_server - half] * k
+        yield [per_server] * (servers - k) + halves
+        if k < servers:
+            yield halves + [per_server] * (servers - k)
+
+
 def even_seeds(cm: "CostModel", rho: Sequence[float], devices: int, per_server: int,
                max_stages: int | None = None) -> Iterator[tuple]:
-    """For every stage count S: G/S replicas per stage (the first G mod S one more) on consecutive devices,
-    cut by work share and by balanced stage time; yields spans ((a, c, layout), ...)."""
-    N, G, b = cm.num_layers, devices, cm.micro
-    for S in range(1, min(N, G, N if max_stages is None else max_stages) + 1):
-        reps = [G // S + (1 if i < G % S else 0) for i in range(S)]
-        if max(reps) > b:
+    """For every replica pattern (:func:`replica_patterns`) of at most ``max_stages`` stages, on consecutive
+    devices, cut by work share and by balanced stage time; yields spans ((a, c, layout), ...)."""
+    N, b = cm.num_layers, cm.micro
+    most = N if max_stages is None else min(N, max_stages)
+    for reps in replica_patterns(devices, per_server):
+        if len(reps) > most or max(reps) > b:
             continue
         lays = consecutive_layouts(reps, per_server)
         seen = set()
@@ -85,4 +101,36 @@ def even_seeds(cm: "CostModel", rho: Sequence[float], devices: int, per_server: 
                 continue
             seen.add(tuple(cuts))
             bounds = [0] + list(cuts) + [N]
-            yield tuple((bounds[i], bounds[i + 1], lays[i]) for i in range(S))
+            yield tuple((bounds[i], bounds[i + 1], lays[i]) for i in range(len(reps)))
+
+
+def refine_cuts(latency: Callable[[tuple], float | None], spans: tuple, budget: int = 400) -> tuple[float, tuple]:
+    """Local search over the cuts of ``spans`` (layouts kept): move one cut, or every cut from or up to one,
+    by 2 layers then 1 while ``latency`` (None: infeasible) improves, at most ``budget`` evaluations. Balanced
+    stage times are not the fastest plan (the last stage's chain is longer, so it wants fewer layers): on the
+    8x8 case of benchmarks/planning_time.py one layer less on the last stage is 4% faster."""
+    cuts = [a for a, _, _ in spans] + [spans[-1][1]]
+    lays = [lay for _, _, lay in spans]
+    S = len(lays)
+    first = latency(spans)
+    best = float("inf") if first is None else first
+    moves = ([(i, i + 1) for i in range(1, S)] + [(i, S) for i in range(1, S - 1)]
+             + [(1, i + 1) for i in range(2, S)])  # cuts[lo:hi] move together
+    for step in (2, 1):
+        improved = True
+        while improved and budget > 0:
+            improved = False
+            for lo, hi in moves:
+                for d in (-step, step):
+                    new = cuts[:lo] + [c + d for c in cuts[lo:hi]] + cuts[hi:]
+                    if new[lo - 1] >= new[lo] or new[hi - 1] >= new[hi]:
+                        continue
+                    budget -= 1
+                    lat = latency(tuple((new[i], new[i + 1], lays[i]) for i in range(S)))
+                    if lat is not None and lat < best:
+                        best, cuts, improved = lat, new, True
+                    if budget <= 0:
+                        break
+                if budget <= 0:
+                    break
+    return best, tuple((cuts[i], cuts[i + 1], lays[i]) for i in range(S))

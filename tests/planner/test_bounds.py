@@ -99,40 +99,70 @@ def test_the_rest_chain_bound_is_below_the_plans_latency(overlap):
 
 
 def _every_plan(prof, c, g, b, overlap=False):
-    """(spans, PipelineCosts with K, refined L) of every plan of a small instance, both warmup policies."""
+    """(spans, PipelineCosts with K, D, refined L) of every plan of a small instance, both warmup policies."""
     M = g // b
     for spans, pc, D in every_plan(prof, c, M, CostModel(prof, c, b)):
         for pol in ("A", "B"):
             pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
-            yield spans, pc, pc.latency("refined", overlap).total
+            yield spans, pc, D, pc.latency("refined", overlap).total
+
+
+def _period_ts(dp, pc, D, k, new=False):
+    """period_rest's t per stage-count bucket of the rest after the plan's first k stages (``new``: and stage k,
+    as _DP.reach adds it with its bucket's share, dp.new_share), at least what the search knows
+    (_DP.period_ts: the prefix's U with K at most 2 (stages from it) - 1, D and M; the last bucket with the
+    plan's own stage count), raised to every stage's max(F, B) and the plan's link period."""
+    M, C, S = dp.M, dp.counts, len(D)
+    every = max(max(pc.F[a], pc.B[a]) for a in range(0, len(pc.F), 2))
+    before = k + 1 if new else k  # stages before the rest
+    ts = []
+    for cc in range(C):
+        total = before + (cc + 1 if cc < C - 1 else max(C, S - before))
+        u = every
+        for i in range(k):
+            f, b = pc.F[2 * i], pc.B[2 * i]
+            kk = min(M, max(1, D[i]), 2 * (total - i) - 1)
+            u = max(u, max(f, b) + (M - kk) / (M - 1) * min(f, b))
+        t = dp.period_floor(u, pc.link_period)
+        if new:
+            f, b = pc.F[2 * k], pc.B[2 * k]
+            t = max(t, max(f, b) + dp.new_share[cc] * min(f, b))
+        ts.append(t)
+    return ts
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(monkeypatch, overlap):
     """After tighten(): for every plan below the cut and every split into stages so far + the rest, the round
-    trip so far + the period bound of the rest (with the plan's own period, the most the search can know) is
-    at most L, and so are the rest bounds Q and Qar restricted to stages below the cut."""
+    trip so far + the period bound of the rest (with the plan's own periods and stage count, the most the
+    search can know) is at most L, and so are the rest bounds Q and Qar restricted to stages below the cut."""
     monkeypatch.setattr("dapple.planner.pruning.PERIOD_MIN_M", 4)  # the bound holds from M = 4 on
     checked = excluded = 0
+    counts = set()
     cases = small_instances(5, 100, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(32, 64),
                             micro=(2, 4, 8))
     for prof, c, g, b in cases:
         plans = list(_every_plan(prof, c, g, b, overlap))
         if not plans:
             continue
-        cut = min(lat for _, _, lat in plans) * 1.2
+        cut = min(lat for *_, lat in plans) * 1.2
         dp = _DP(prof, c, g, b, "refined", overlap, None, 4.0, 1, cut)
         dp.tighten()
         assert dp.pv is not None and dp.root_bound <= cut
-        for spans, pc, lat in plans:
+        counts.add(dp.counts)
+        for spans, pc, D, lat in plans:
             if lat >= cut:
                 excluded += 1
                 continue
-            period = max([pc.link_period] + [pc.F[a] + pc.B[a] for a in range(0, len(pc.F), 2)])
             for k in range(len(spans)):  # stages [0, k) planned, [k, S) the rest
                 j, R = spans[k][0], c.num_devices - sum(len(lay) for _, _, lay in spans[:k])
                 W, Bsum = sum(pc.F[:2 * k - 1]) if k else 0.0, sum(pc.chain[:2 * k - 1]) if k else 0.0
-                assert W + Bsum + dp.period_rest(j, R, period) <= lat * (1 + 1e-9), (spans, k)
+                assert W + Bsum + dp.period_rest(j, R, _period_ts(dp, pc, D, k)) <= lat * (1 + 1e-9), (spans, k)
                 assert W + max(Bsum + dp.Q[j][R], dp.Qar[j][R]) <= lat * (1 + 1e-9), (spans, k)
                 checked += 1
+                if k + 1 < len(spans):  # as _DP.reach: stage k new, [k + 1, S) the rest
+                    j2, R2 = spans[k + 1][0], R - len(spans[k][2])
+                    way = sum(pc.F[:2 * k + 1]) + sum(pc.chain[:2 * k + 1])
+                    assert way + dp.period_rest(j2, R2, _period_ts(dp, pc, D, k, True)) <= lat * (1 + 1e-9), (spans, k)
+    assert max(counts) >= 4, counts  # stage-count buckets exercised (bounds.period_sums' counts)
     assert checked >= 2000 and excluded >= 1000, (checked, excluded)

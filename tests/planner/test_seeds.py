@@ -1,0 +1,69 @@
+"""The DP's seed plans (seeds.py): replica patterns, and the local search over their cuts."""
+
+from __future__ import annotations
+
+import random
+
+from dapple.planner.search import _DP
+from dapple.planner.seeds import even_seeds, refine_cuts, replica_patterns
+
+from .helpers import cluster, random_profile
+
+
+def test_replica_patterns_use_every_device_and_include_split_servers():
+    pats = list(replica_patterns(8, 4))
+    assert all(sum(p) == 8 for p in pats)
+    assert [8] in pats and [1] * 8 in pats  # one stage on all, one per device
+    assert [4, 2, 2] in pats and [2, 2, 4] in pats and [2, 2, 2, 2] in pats  # servers halved, at the end or start
+    assert list(replica_patterns(3, 1)) == [[3], [2, 1], [1, 1, 1]]  # one device per server: nothing to halve
+
+
+def _dp(seed: int, layers: int, servers: int, per_server: int, g: int = 64, b: int = 8) -> _DP:
+    prof = random_profile(random.Random(seed), layers)
+    return _DP(prof, cluster(servers, per_server), g, b, "refined", False, None, 4.0, 1, float("inf"))
+
+
+def _lat(dp: _DP):
+    return lambda spans: (dp.evaluate_spans(spans) or (None,))[0]
+
+
+def test_refine_cuts_never_worsens_keeps_layouts_and_finds_a_better_split():
+    improved = 0
+    for seed in range(8):
+        dp = _dp(seed, 10, 2, 2)
+        for spans in even_seeds(dp.cm, dp.rho, dp.G, dp.dps):
+            if len(spans) < 2:
+                continue
+            before = _lat(dp)(spans)
+            lat, out = refine_cuts(_lat(dp), spans)
+            assert [lay for *_, lay in out] == [lay for *_, lay in spans]
+            assert out[0][0] == 0 and out[-1][1] == 10 and all(a < c for a, c, _ in out)
+            assert all(out[i][1] == out[i + 1][0] for i in range(len(out) - 1))
+            assert lat == _lat(dp)(out)  # what it returns is the latency of the spans it returns
+            if before is not None:
+                assert lat <= before
+                improved += lat < before * (1 - 1e-9)
+    assert improved >= 30, improved  # cuts balanced by F + B are often not the fastest
+
+
+def test_refine_cuts_respects_its_budget():
+    dp = _dp(1, 12, 2, 2)
+    spans = next(s for s in even_seeds(dp.cm, dp.rho, dp.G, dp.dps) if len(s) == 4)
+    calls = []
+
+    def lat(sp):
+        calls.append(sp)
+        return _lat(dp)(sp)
+
+    refine_cuts(lat, spans, budget=5)
+    assert len(calls) == 1 + 5  # the seed itself, then at most the budget
+
+
+def test_refined_seeds_become_the_incumbent():
+    dp = _dp(2, 12, 2, 2)
+    dp.seed()
+    seeded = dp.best[0]
+    dp.refine_seeds()
+    assert dp.best[0] <= seeded and dp.best[1] is not None
+    spans = dp.best[1][0]
+    assert abs(_lat(dp)(spans) - dp.best[0]) <= 1e-9 * dp.best[0]
