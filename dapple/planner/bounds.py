@@ -128,6 +128,13 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
     return X[:, 1:]
 
 
+def period_cells(cm: "CostModel", M: int, devices: int, cut: float = INF, overlap: bool = False) -> int:
+    """The array elements :func:`period_sums` adds per threshold and stage-count bucket: over every first stage
+    [j, e) it may take (as it allows them) on r replicas, G + 1 - r. What its tables cost, before making them."""
+    first = _FirstStages(cm, M, devices, cut, overlap)
+    return sum(first(j, r, False)[3] * (devices + 1 - r) for j in range(cm.num_layers) for r in first.reps)
+
+
 def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, thresholds: int,
                  cut: float = INF, overlap: bool = False, counts: int = 1) -> tuple[list, "PeriodRows"]:
     """Tables for a lower bound on L - (one micro-batch's round trip so far) of any split of layers [j, N) into

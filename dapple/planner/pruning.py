@@ -6,12 +6,13 @@ import bisect
 
 import numpy as np
 
-from .bounds import INF, efficient_replicas, period_bound, rest_bound, stage_u
+from .bounds import INF, period_bound, period_cells, rest_bound, stage_u
 from .memo import _Prefix
 
 TIGHTEN_AFTER = 100  # states expanded before the search tightens its bounds (small searches do not need to)
+BUCKETS_AFTER = 2000  # states expanded before it tightens them again with stage-count buckets (bounds.period_bound)
 PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 1) x their spacing
-PERIOD_WORK = 1.5e9  # at most this many array elements for its tables (about 2 s here; 128 x 8: 11 thresholds)
+PERIOD_WORK = 10 ** 8  # at most this many array elements for its tables (about 0.2 to 0.5 s here)
 PERIOD_COUNTS = 16  # bounds.period_bound's stage-count buckets of the rest (1, 2, ..., at least this many stages)
 PERIOD_MIN_M = 16  # fewer micro-batches: (M - 1) max(F, B) adds too little to pay for the tables
 
@@ -123,19 +124,21 @@ class _Pruning:
         x = links * (M - 3) / (M - 1) if M > 3 else 0.0
         return u if u > x else x
 
-    def tighten(self) -> None:
+    def tighten(self, buckets: bool = False) -> None:
         """Once the search is large (TIGHTEN_AFTER states): the rest bounds again, now for plans below the cut
         only (bounds.rest_bound's ``cut``: no stage whose own chain reaches it), and the period bound's tables
-        (bounds.period_bound, with up to PERIOD_COUNTS stage-count buckets, M / 4 at most: K <= 2 x stages - 1
-        nears M only past M / 2 stages). tests/planner/test_bounds.py checks both against every small plan."""
+        (bounds.period_bound); with ``buckets`` (a larger search: BUCKETS_AFTER states) per count of the rest's
+        stages too. tests/planner/test_bounds.py checks both against every small plan."""
         if not self.refined or self.cut == INF:
             return
         self._rest_tables(self.cut)
         lo, hi = self.rho[self.N] / self.G / 2, self.cut / (self.M - 1) if self.M > 3 else 0.0  # beyond hi: L >= cut
-        # the tables' numpy work is about N^2 / 2 x (G + 1) x replica counts per threshold: fewer on large clusters
-        per = self.N ** 2 // 2 * (self.G + 1) * len(efficient_replicas(self.b, self.G))
-        C = max(1, min(PERIOD_COUNTS, self.M // 4, int(PERIOD_WORK // (per * 4))))  # few M: little to gain
-        K = min(PERIOD_THRESHOLDS, int(PERIOD_WORK // (per * C)))
+        # the tables' numpy work: period_cells elements per threshold and stage-count bucket; within PERIOD_WORK,
+        # up to PERIOD_COUNTS buckets (at most M / 4: K <= 2 x stages - 1 nears M only past M / 2 stages) and
+        # PERIOD_THRESHOLDS thresholds, fewer buckets first
+        pairs = PERIOD_WORK // max(1, period_cells(self.cm, self.M, self.G, self.cut, self.overlap))
+        C = max(1, min(PERIOD_COUNTS, self.M // 4, pairs // 24)) if buckets else 1
+        K = min(PERIOD_THRESHOLDS, pairs // C)
         if hi > lo and K >= 4 and self.M >= PERIOD_MIN_M:
             self.pv = period_bound(self.cm, self.M, self.G, lo, hi, K, self.cut, self.overlap, C)
             self.counts = C
@@ -150,7 +153,7 @@ class _Pruning:
         the prefix (the last bucket: ``most``, as many as the rest can have). Cached on the prefix."""
         C = self.counts
         last = most if most > C else C
-        key = (after, last)
+        key = (after, last, C)
         cache = pre.u
         us = None if cache is None else cache.get(key)
         if us is None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .comm import queues
 from .cost import CostModel
 from .memo import SearchResult, _gc_paused, _Memo, _Prefix
-from .pruning import INF, TIGHTEN_AFTER, _Pruning
+from .pruning import BUCKETS_AFTER, INF, TIGHTEN_AFTER, _Pruning
 from .seeds import even_seeds, refine_cuts
 from .stage_costs import _StageCosts
 
@@ -118,12 +118,14 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 self.record(lat, ((0, N, lay0),), ("fresh",), pol)
         root = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0,
                        Cw=[])
-        tighten_at = self.states + TIGHTEN_AFTER
+        tighten_at, buckets_at = self.states + TIGHTEN_AFTER, self.states + BUCKETS_AFTER
         for j in range(N):
             for pre in ([root] if j == 0 else self.frontier(states[j])):
                 self.states += 1
                 if self.states == tighten_at and self.root_bound < self.cut:
                     self.tighten()  # a search this large pays for the tighter bounds' tables
+                elif self.states == buckets_at and self.root_bound < self.cut:
+                    self.tighten(buckets=True)  # and this large, for their stage-count buckets
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     self.complete = False
                     return

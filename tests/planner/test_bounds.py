@@ -147,7 +147,7 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
             continue
         cut = min(lat for *_, lat in plans) * 1.2
         dp = _DP(prof, c, g, b, "refined", overlap, None, 4.0, 1, cut)
-        dp.tighten()
+        dp.tighten(buckets=True)
         assert dp.pv is not None and dp.root_bound <= cut
         counts.add(dp.counts)
         for spans, pc, D, lat in plans:
