@@ -161,20 +161,22 @@ class _Pruning:
             if cache is None:
                 cache = pre.u = {}
             cache[key] = us
-        M = self.M
-        x = links * (M - 3) / (M - 1) if M > 3 else 0.0
+        x = self.period_floor(0.0, links)
         return [u if u > x else x for u in us]
 
-    def period_rest(self, j: int, R: int, ts: list) -> float:
+    def period_rest(self, j: int, R: int, ts: list, hi: float = 0.0, lo: float = 0.0) -> float:
         """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices into c + 1
         stages (the last bucket: at least ``counts``), after stages whose largest U is ts[c] (bounds.period_bound;
-        :meth:`period_ts` gives ts): the least over the buckets some split falls in."""
+        :meth:`period_ts` gives ts) and a new stage of max(F, B) ``hi`` and min(F, B) ``lo`` (``_DP.reach``: its
+        U in bucket c is hi + new_share[c] lo): the least over the buckets some split falls in."""
         taus, pr = self.pv
-        m1 = self.M - 1
+        m1, shares = self.M - 1, self.new_share
         best = INF
         rw = pr.rows[j][R]
         for c, V, S in (rw if rw is not None else pr.row(j, R)):
-            t = ts[c]
+            t = hi + shares[c] * lo
+            if ts[c] > t:
+                t = ts[c]
             k = bisect.bisect_right(taus, t)
             a = V[k] + m1 * t
             s = S[k + 1]

@@ -176,9 +176,6 @@ class _DP(_Pruning, _StageCosts, _Memo):
         fs, bs, ars, ds = self.stage_costs(j, m, multi)
         refined, ar_less = self.refined, self.ar_less
         pv = self.pv is not None and ts is not None
-        shares, m1 = self.new_share, M - 1
-        taus, pr = self.pv if pv else (None, None)
-        rows = pr.rows if pv else None
         out = []
         for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the cut
             f, bb, ar = fs[j2], bs[j2], ars[j2]
@@ -192,20 +189,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
             if low >= cut:
                 continue
             if pv:
-                # period_rest, inlined, with the new stage's U in each bucket's t (its share of min(F, B) per bucket)
                 hi_, lo_ = (f, bb) if f > bb else (bb, f)
-                rb = INF
-                rw = rows[j2][n_rest]
-                for c, V, S in (rw if rw is not None else pr.row(j2, n_rest)):
-                    t = hi_ + shares[c] * lo_
-                    if ts[c] > t:
-                        t = ts[c]
-                    k = bisect.bisect_right(taus, t)
-                    x = V[k] + m1 * t
-                    if S[k + 1] < x:
-                        x = S[k + 1]
-                    if x < rb:
-                        rb = x
+                rb = self.period_rest(j2, n_rest, ts, hi_, lo_)
                 low = max(low, W + Bsum + f + bb + rb)
                 if low >= cut:
                     continue
