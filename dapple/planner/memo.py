@@ -47,7 +47,7 @@ class _Prefix:
     queue: tuple = ()  # comm.queues of each stage before the last (the last's needs the next stage)
     hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CostModel.comm_links)
     lead: tuple | None = None  # least `lead` and own chain terms of its stages in a plan of depth + 2 (_DP.prefix_lead)
-    u: dict | None = None  # _DP.period_ts' prefix U per bucket, per (stages after, most) (filled on use)
+    us: list | None = None  # _DP.prefix_u_table: the prefix's largest U per count of stages after it (on use)
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""

@@ -91,26 +91,41 @@ class _Pruning:
         """Per count ``more`` of stages after the prefix: the largest over its stages b of U_b = max(F_b, B_b) +
         (M - K) / (M - 1) min(F_b, B_b), K the most K_b can be (policy B's 2(S - b) - 1 with S = depth + more,
         D_b, M): b's chain and the last stage's ``lead`` make L >= the round trip + (M - 1) max + (M - K_b) min
-        (bounds.stage_u)."""
-        M = self.M
-        us = [0.0] * len(mores)
-        if M <= 1:
+        (bounds.stage_u). From :meth:`prefix_u_table`."""
+        us = self.prefix_u_table(pre)
+        last = len(us) - 1
+        return [us[more if more < last else last] for more in mores]
+
+    def prefix_u_table(self, pre: _Prefix) -> list:
+        """:meth:`prefix_us` for more = 0, 1, ..., the last entry standing for every larger count (K_b stops
+        growing at D_b or M), built from the parent's table and the prefix's last stage (cached on the prefix)."""
+        us = pre.us
+        if us is not None:
             return us
-        F, B, D, depth = pre.F, pre.B, pre.D, pre.depth
+        M = self.M
+        if pre.parent is None or M <= 1:
+            us = pre.us = [0.0]
+            return us
+        up = self.prefix_u_table(pre.parent)  # the parent's more = this prefix's more + 1 (the same S)
+        a = 2 * (pre.depth - 1)
+        f, b = pre.F[a], pre.B[a]
+        hi, lo = (f, b) if f > b else (b, f)
+        cap = pre.D[-1] if pre.D[-1] > 1 else 1
+        if cap > M:
+            cap = M
         m1 = M - 1
-        for j in range(depth):
-            f, b = F[2 * j], B[2 * j]
-            hi, lo = (f, b) if f > b else (b, f)
-            cap = D[j] if D[j] > 1 else 1
-            if cap > M:
-                cap = M
-            for i, more in enumerate(mores):
-                k = 2 * (depth + more - j) - 1
-                if k > cap:
-                    k = cap
-                x = hi + (M - k) / m1 * lo
-                if x > us[i]:
-                    us[i] = x
+        # the last stage, b = depth - 1: K = min(2 more + 1, cap), constant from more = cap // 2 on
+        n = max(len(up) - 1, cap // 2 + 1)
+        last = len(up) - 1
+        us = []
+        for more in range(n):
+            k = 2 * more + 1
+            if k > cap:
+                k = cap
+            x = hi + (M - k) / m1 * lo
+            y = up[more + 1 if more + 1 < last else last]
+            us.append(x if x > y else y)
+        pre.us = us
         return us
 
     counts = 1  # period_bound's stage-count buckets (tighten() sets them)
@@ -150,19 +165,17 @@ class _Pruning:
     def period_ts(self, pre: _Prefix, after: int, most: int, links: float) -> list:
         """period_rest's t per stage-count bucket of the rest (c + 1 stages; the last, at least ``counts``), after
         ``pre`` and ``after`` more stages: :meth:`period_floor` of :meth:`prefix_us` with that many stages after
-        the prefix (the last bucket: ``most``, as many as the rest can have). Cached on the prefix."""
+        the prefix (the last bucket: ``most``, as many as the rest can have)."""
         C = self.counts
-        last = most if most > C else C
-        key = (after, last, C)
-        cache = pre.u
-        us = None if cache is None else cache.get(key)
-        if us is None:
-            us = self.prefix_us(pre, [after + c + 1 for c in range(C - 1)] + [after + last])
-            if cache is None:
-                cache = pre.u = {}
-            cache[key] = us
+        us = pre.us if pre.us is not None else self.prefix_u_table(pre)
+        last = len(us) - 1
         x = self.period_floor(0.0, links)
-        return [u if u > x else x for u in us]
+        out = []
+        for c in range(C):
+            more = after + (c + 1 if c < C - 1 else (most if most > C else C))
+            u = us[more if more < last else last]
+            out.append(u if u > x else x)
+        return out
 
     def period_rest(self, j: int, R: int, ts: list, hi: float = 0.0, lo: float = 0.0) -> float:
         """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices into c + 1

@@ -69,14 +69,22 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
     for a in range(S - 1, -1, -1):
         acc += F[a] + Bc[a]
         down[a] = acc
-    if window is None or window == Bc:  # the round trips that bound the steady state (windows, loops, pairs)
+    Wd = Bc if window is None else window  # the round trips that bound the steady state (windows, loops, pairs)
+    if Wd is Bc or Wd == Bc:
         downw = down
     else:
         downw = [0.0] * (S + 1)
         acc = 0.0
         for a in range(S - 1, -1, -1):
-            acc += F[a] + window[a]
+            acc += F[a] + Wd[a]
             downw[a] = acc
+    emax = [0.0] * (S + 1)  # emax[a]: the largest F + window of a stage from a on (bounds a loop's average)
+    x = 0.0
+    for a in range(S - 1, -1, -1):
+        y = F[a] + Wd[a]
+        if y > x:
+            x = y
+        emax[a] = x
     # tail[i]: from the end of stage i's last backward to the end of the iteration below it (formula 2's Te)
     tail = [0.0] * n
     below = None  # max over s < i of (own_s + the B between s's end and stage i)
@@ -108,6 +116,12 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
         # link, forward and backward directions apart); pace[0] is the plan's period P
         pace = [0.0] * n
         period = lp
+        # steep[i]: K falls by at least 2 a stage from i to the last but one, so each loop from i holds at least
+        # as many micro-batches as it has stages (2 (j - i) + 1, compute and communication): its F + B over that
+        # count is an average, at most emax[2 i] (the loop is skipped then: the same L to the last bit)
+        steep = [True] * n
+        for i in range(n - 3, -1, -1):
+            steep[i] = steep[i + 1] and K[i] - K[i + 1] >= 2
         for i in range(n - 1, -1, -1):
             a = 2 * i
             x = F[a] + B[a]
@@ -123,7 +137,7 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 if x > period:
                     period = x
                 # the loop from stage i to stage j and back holds K_i - K_j + 1 (j = the last: the line above)
-                for j in range(i + 1, n - 1):
+                for j in range(i + 1, n - 1 if not steep[i] or emax[a] * (1 + 1e-9) > period else 0):  # (rounding)
                     t = k - K[j] + 1
                     x = (downw[2 * i] - downw[2 * j + 1]) / (t if t > 1 else 1)
                     if x > period:

@@ -160,18 +160,20 @@ class _DP(_Pruning, _StageCosts, _Memo):
                     # before their placements are listed (the ends of a stage within one server or across servers)
                     kinds = ([False] if m <= most else []) + ([True] if m > 1 and ns > 1 else [])
                     ts = self.period_ts(pre, 1, min(R - m, N - j - 1), links) if self.pv is not None else None
-                    gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts) for multi in kinds}
+                    gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts, prev is not None)
+                            for multi in kinds}
                     if not any(gate.values()):
                         continue
                     for option in self.options(free, prev, m):
                         self.expand(states, pre, j, m, option, prev, lo, gate)
 
     def reach(self, pre: _Prefix, j: int, m: int, multi: bool, n_rest: int, lo: int, base: float, W: float,
-              Bsum: float, ts: list | None = None) -> list:
+              Bsum: float, ts: list | None = None, first: bool = False) -> list:
         """The ends j2 of a new stage [j, j2) on m replicas that pass the bounds, with the first micro-batch
         reaching it after ``W`` and the last gradient leaving it ``Bsum`` before the end: [(j2, F, B, AR, D,
         the rest bounds' least L of a completion)]; ``ts``: period_rest's t per stage-count bucket of the
-        rest, before the new stage's own U."""
+        rest, before the new stage's own U. ``first``: only the first such end (expand() asks again from it,
+        with the transfer into the new stage priced)."""
         N, M, cut, Q, Qar, fill = self.N, self.M, self.cut, self.Q, self.Qar, self.fill
         fs, bs, ars, ds = self.stage_costs(j, m, multi)
         refined, ar_less = self.refined, self.ar_less
@@ -189,13 +191,21 @@ class _DP(_Pruning, _StageCosts, _Memo):
             if low >= cut:
                 continue
             if pv:
-                hi_, lo_ = (f, bb) if f > bb else (bb, f)
-                rb = self.period_rest(j2, n_rest, ts, hi_, lo_)
-                low = max(low, W + Bsum + f + bb + rb)
+                low = self.with_period(low, j2, n_rest, ts, f, bb, W, Bsum)
                 if low >= cut:
                     continue
             out.append((j2, f, bb, ar, dn, low))
+            if first:
+                break
         return out
+
+    def with_period(self, low: float, j2: int, n_rest: int, ts: list, f: float, bb: float, W: float,
+                    Bsum: float) -> float:
+        """``low`` raised to the period bound of a new stage [j, j2) (F ``f``, B ``bb``) after ``W`` and ``Bsum``
+        and before the rest [j2, N) on ``n_rest`` devices (period_rest, ``ts`` from period_ts)."""
+        hi, lo = (f, bb) if f > bb else (bb, f)
+        x = W + Bsum + f + bb + self.period_rest(j2, n_rest, ts, hi, lo)
+        return x if x > low else low
 
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
@@ -232,9 +242,9 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 dev1, devd1, srv1, srvmax1, srvd1 = 0.0, 0.0, pre.servers, 0.0, 0.0
                 W1 = Bsum1 = 0.0
             last_in1 = in1
-            ends = self.reach(pre, j, m, multi, n_rest, ends[0][0], base, W1, Bsum1,
-                              self.period_ts(pre, 1, min(n_rest, N - j - 1), max(srvmax1, dev1))
-                              if self.pv is not None else None)
+            # without the period bound: checked below only for the ends that pass the cheaper ones (few do)
+            ends = self.reach(pre, j, m, multi, n_rest, ends[0][0], base, W1, Bsum1)
+            deferred = self.pv is not None
         else:
             base = pre.lb
             busy1, chain1 = 0.0, None
@@ -242,6 +252,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
             dev1, devd1, srv1, srvmax1, srvd1, last_in1 = 0.0, 0.0, {}, 0.0, 0.0, 0.0
             W1 = Bsum1 = 0.0
             hot1, queue0 = (), ()
+            deferred = False  # the gate's ends, with every bound
+        ts1 = None  # period_rest's ts after the prefix, the transfer and the new stage (period_ts; on first use)
         tails = self.tails(tail_eval)
         queue = (*queue0, queues(hot1, comm_to_rest.ports), False) if refined else None
 
@@ -273,6 +285,13 @@ class _DP(_Pruning, _StageCosts, _Memo):
             bucket = states[j2].get(skey)
             full = bucket is not None and len(bucket) >= self.beam
             floor = max(lb, rest_lb)
+            if deferred and (not full or floor <= bucket[-1].floor):  # the period bound may decide it
+                if ts1 is None:
+                    ts1 = self.period_ts(pre, 1, min(n_rest, N - j - 1), max(srvmax1, dev1))
+                rest_lb = self.with_period(rest_lb, j2, n_rest, ts1, f, bb, W1, Bsum1)
+                if rest_lb >= self.cut:
+                    continue
+                floor = max(lb, rest_lb)
             enters = not full or floor <= bucket[-1].floor  # (ties: by latency, below)
             # the new stage's ending (overlapped: costed once asked) and the plan's link period (refined model)
             e = None if self.overlap else bb
@@ -292,6 +311,13 @@ class _DP(_Pruning, _StageCosts, _Memo):
                     quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
                 if quick >= self.cut:
                     continue
+                if deferred:
+                    if ts1 is None:
+                        ts1 = self.period_ts(pre, 1, min(n_rest, N - j - 1), max(srvmax1, dev1))
+                    rest_lb = self.with_period(rest_lb, j2, n_rest, ts1, f, bb, W1, Bsum1)
+                    if rest_lb >= self.cut:
+                        continue
+                    floor = max(lb, rest_lb)
             self.transitions += 1
             e = cm.overlapped_ending(j, j2, new) if e is None else e
             period, drain = link_periods(servers2, out2, in2) if periods is None else periods
