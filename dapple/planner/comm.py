@@ -109,16 +109,28 @@ def _start_order(ready: list, dur: list, links: list) -> list:
     while waiting:
         still = []
         for x in waiting:
-            if ready[x] <= t and all(free.get(link, 0.0) <= t for link in links[x]):
-                out.append(x)
+            if ready[x] <= t:
                 for link in links[x]:
-                    free[link] = t + dur[x]
-            else:
-                still.append(x)
+                    if free.get(link, 0.0) > t:
+                        break
+                else:  # all its links free: it starts
+                    out.append(x)
+                    end = t + dur[x]
+                    for link in links[x]:
+                        free[link] = end
+                    continue
+            still.append(x)
         waiting = still
-        if waiting:
-            later = [v for v in free.values() if v > t] + [ready[x] for x in waiting if ready[x] > t]
-            t = min(later)
+        if waiting:  # the next event: a link freed or a transfer ready
+            nxt = float("inf")
+            for v in free.values():
+                if t < v < nxt:
+                    nxt = v
+            for x in waiting:
+                v = ready[x]
+                if t < v < nxt:
+                    nxt = v
+            t = nxt
     return out
 
 

@@ -20,12 +20,17 @@ PERIOD_MIN_M = 16  # fewer micro-batches: (M - 1) max(F, B) adds too little to p
 class _Pruning:
     """The lower bounds of ``search._DP`` on L of a prefix's completions (it provides the costs and the cut)."""
 
+    tables_cut: float | None = None  # the cut Q and Qar were made for
+
     def _rest_tables(self, cut: float) -> None:
         """Q[j][R]: least that layers [j, N) on R devices add to L under any split (bounds.rest_bound);
         Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model: a
         stage's chain ends with its AllReduce; overlapped, with what of it follows the last backward); Qar is
         used after the first micro-batch's forwards W, Q after W + the backwards Bsum. Qcol[R][j] = -Q[j][R],
         increasing in j, for bisect."""
+        if self.tables_cut == cut:
+            return  # the same tables
+        self.tables_cut = cut
         ov = self.overlap
         q = rest_bound(self.cm, self.M, self.G, fill=self.refined, cut=cut, overlap=ov)
         self.Q = q.tolist()
