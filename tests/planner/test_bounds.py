@@ -166,3 +166,34 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
                     assert way + dp.period_rest(j2, R2, _period_ts(dp, pc, D, k, True)) <= lat * (1 + 1e-9), (spans, k)
     assert max(counts) >= 4, counts  # stage-count buckets exercised (bounds.period_sums' counts)
     assert checked >= 2000 and excluded >= 1000, (checked, excluded)
+
+
+def test_the_prefix_u_table_is_the_largest_u_of_the_prefix_stages():
+    """_DP.prefix_us (built stage by stage from the parent's table) equals its definition: the largest over the
+    prefix's stages b of max(F_b, B_b) + (M - K) / (M - 1) min(F_b, B_b), K = min(2 (S - b) - 1, D_b, M) for S =
+    depth + more stages, for every count of stages after the prefix."""
+    from dapple.planner.memo import _Prefix
+    from dapple.planner.pruning import _Pruning
+
+    class Bounds(_Pruning):
+        def __init__(self, M):
+            self.M = M
+
+    rng = random.Random(5)
+    for _ in range(200):
+        M = rng.choice([2, 3, 8, 16, 64])
+        pre = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, (), 0.0, {}, 0.0, 0.0, 0.0)
+        for depth in range(1, rng.randint(2, 9)):
+            f, b, d = rng.uniform(0, 5), rng.uniform(0, 5), rng.choice([0, 1, 2, 5, 40, 100])
+            F, B = pre.F + ([rng.uniform(0, 1)] if depth > 1 else []) + [f], pre.B + ([0.5] if depth > 1 else []) + [b]
+            pre = _Prefix(pre, None, None, None, depth, (), F, B, [], [], [], pre.D + [d], 0.0, (), 0.0, {}, 0.0,
+                          0.0, 0.0)
+        mores = list(range(1, 80))
+        got = Bounds(M).prefix_us(pre, mores)
+        for more, u in zip(mores, got):
+            want = 0.0
+            for j in range(pre.depth):
+                f, b = pre.F[2 * j], pre.B[2 * j]
+                k = min(2 * (pre.depth + more - j) - 1, max(1, pre.D[j]), M)
+                want = max(want, max(f, b) + (M - k) / (M - 1) * min(f, b))
+            assert u == pytest.approx(want, rel=1e-12, abs=1e-12), (M, pre.depth, more)
