@@ -56,9 +56,10 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                    Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
                    chain: Sequence[float] | None = None, limit: float = float("inf"),
                    window: Sequence[float] | None = None, drain_period: float | None = None,
-                   queue: Sequence[bool] | None = None) -> list[tuple]:
+                   queue: Sequence[bool] | None = None, race: bool = False) -> list[tuple]:
     """Per warmup choice: (L, (Tw, Ts, Te, pivot)); once a stage's chain reaches ``limit`` the rest of that
-    choice's stages are skipped (L is then only known to be >= limit: what the search needs to reject it)."""
+    choice's stages are skipped (L is then only known to be >= limit: what the search needs to reject it).
+    ``race``: each choice after the first has the least L so far as its limit too (only the fastest is exact)."""
     n = (len(F) + 1) // 2
     S = len(F)
     Bc = B if chain is None else chain  # the gradients' way back through each stage, for round trips and endings
@@ -108,9 +109,11 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
         acc += F[a]
     # with a limit, the last stage first: its chain is nearly always the longest, so a plan the search rejects
     # is rejected there (ties still go to the first stage in order, as without a limit)
-    order = range(S) if limit == float("inf") else [S - 1, *range(S - 1)]
     out = []
     for K in Ks:
+        if race and out and out[-1][0] < limit:
+            limit = out[-1][0]
+        order = range(S) if limit == float("inf") else [S - 1, *range(S - 1)]
         # pace[i]: the period of stages i and below alone: their F + B, windows and loops, and the links
         # (``link_period``: device links and server up/downlinks; without it each communication stage's busiest
         # link, forward and backward directions apart); pace[0] is the plan's period P

@@ -33,15 +33,14 @@ class _StageCosts:
                 K.append(k if k > 1 else 1)
                 prev = K[-1]
             Ks.append(K)
-        E = E if self.overlap else None
-        first = refined_chains(F, B, AR, E, Ks[:1], M, link_period, C, limit, W, drain, queue)[0][0]
-        if len(Ks) == 1 or Ks[0] == Ks[1]:
-            return first, pols[0]
-        # the other policy matters only if it is faster: its chains stop once one reaches the first's L
-        other = refined_chains(F, B, AR, E, Ks[1:], M, link_period, C, min(limit, first), W, drain, queue)[0][0]
-        if other < first - 1e-9:
-            return other, pols[1]
-        return first, pols[0]
+        if len(Ks) == 2 and Ks[0] == Ks[1]:
+            Ks.pop()
+        # the second policy matters only if it is faster: its chains stop once one reaches the first's L
+        lats = refined_chains(F, B, AR, E if self.overlap else None, Ks, M, link_period, C, limit, W, drain, queue,
+                              race=True)
+        if len(lats) == 2 and lats[1][0] < lats[0][0] - 1e-9:
+            return lats[1][0], pols[1]
+        return lats[0][0], pols[0]
 
     def evaluate_spans(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, str] | None:
         """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
