@@ -92,18 +92,12 @@ class _Pruning:
         pre.lead = (lead, own)
         return lead, own
 
-    def prefix_us(self, pre: _Prefix, mores: list) -> list:
-        """Per count ``more`` of stages after the prefix: the largest over its stages b of U_b = max(F_b, B_b) +
-        (M - K) / (M - 1) min(F_b, B_b), K the most K_b can be (policy B's 2(S - b) - 1 with S = depth + more,
-        D_b, M): b's chain and the last stage's ``lead`` make L >= the round trip + (M - 1) max + (M - K_b) min
-        (bounds.stage_u). From :meth:`prefix_u_table`."""
-        us = self.prefix_u_table(pre)
-        last = len(us) - 1
-        return [us[more if more < last else last] for more in mores]
-
     def prefix_u_table(self, pre: _Prefix) -> list:
-        """:meth:`prefix_us` for more = 0, 1, ..., the last entry standing for every larger count (K_b stops
-        growing at D_b or M), built from the parent's table and the prefix's last stage (cached on the prefix)."""
+        """Per count ``more`` = 0, 1, ... of stages after the prefix (the last entry: that many or more, where K_b
+        stops growing at D_b or M): the largest over its stages b of U_b = max(F_b, B_b) + (M - K) / (M - 1)
+        min(F_b, B_b), K the most K_b can be (policy B's 2(S - b) - 1 with S = depth + more, D_b, M): b's chain
+        and the last stage's ``lead`` make L >= the round trip + (M - 1) max + (M - K_b) min (bounds.stage_u).
+        Built from the parent's table and the prefix's last stage; cached on the prefix."""
         us = pre.us
         if us is not None:
             return us
@@ -169,8 +163,8 @@ class _Pruning:
 
     def period_ts(self, pre: _Prefix, after: int, most: int, links: float) -> list:
         """period_rest's t per stage-count bucket of the rest (c + 1 stages; the last, at least ``counts``), after
-        ``pre`` and ``after`` more stages: :meth:`period_floor` of :meth:`prefix_us` with that many stages after
-        the prefix (the last bucket: ``most``, as many as the rest can have)."""
+        ``pre`` and ``after`` more stages: :meth:`period_floor` of :meth:`prefix_u_table` with that many stages
+        after the prefix (the last bucket: ``most``, as many as the rest can have)."""
         C = self.counts
         us = pre.us if pre.us is not None else self.prefix_u_table(pre)
         last = len(us) - 1

@@ -169,7 +169,7 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
 
 
 def test_the_prefix_u_table_is_the_largest_u_of_the_prefix_stages():
-    """_DP.prefix_us (built stage by stage from the parent's table) equals its definition: the largest over the
+    """_DP.prefix_u_table (built stage by stage from the parent's) equals its definition: the largest over the
     prefix's stages b of max(F_b, B_b) + (M - K) / (M - 1) min(F_b, B_b), K = min(2 (S - b) - 1, D_b, M) for S =
     depth + more stages, for every count of stages after the prefix."""
     from dapple.planner.memo import _Prefix
@@ -188,9 +188,9 @@ def test_the_prefix_u_table_is_the_largest_u_of_the_prefix_stages():
             F, B = pre.F + ([rng.uniform(0, 1)] if depth > 1 else []) + [f], pre.B + ([0.5] if depth > 1 else []) + [b]
             pre = _Prefix(pre, None, None, None, depth, (), F, B, [], [], [], pre.D + [d], 0.0, (), 0.0, {}, 0.0,
                           0.0, 0.0)
-        mores = list(range(1, 80))
-        got = Bounds(M).prefix_us(pre, mores)
-        for more, u in zip(mores, got):
+        table = Bounds(M).prefix_u_table(pre)
+        for more in range(80):
+            u = table[min(more, len(table) - 1)]
             want = 0.0
             for j in range(pre.depth):
                 f, b = pre.F[2 * j], pre.B[2 * j]
