@@ -254,6 +254,12 @@ class _DP(_Pruning, _StageCosts, _Memo):
             hot1, queue0 = (), ()
             deferred = False  # the gate's ends, with every bound
         ts1 = None  # period_rest's ts after the prefix, the transfer and the new stage (period_ts; on first use)
+
+        def with_period(low: float, j2: int, f: float, bb: float) -> float:  # self.with_period after the transfer in
+            nonlocal ts1
+            if ts1 is None:
+                ts1 = self.period_ts(pre, 1, min(n_rest, N - j - 1), max(srvmax1, dev1))
+            return self.with_period(low, j2, n_rest, ts1, f, bb, W1, Bsum1)
         tails = self.tails(tail_eval)
         queue = (*queue0, queues(hot1, comm_to_rest.ports), False) if refined else None
 
@@ -286,9 +292,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             full = bucket is not None and len(bucket) >= self.beam
             floor = max(lb, rest_lb)
             if deferred and (not full or floor <= bucket[-1].floor):  # the period bound may decide it
-                if ts1 is None:
-                    ts1 = self.period_ts(pre, 1, min(n_rest, N - j - 1), max(srvmax1, dev1))
-                rest_lb = self.with_period(rest_lb, j2, n_rest, ts1, f, bb, W1, Bsum1)
+                rest_lb = with_period(rest_lb, j2, f, bb)
                 if rest_lb >= self.cut:
                     continue
                 floor = max(lb, rest_lb)
@@ -312,9 +316,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 if quick >= self.cut:
                     continue
                 if deferred:
-                    if ts1 is None:
-                        ts1 = self.period_ts(pre, 1, min(n_rest, N - j - 1), max(srvmax1, dev1))
-                    rest_lb = self.with_period(rest_lb, j2, n_rest, ts1, f, bb, W1, Bsum1)
+                    rest_lb = with_period(rest_lb, j2, f, bb)
                     if rest_lb >= self.cut:
                         continue
                     floor = max(lb, rest_lb)
