@@ -166,7 +166,7 @@ class _Pruning:
         ``pre`` and ``after`` more stages: :meth:`period_floor` of :meth:`prefix_u_table` with that many stages
         after the prefix (the last bucket: ``most``, as many as the rest can have)."""
         C = self.counts
-        us = pre.us if pre.us is not None else self.prefix_u_table(pre)
+        us = self.prefix_u_table(pre)
         last = len(us) - 1
         x = self.period_floor(0.0, links)
         out = []
