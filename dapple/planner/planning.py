@@ -78,7 +78,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     branch-and-bound's optimality gap; the model's own error against the simulator is a few percent).
     ``verify``: the final choice among the DP's plan, the best plan of each other micro-batch size (full
     search) and the even-split plans of the sizes (the first ``verify`` of them modelled within VERIFY_WITHIN =
-    10% of the DP's plan, x warmup policies A and B) is made by the event simulator, the judge of the model (0:
+    10% of the DP's plan, x warmup policies A and B, but not a policy modelled more than 10% above the other on
+    the same plan) is made by the event simulator, the judge of the model (0:
     trust the model; skipped above SIMULATE_LIMIT devices x micro-batches); ``meta`` records it. The model's
     median error against the simulator is 0.1%, its p90 about 6% (benchmarks/estimate_vs_simulator.py): a plan
     modelled 10% slower seldom simulates faster (benchmarks/planner_regret.py: what the choice gains).
@@ -217,8 +218,9 @@ def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True, gap: f
 def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,
             deadline=None):
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
-    ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan x warmup policies (the DP's
-    plan first: it wins ties; none past ``deadline`` but the DP's own)."""
+    ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan x warmup policies modelled within
+    VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none past ``deadline`` but the
+    DP's own)."""
     from .simulator import simulate
 
     best_lat, b, (spans, policies) = cands[0]
@@ -240,10 +242,17 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
             continue
         seen.add((b, spans))
         cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+        costs = {}
         for pol in ((warmup_policy,) if warmup_policy else ("A", "B")):
             try:
-                pc, _ = pipeline_costs(cm, spans, g // b, pol)
+                costs[pol] = pipeline_costs(cm, spans, g // b, pol)[0]
             except ValueError:
+                continue
+        # a policy the refined model puts more than VERIFY_WITHIN above the other on this plan is not simulated
+        # (as for plans: benchmarks/planner_regret.py)
+        lats = {pol: pc.latency("refined", overlap).total for pol, pc in costs.items()}
+        for pol, pc in costs.items():
+            if lats[pol] > min(lats.values()) * (1 + VERIFY_WITHIN):
                 continue
             devs = devices_of(spans, cluster)
             trial = Plan(g, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)],

@@ -184,6 +184,21 @@ def test_the_simulator_judges_only_candidates_near_the_dp_plan(monkeypatch):
     assert planning._choose(*args)[2] == 6
 
 
+def test_the_simulator_judges_only_warmup_policies_near_the_better_one(monkeypatch):
+    """Of one plan's warmup policies, plan(verify=) simulates those the refined model puts within VERIFY_WITHIN of
+    the better one: here B (172.1 ms modelled) and A (176.3 ms, 2.5% above) at 10%, B alone at 1%."""
+    from dapple.planner import planning
+
+    prof = random_profile(random.Random(5), 6)
+    c = cluster(2, 2, intra=5e10, inter=1e9)
+    split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
+    args = (prof, c, 64, [(100.0, 8, split)], "refined", False, "dapple", None, 4.0, 6)
+    assert planning._choose(*args)[2] == 2
+    monkeypatch.setattr(planning, "VERIFY_WITHIN", 0.01)
+    chosen, _, n = planning._choose(*args)
+    assert n == 1 and chosen[3] == "B"
+
+
 def test_plan_fields():
     rng = random.Random(3)
     prof = random_profile(rng, 10)
