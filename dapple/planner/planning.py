@@ -208,9 +208,10 @@ def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True, gap: f
     """A lower bound on the modelled L of every plan, after the searches ``dps`` (one per micro-batch size;
     the others fit no device) ran: a finished full search found all plans below ``best`` / (1 + ``gap``); an
     unfinished or compact one contributes its root bound ``_DP.root_bound``: the larger of Q[0][G] and Qar[0][G]
-    (bounds.rest_bound: the least max-stage work of any split, with the backwards or the AllReduces after it),
-    and once the search tightened them the same below its cut and the period bound (bounds.period_bound), which
-    hold for plans below that cut, itself at least ``best`` / (1 + ``gap``)."""
+    (bounds.rest_bound: the least max-stage work of any split, with the backwards or the AllReduces after it,
+    over the stages below the cut the search started with) and once the search tightened them the same below
+    its cut then and the period bound (bounds.period_bound), which hold for plans below those cuts, each at
+    least ``best`` / (1 + ``gap``)."""
     return min([best / (1 + gap)] + [dp.root_bound for dp in dps
                                      if not (dp.complete and exhaustive)])
 

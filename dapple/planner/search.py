@@ -66,9 +66,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
         # refined: a stage's chain ends with the longer of the way down and its AllReduce; overlapped, the AllReduce
         # ends E >= AR after its last backward starts (CostModel.overlapped_ending), so at least AR - B after it ends
         self.ar_less = 1.0 if overlap else 0.0  # x B: what of a stage's AllReduce its last backward may hide
-        self._rest_tables(INF)
-        # no plan's L is below this (after tighten(): no plan's L is below the smaller of this and the cut then)
-        self.root_bound = max(self.Q[0][self.G], self.Qar[0][self.G])
+        self.root_bound = 0.0  # bound_tables() sets it
 
     # ---- helpers -------------------------------------------------------------------------------
     def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
@@ -106,7 +104,15 @@ class _DP(_Pruning, _StageCosts, _Memo):
         with _gc_paused():
             self._run()
 
+    def bound_tables(self) -> None:
+        """The rest bounds' tables (_rest_tables) for plans below the cut as it is now (the seeds' or an earlier
+        search's: built once, not again by tighten() unless the cut falls) and the root bound."""
+        self._rest_tables(self.cut)
+        # no plan below the cut has L below this (after tighten(): below the cut then)
+        self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G])
+
     def _run(self) -> None:
+        self.bound_tables()
         N, M, b, ns, dps, cm, rho = self.N, self.M, self.b, self.ns, self.dps, self.cm, self.rho
         states: list[dict] = [dict() for _ in range(N + 1)]
         all_free = tuple([dps] * ns)

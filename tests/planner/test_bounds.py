@@ -29,6 +29,7 @@ def test_root_bounds_are_below_every_plan(overlap):
         if best == float("inf"):
             continue
         dp = _DP(prof, c, g, b, "refined", overlap, None, 4.0, 1, float("inf"))
+        dp.bound_tables()
         assert dp.Q[0][dp.G] <= best * (1 + 1e-9)
         assert dp.Qar[0][dp.G] <= best * (1 + 1e-9)
         checked += 1
@@ -42,6 +43,7 @@ def test_the_allreduce_bound_sees_what_replication_costs():
     prof.layers[0].param_bytes = int(1e9)
     c = cluster(1, 2, intra=1e9)
     dp = _DP(prof, c, 64, 4, "refined", False, None, 1.0, 1, float("inf"))
+    dp.bound_tables()
     best = exhaustive_search(prof, c, 64, 4, model="refined", optimizer_factor=1.0)[0]
     assert dp.Q[0][dp.G] < dp.Qar[0][dp.G] <= best
 
@@ -197,3 +199,24 @@ def test_the_prefix_u_table_is_the_largest_u_of_the_prefix_stages():
                 k = min(2 * (pre.depth + more - j) - 1, max(1, pre.D[j]), M)
                 want = max(want, max(f, b) + (M - k) / (M - 1) * min(f, b))
             assert u == pytest.approx(want, rel=1e-12, abs=1e-12), (M, pre.depth, more)
+
+
+def test_the_rest_tables_are_built_once_per_cut(monkeypatch):
+    """bound_tables() builds Q and Qar for the cut the search starts with; tighten() builds them again only once
+    the cut has fallen (each build is two rest_bound calls)."""
+    from dapple.planner import pruning
+
+    calls = []
+    real = pruning.rest_bound
+    monkeypatch.setattr(pruning, "rest_bound", lambda *a, **k: calls.append(k["cut"]) or real(*a, **k))
+    prof = random_profile(random.Random(2), 6)
+    c = cluster(2, 2, intra=5e10, inter=1e9)
+    dp = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, 500.0)
+    dp.bound_tables()
+    dp.bound_tables()
+    dp.tighten()
+    assert calls == [500.0, 500.0]
+    dp.set_best(400.0, None)
+    dp.tighten()
+    assert calls == [500.0, 500.0, 400.0, 400.0]
+    assert dp.root_bound >= max(dp.Q[0][dp.G], dp.Qar[0][dp.G])
