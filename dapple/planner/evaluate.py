@@ -66,9 +66,11 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
 
 
 def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: int, policy: str = "A",
-                   warmup: Sequence[int] | None = None, check: bool = True) -> tuple[PipelineCosts, list[int]]:
+                   warmup: Sequence[int] | None = None, check: bool = True,
+                   endings: bool = True) -> tuple[PipelineCosts, list[int]]:
     """Interleaved costs of stages ``(a, c, layout)`` and D per stage (paper V-C); raises ValueError when a
-    stage does not fit in device memory (``check``)."""
+    stage does not fit in device memory (``check``). ``endings``: E, the overlapped AllReduce's ending of each
+    stage (False: E = B, for a caller that prices no overlap)."""
     F, B, AR, E, D, chain, window, queue = [], [], [], [], [], [], [], []
     hot: tuple = ()  # the busiest inbound links of stage i (comm.queues), from the transfer into it
     mem = cm.cluster.device_memory
@@ -83,7 +85,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
         chain.append(b)
         window.append(b)
         AR.append(cm.allreduce(a, c, lay))
-        E.append(cm.overlapped_ending(a, c, lay))
+        E.append(cm.overlapped_ending(a, c, lay) if endings else b)
         if i + 1 < len(spans):
             pair = cm.comm_pair(lay, spans[i + 1][2])
             queue.append(queues(hot, pair.ports))

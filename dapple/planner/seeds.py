@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from .cost import Layout
@@ -46,13 +47,13 @@ def balanced_cuts(cm: "CostModel", reps: Sequence[int]) -> list[int] | None:
     def cover(P: float) -> list[int] | None:
         cuts, a = [], 0
         for i in range(S - 1):
-            pre, c = sums[i], a + 1
-            if pre[c] - pre[a] > P:
+            pre = sums[i]
+            base = pre[a]
+            if pre[a + 1] - base > P:
                 return None
-            while c < N - (S - 1 - i) and pre[c + 1] - pre[a] <= P:
-                c += 1
-            cuts.append(c)
-            a = c
+            # the last c in [a + 1, N - (S - 1 - i)] with pre[c] - base <= P (nondecreasing in c)
+            a = bisect.bisect_right(pre, P, a + 1, N - S + i + 2, key=lambda x: x - base) - 1
+            cuts.append(a)
         return cuts if sums[-1][N] - sums[-1][a] <= P else None
 
     lo, hi = 0.0, max(s[N] for s in sums)

@@ -47,7 +47,7 @@ class _StageCosts:
         if any(len(lay) > self.b for _, _, lay in spans):
             return None
         try:
-            pc, D = pipeline_costs(self.cm, spans, self.M, "A")
+            pc, D = pipeline_costs(self.cm, spans, self.M, "A", endings=self.overlap)
         except ValueError:
             return None
         return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period, W=pc.window, drain=pc.drain_period,
