@@ -21,7 +21,7 @@ VERIFY_WITHIN = 0.1  # plan(verify=): candidates modelled more than this fractio
 SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
 SEARCHES = ("auto", "full", "compact")
 COMPACT_ABOVE = 4  # search="auto": servers above which the compact search is used
-REFINE_WITHIN = 0.05  # micro-batch sizes whose best seed plan is within this of the best one's get refined seeds
+REFINE_WITHIN = 0.05  # micro-batch sizes whose best seed plan is within this of the best plan so far get refined seeds
 COMPACT_TIME_LIMIT = 60.0  # time_limit="auto": seconds the compact search may take (the full search: no limit)
 
 
@@ -141,10 +141,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                          f"{'' if max_stages is None else f', max_stages={max_stages}'}); a stage has at most one "
                          f"replica per micro-batch row: need a micro-batch of at least "
                          f"{-(-cluster.num_devices // depth)} rows")
-    best_seed = min(dp.best[0] for dp in dps)
-    for dp in dps:  # local search over the cuts of the promising sizes' seeds (each ~0.1 s on 8x8)
-        if dp.best[0] <= best_seed * (1 + REFINE_WITHIN):
-            dp.refine_seeds()
+    refine_promising(dps)
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
     dps.sort(key=lambda dp: dp.best[0])  # most promising first: its plans bound the others' search
     deadline = t0 + time_limit if time_limit is not None else None
@@ -202,6 +199,18 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=g, micro_batch_size=b, stages=stages, schedule=schedule, warmup_policy=policy,
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
+
+
+def refine_promising(dps: Sequence[_DP]) -> None:
+    """Local search over the cuts of the promising sizes' seeds (_DP.refine_seeds, ~0.1 s each on 8x8), most
+    promising first: a size whose best seed is more than REFINE_WITHIN above the best plan so far (refined seeds
+    included) is not refined."""
+    best = INF
+    for dp in sorted(dps, key=lambda dp: dp.best[0]):
+        if dp.best[0] > best * (1 + REFINE_WITHIN):
+            break  # and the rest, further off
+        dp.refine_seeds()
+        best = min(best, dp.best[0])
 
 
 def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True, gap: float = 0.0) -> float:

@@ -396,3 +396,24 @@ def test_plan_leaves_the_garbage_collector_as_it_found_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_seeds_are_refined_within_refine_within_of_the_best_plan_so_far():
+    """Sizes are refined best seed first; one more than REFINE_WITHIN (5%) above the best plan so far, refined
+    seeds included, is not: 104 is within 5% of the best seed (100) but not of its refinement (96)."""
+    from dapple.planner import planning
+
+    class Size:
+        def __init__(self, b, seed, refined):
+            self.b, self.best, self.refined = b, (seed, None), refined
+
+        def refine_seeds(self):
+            order.append(self.b)
+            self.best = (self.refined, None)
+
+    order = []
+    planning.refine_promising([Size(4, 104.0, 103.0), Size(8, 100.0, 96.0), Size(16, 100.5, 100.0)])
+    assert order == [8, 16]
+    order.clear()
+    planning.refine_promising([Size(4, 104.0, 103.0), Size(8, 100.0, 99.5)])
+    assert order == [8, 4]
