@@ -27,7 +27,8 @@ class _Pruning:
         Qar[j][R]: the same with each stage's least AllReduce and only forwards before it (refined model: a
         stage's chain ends with its AllReduce; overlapped, with what of it follows the last backward); Qar is
         used after the first micro-batch's forwards W, Q after W + the backwards Bsum. Qcol[R][j] = -Q[j][R],
-        increasing in j, for bisect."""
+        increasing in j, for bisect. Where Q alone puts every plan at or above the cut, Qar is left 0 (the search
+        ends at its root; on 8x8 the micro-batch sizes 128 to 512)."""
         if self.tables_cut == cut:
             return  # the same tables
         self.tables_cut = cut
@@ -35,8 +36,8 @@ class _Pruning:
         q = rest_bound(self.cm, self.M, self.G, fill=self.refined, cut=cut, overlap=ov)
         self.Q = q.tolist()
         self.Qcol = (-q.T).tolist()
-        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut, overlap=ov) if self.refined
-              else np.zeros_like(q))
+        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, cut=cut, overlap=ov)
+              if self.refined and q[0, self.G] < cut else np.zeros_like(q))
         self.Qar = qa.tolist()
         self.Qarcol = (-qa.T).tolist()
 

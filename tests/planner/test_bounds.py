@@ -220,3 +220,28 @@ def test_the_rest_tables_are_built_once_per_cut(monkeypatch):
     dp.tighten()
     assert calls == [500.0, 500.0, 400.0, 400.0]
     assert dp.root_bound >= max(dp.Q[0][dp.G], dp.Qar[0][dp.G])
+
+
+def test_no_allreduce_table_when_the_rest_table_prunes_the_root(monkeypatch):
+    """Where Q[0][G] reaches the cut no plan is below it: Qar is not built (left 0, still a lower bound), and
+    the search ends at its root with nothing found."""
+    from dapple.planner import pruning
+
+    calls = []
+    real = pruning.rest_bound
+    monkeypatch.setattr(pruning, "rest_bound", lambda *a, **k: calls.append(k.get("allreduce", False))
+                        or real(*a, **k))
+    prof = random_profile(random.Random(2), 6)
+    c = cluster(2, 2, intra=5e10, inter=1e9)
+    low = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, float("inf"))
+    low.bound_tables()
+    q0 = low.Q[0][low.G]
+    dp = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, q0)
+    calls.clear()
+    dp.run()
+    assert calls == [False] and dp.best[1] is None and dp.states == 1
+    assert dp.root_bound >= q0 and max(map(max, dp.Qar)) == 0.0
+    dp = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, q0 * 1.5)
+    calls.clear()
+    dp.bound_tables()
+    assert calls == [False, True]
