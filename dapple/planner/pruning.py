@@ -28,7 +28,7 @@ class _Pruning:
         stage's chain ends with its AllReduce; overlapped, with what of it follows the last backward); Qar is
         used after the first micro-batch's forwards W, Q after W + the backwards Bsum. Qcol[R][j] = -Q[j][R],
         increasing in j, for bisect. Where Q alone puts every plan at or above the cut, Qar is left 0 (the search
-        ends at its root; on 8x8 the micro-batch sizes 128 to 512)."""
+        ends at its root; on 8x8 the micro-batch sizes 64 to 512)."""
         if self.tables_cut == cut:
             return  # the same tables
         self.tables_cut = cut
@@ -115,8 +115,8 @@ class _Pruning:
             cap = M
         m1 = M - 1
         # the last stage, b = depth - 1: K = min(2 more + 1, cap), constant from more = cap // 2 on
-        n = max(len(up) - 1, cap // 2 + 1)
         last = len(up) - 1
+        n = max(last, cap // 2 + 1)
         us = []
         for more in range(n):
             k = 2 * more + 1
