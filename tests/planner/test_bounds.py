@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from dapple.planner.bounds import allreduce_floor, rest_bound
+from dapple.planner.bounds import allreduce_floor, efficient_replicas, rest_bound
 from dapple.planner.cost import CostModel
 from dapple.planner.exhaustive import every_plan, exhaustive_search
 from dapple.planner.schedule import warmup_counts
@@ -69,6 +69,46 @@ def test_rest_bound_is_monotone():
         assert (np.diff(q[:, 1:], axis=0) <= 1e-9).all()  # fewer layers left: no larger
         assert (np.diff(q, axis=1) <= 1e-9).all()  # more devices: no larger
 
+
+
+def _rest_bound_by_loops(cm, M, G, fill, allreduce, cut, overlap):
+    """rest_bound's docstring as plain loops: Q[j][R] = min over the first stage [j, c) on r <= R replicas
+    (r among efficient_replicas) of max(M T + AR, F + Q[c][R - r]) (allreduce) or max(M T, T + Q[c][R - r])."""
+    N, inf = cm.num_layers, float("inf")
+    Q = [[inf] * (G + 1) for _ in range(N)] + [[0.0] * (G + 1)]
+    for j in range(N - 1, -1, -1):
+        for c in range(j + 1, N + 1):
+            for r in efficient_replicas(cm.micro, G):
+                f, b = cm.compute(j, c, r)
+                if cm.params(j, c) * cm.optimizer_factor + cm.saved_bytes(j, c, r) > cm.cluster.device_memory:
+                    continue
+                ar = float(allreduce_floor(cm, r, np.array([cm.params(j, c)]))[0])
+                if overlap:
+                    ar = max(ar - b, 0.0)
+                if M * (f + b) + ar >= cut:
+                    continue
+                for R in range(r, G + 1):
+                    if allreduce:
+                        v = max(M * (f + b) + ar, f + Q[c][R - r])  # the rest follows this stage's F
+                    else:
+                        v = max(M * (f + b), (f + b if fill else 0.0) + Q[c][R - r])
+                    Q[j][R] = min(Q[j][R], v)
+    return Q
+
+
+@pytest.mark.parametrize("allreduce", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rest_bound_equals_its_definition(allreduce, overlap):
+    """The table, computed over every replica count at once, equals the DP of its docstring as loops."""
+    rng = random.Random(7)
+    for k in range(6):
+        prof = random_profile(rng, rng.randint(2, 6))
+        c = cluster(rng.choice([1, 2]), rng.choice([2, 3]), memory=rng.choice([1e12, 8e9]))
+        cm = CostModel(prof, c, rng.choice([2, 4, 8]))
+        for cut in (float("inf"), 200.0):
+            q = rest_bound(cm, 4, c.num_devices, fill=True, allreduce=allreduce, cut=cut, overlap=overlap)
+            ref = _rest_bound_by_loops(cm, 4, c.num_devices, True, allreduce, cut, overlap)
+            assert np.allclose(q, np.array(ref), rtol=1e-12, atol=0), (k, cut)
 
 class _Checked(_DP):
     """The DP with its rest-chain rejection turned into an assertion: every candidate that reaches the check is
