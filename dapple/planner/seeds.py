@@ -36,8 +36,9 @@ def work_cuts(rho: Sequence[float], reps: Sequence[int]) -> list[int]:
 
 
 def balanced_cuts(cm: "CostModel", reps: Sequence[int]) -> list[int] | None:
-    """Cuts minimising the slowest stage's F + B on its slice (min-max partition for fixed replica counts):
-    bisection on the period P, each stage greedily taking layers while it stays within P."""
+    """Cuts balancing the stages' F + B on their slices: bisection on the period P, each stage greedily taking
+    layers while it stays within P. The min-max partition where every stage has the same replica count; with
+    unequal counts a heuristic (taking fewer layers early can move an expensive layer off a slow stage)."""
     N, S = cm.num_layers, len(reps)
     sums = []
     for r in reps:
@@ -51,8 +52,8 @@ def balanced_cuts(cm: "CostModel", reps: Sequence[int]) -> list[int] | None:
             base = pre[a]
             if pre[a + 1] - base > P:
                 return None
-            # the last c in [a + 1, N - (S - 1 - i)] with pre[c] - base <= P (nondecreasing in c)
-            a = bisect.bisect_right(pre, P, a + 1, N - S + i + 2, key=lambda x: x - base) - 1
+            # the last c in [a + 1, N - (S - 1 - i)] with pre[c] <= base + P (nondecreasing in c)
+            a = bisect.bisect_right(pre, base + P, a + 1, N - S + i + 2) - 1
             cuts.append(a)
         return cuts if sums[-1][N] - sums[-1][a] <= P else None
 
