@@ -233,15 +233,25 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
     DP's own)."""
     from .simulator import simulate
 
+    pols = (warmup_policy,) if warmup_policy else ("A", "B")
+
+    def priced(b, spans) -> dict:  # the candidate's pipeline costs per warmup policy (none where it does not fit)
+        cm, out = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor), {}
+        for pol in pols:
+            try:
+                out[pol] = pipeline_costs(cm, spans, g // b, pol)[0]
+            except ValueError:
+                continue
+        return out
+
     best_lat, b, (spans, policies) = cands[0]
-    M = g // b
-    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+    first = priced(b, spans)
     policy = warmup_policy
     if policy is None:  # the better policy under the refined model (formula 2 ignores K_i); A on ties
-        lat = {pol: pipeline_costs(cm, spans, M, pol)[0].latency("refined", overlap).total for pol in ("A", "B")}
+        lat = {pol: pc.latency("refined", overlap).total for pol, pc in first.items()}
         policy = "B" if lat["B"] < lat["A"] * (1 - 1e-3) else "A"
     chosen = (b, spans, policies, policy)
-    too_big = cluster.num_devices * M > SIMULATE_LIMIT
+    too_big = cluster.num_devices * (g // b) > SIMULATE_LIMIT
     if not verify or too_big:
         return chosen, None, 0
     seen, best_sim, n = set(), None, 0
@@ -250,14 +260,8 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
             break  # the rest are sorted by modelled latency: all further off
         if (b, spans) in seen or len(seen) >= verify or (seen and deadline and time.perf_counter() > deadline):
             continue
+        costs = first if not seen else priced(b, spans)
         seen.add((b, spans))
-        cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
-        costs = {}
-        for pol in ((warmup_policy,) if warmup_policy else ("A", "B")):
-            try:
-                costs[pol] = pipeline_costs(cm, spans, g // b, pol)[0]
-            except ValueError:
-                continue
         # a policy the refined model puts more than VERIFY_WITHIN above the other on this plan is not simulated
         # (as for plans: benchmarks/planner_regret.py)
         lats = {pol: pc.latency("refined", overlap).total for pol, pc in costs.items()}

@@ -35,8 +35,10 @@ def test_vanished_rank_makes_the_others_raise(outcomes):
         msg = out[rank]
         assert msg.startswith("after") and _seconds(msg) < 30, msg
         # rank 2 died in its forward of micro-batch 1, so the gradients of micro-batch 1 never come back down
-        # (sends are waited on only at the end of a step: the first wait to fail is this receive)
-        assert f"rank {rank} (stage {rank}), step 2: failed waiting for gradients of micro-batch 1 " in msg, msg
+        # (sends are waited on only at the end of a step: the first wait to fail is this receive); nor, on a busy
+        # machine, those of micro-batch 0, if its send of them had not left when it died (seen under load)
+        assert re.search(rf"rank {rank} \(stage {rank}\), step 2: failed waiting for gradients of micro-batch [01] ",
+                         msg), msg
         assert f"from rank {rank + 1} (stage {rank + 1})" in msg, msg
 
 
