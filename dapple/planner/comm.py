@@ -95,6 +95,42 @@ def queues(hot: tuple, ports: tuple[frozenset, frozenset]) -> bool:
     return any(who in (own if k == "in" else servers) for k, who in hot)
 
 
+def add_users(users: dict, servers: tuple, at: int) -> dict:
+    """``users`` (server -> (uplink users, downlink users), each ((interleaved stage, ms per micro-batch), ...) in
+    stage order) with communication stage ``at``'s server loads ``servers`` ((server, uplink ms, downlink ms),
+    ...: ``CostModel.comm_links``) added, as a new dict (``users`` is left as it was)."""
+    out = dict(users)
+    for s, u, d in servers:
+        ups, downs = out.get(s, ((), ()))
+        out[s] = (ups + ((at, u),) if u > 0 else ups, downs + ((at, d),) if d > 0 else downs)
+    return out
+
+
+def feeds(users: dict, n: int) -> list | None:
+    """Per interleaved stage (``n`` of them), the least ms per micro-batch at which a communication stage's
+    activations get through while everyone warms up, where a server's uplink or downlink carries several
+    communication stages' activations (``users``: :func:`add_users`), or None where no link does. Stage i's
+    transfers queue with every other stage j's on the link, each of j's taking at most as long as i's own
+    (a heavier stage j is itself the slower flow: i's transfers wait for one of j's routes at a time, not for
+    all of j's load): l_i + sum_j min(l_j, l_i), at its busiest link (benchmarks/RESULTS.md "Estimate vs
+    simulator")."""
+    out = None
+    for ups, downs in users.values():
+        for us in (ups, downs):
+            if len(us) < 2:
+                continue
+            if out is None:
+                out = [0.0] * n
+            for i, li in us:
+                t = li
+                for j, lj in us:
+                    if j != i:
+                        t += lj if lj < li else li
+                if t > out[i]:
+                    out[i] = t
+    return out
+
+
 LIST_ROUTES = 24  # routes of a pair of layouts up to which they are scheduled as the simulator does
 EARLY = 1e-9  # ms per row: a replica's compute ends this much later per row it has (only the order counts)
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .._checks import positive_int
 from .checks import profile_and_cluster
-from .comm import queues
+from .comm import add_users, feeds, queues
 from .cost import CostModel, Layout, layout_of
 from .latency import Latency, paper_latency
 from .memory import check_stage_memory, max_in_flight
@@ -37,12 +37,14 @@ class PipelineCosts:
     window: list | None = None  # the same in the steady state (CostModel.comm_links)
     drain_period: float | None = None  # the same once activations stop: gradients alone (default link_period)
     queue: list | None = None  # per compute stage: its first gradient queues behind its activations (comm.queues)
+    feed: list | None = None  # per stage: the warmup's floor where server links carry several stages (comm.feeds)
 
     def latency(self, model: str = "paper", overlap: bool = False) -> Latency:
         if model == "paper":
             return paper_latency(self.F, self.B, self.AR, self.M)
         return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
-                               self.link_period, self.chain, self.window, self.drain_period, self.queue)
+                               self.link_period, self.chain, self.window, self.drain_period, self.queue,
+                               self.feed)
 
 
 def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
@@ -73,6 +75,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
     stage (False: E = B, for a caller that prices no overlap)."""
     F, B, AR, E, D, chain, window, queue = [], [], [], [], [], [], [], []
     hot: tuple = ()  # the busiest inbound links of stage i (comm.queues), from the transfer into it
+    users: dict = {}  # per server, the communication stages on its uplink and downlink (comm.feeds)
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
         f, b = cm.compute(a, c, len(lay))
@@ -96,6 +99,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
             chain.append(cl[4])
             window.append(cl[5])
             hot = cl[6]
+            users = add_users(users, cl[3], 2 * i + 1)
             AR.append(0.0)
             E.append(cb)
     if warmup is None:
@@ -108,7 +112,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
                     check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem, K[i])
     period, drain = cm.link_periods(spans)
     queue.append(False)  # the last stage: no gradients from below
-    return PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue), D
+    return PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F))), D
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from array import array
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .cost import Layout
@@ -48,6 +48,8 @@ class _Prefix:
     hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CostModel.comm_links)
     lead: tuple | None = None  # least `lead` and own chain terms of its stages in a plan of depth + 2 (_DP.prefix_lead)
     us: list | None = None  # _DP.prefix_u_table: the prefix's largest U per count of stages after it (on use)
+    users: dict = field(default_factory=dict)  # per server, the communication stages on its uplink and downlink
+    # with their ms per micro-batch (comm.add_users; refined model)
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""

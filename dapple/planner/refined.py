@@ -10,7 +10,8 @@ from .latency import Latency
 def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                     K: Sequence[int], M: int, link_period: float | None = None,
                     chain: Sequence[float] | None = None, window: Sequence[float] | None = None,
-                    drain_period: float | None = None, queue: Sequence[bool] | None = None) -> Latency:
+                    drain_period: float | None = None, queue: Sequence[bool] | None = None,
+                    feed: Sequence[float] | None = None) -> Latency:
     """Latency of the early-backward schedule over interleaved stages (compute 2i, communication 2i+1).
 
     Like formula 2, the latency is the chain of one pivot stage: the first micro-batch reaching it (Tw), its
@@ -40,6 +41,9 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
     - ``queue[i]`` (per compute stage, :func:`comm.queues`): stage i's first gradient from below shares a
       link with its activations from above, the busiest of their transfer, and transfers start in order of
       readiness: it lands only after the activations stage i-1 posted before it was sent (at most K_{i-1});
+    - ``feed`` (per interleaved stage, :func:`comm.feeds`): while everyone warms up, a communication stage's
+      activations get through no faster than once per ``feed`` where a server link carries other stages'
+      activations too (a floor on the slowest forward up to it: the warmup's supply);
     - ``chain``: what a communication stage adds to a round trip on the gradients' way back, for the first
       micro-batch and the endings (:meth:`CostModel.comm_links`), default B; ``window``: the same for the
       round trips that bound the steady state (gradients of early receivers overlap later forward routes),
@@ -49,14 +53,15 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
     - stages after the pivot: their own chains, not formula 2's negative terms.
     """
     return Latency(*refined_chains(F, B, AR, E, [K], M, link_period, chain, window=window,
-                                   drain_period=drain_period, queue=queue)[0][1])
+                                   drain_period=drain_period, queue=queue, feed=feed)[0][1])
 
 
 def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
                    Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
                    chain: Sequence[float] | None = None, limit: float = float("inf"),
                    window: Sequence[float] | None = None, drain_period: float | None = None,
-                   queue: Sequence[bool] | None = None, race: bool = False) -> list[tuple]:
+                   queue: Sequence[bool] | None = None, race: bool = False,
+                   feed: Sequence[float] | None = None) -> list[tuple]:
     """Per warmup choice: (L, (Tw, Ts, Te, pivot)); once a stage's chain reaches ``limit`` the rest of that
     choice's stages are skipped (L is then only known to be >= limit: what the search needs to reject it).
     ``race``: each choice after the first has the least L so far as its limit too (only the fastest is exact)."""
@@ -100,11 +105,21 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
             tail[i] = own - b
             below = own
     warms, supplies = [0.0] * S, [0.0] * S  # sum of F before stage a; slowest forward up to a (how fast
-    acc = supply = 0.0  # forwards arrive while everyone warms up)
+    acc = supply = 0.0  # forwards arrive while everyone warms up; ``feed``: shared server links' floors)
+    posts = supplies  # the same without ``feed``: how fast a stage posts its activations (``queue``)
+    if feed is not None:
+        posts = [0.0] * S
+        post = 0.0
     for a in range(S):
         warms[a] = acc
         if F[a] > supply:
             supply = F[a]
+        if feed is not None:
+            if F[a] > post:
+                post = F[a]
+            posts[a] = post
+            if feed[a] > supply:
+                supply = feed[a]
         supplies[a] = supply
         acc += F[a]
     # with a limit, the last stage first: its chain is nearly always the longest, so a plan the search rejects
@@ -157,7 +172,7 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
                 y = reach[i + 1] + B[a + 2] + Bc[a + 1]
                 if i and queue is not None and queue[i]:  # behind the activations stage i-1 posted before it
                     up = K[i - 1] if K[i - 1] < M else M  # it posts up to K_{i-1}, one per slowest forward so far
-                    sp = supplies[a - 2]
+                    sp = posts[a - 2]
                     posted = int((y - Bc[a + 1] - warms[a - 1]) / sp) + 1 if sp > 0 else up
                     posted = up if posted > up else (posted if posted > 1 else 1)
                     z = warms[a] + (posted - 1) * supplies[a - 1] + Bc[a + 1]  # landed one per supply

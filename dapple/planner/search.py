@@ -6,7 +6,7 @@ import bisect
 import time
 from typing import TYPE_CHECKING
 
-from .comm import queues
+from .comm import add_users, feeds, queues
 from .cost import CostModel
 from .memo import SearchResult, _gc_paused, _Memo, _Prefix
 from .pruning import BUCKETS_AFTER, INF, TIGHTEN_AFTER, _Pruning
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 COMM_CACHE_LIMIT = 30_000
 REFINED_SEEDS = 3  # seed plans whose cuts _DP.refine_seeds improves by local search
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
+NO_USERS = ((), ())  # a server's (uplink, downlink) communication stages before any crosses it (comm.add_users)
 
 
 class _DP(_Pruning, _StageCosts, _Memo):
@@ -242,10 +243,12 @@ class _DP(_Pruning, _StageCosts, _Memo):
                     u, d = srv1.get(s, NO_LOAD)
                     srv1[s] = (u + tu, d + td)
                 srvmax1 = max((u + d for u, d in srv1.values()), default=0.0)
+                users1 = add_users(pre.users, servers1, 2 * pre.depth - 1)
                 srvd1 = max((u if u > d else d for u, d in srv1.values()), default=0.0)
                 W1, Bsum1 = pre.W + busy1, pre.Bsum + chain1
             else:
                 dev1, devd1, srv1, srvmax1, srvd1 = 0.0, 0.0, pre.servers, 0.0, 0.0
+                users1 = pre.users
                 W1 = Bsum1 = 0.0
             last_in1 = in1
             # without the period bound: checked below only for the ends that pass the cheaper ones (few do)
@@ -256,6 +259,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             busy1, chain1 = 0.0, None
             F0, B0, AR0, E0, C0, Cw0 = [], [], [], [], [], []
             dev1, devd1, srv1, srvmax1, srvd1, last_in1 = 0.0, 0.0, {}, 0.0, 0.0, 0.0
+            users1 = {}
             W1 = Bsum1 = 0.0
             hot1, queue0 = (), ()
             deferred = False  # the gate's ends, with every bound
@@ -268,6 +272,19 @@ class _DP(_Pruning, _StageCosts, _Memo):
             return self.with_period(low, j2, n_rest, ts1, f, bb, W1, Bsum1)
         tails = self.tails(tail_eval)
         queue = (*queue0, queues(hot1, comm_to_rest.ports), False) if refined else None
+
+        shared1 = refined and any(len(ups) > 1 or len(downs) > 1 for ups, downs in users1.values())
+        n_all = 2 * pre.depth + 3  # interleaved stages of prefix + new + rest
+
+        def feed_of(servers2) -> list | None:  # comm.feeds of prefix + new + rest (None: no server link shared)
+            if not shared1:
+                for s, tu, td in servers2:
+                    ups, downs = users1.get(s, NO_USERS)
+                    if (tu > 0 and ups) or (td > 0 and downs):
+                        break
+                else:
+                    return None
+            return feeds(add_users(users1, servers2, n_all - 2), n_all)
 
         def link_periods(servers2, out2, in2) -> tuple[float, float]:  # CostModel.link_periods of prefix + new + rest
             two = one = 0.0
@@ -334,7 +351,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             # a plan that cannot enter the bucket matters only if it beats the best: stop there
             lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
                                     C + [chain2, t_b], D + [t_d], period, INF if enters else self.best[0],
-                                    Cw + [window2, t_b], drain, queue)
+                                    Cw + [window2, t_b], drain, queue, feed_of(servers2) if refined else None)
             if not wide and t_d >= 1 and lat < self.best[0]:
                 self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail_eval)), pre.policies + (name, "rest"), pol)
             if full and (bucket[-1].floor, bucket[-1].latency) <= (floor, lat):
@@ -347,7 +364,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
                           {perm[s]: t for s, t in srv1.items()} if refined else {}, srvmax1, dev1, last_in1,
                           W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
                           max(pre.fmax, busy1, f), floor, Cw, devd1, queue0,
-                          tuple([(k, perm[w] if k == "down" else w) for k, w in hot1]))
+                          tuple([(k, perm[w] if k == "down" else w) for k, w in hot1]),
+                          users={perm[s]: t for s, t in users1.items()} if refined else {})
             if bucket is None:
                 states[j2][skey] = [nxt]
             elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):

@@ -16,7 +16,7 @@ class _StageCosts:
     """What ``search._DP`` prices a stage and a plan with (it provides the cost model, M, b and the memos)."""
 
     def latency(self, F, B, AR, E, C, D, link_period: float, limit: float = INF, W=None,
-                drain: float | None = None, queue=None) -> tuple[float, str]:
+                drain: float | None = None, queue=None, feed=None) -> tuple[float, str]:
         """The plan's L under the search's model and the better warmup policy; any value >= ``limit`` when L is."""
         M = self.M
         if not self.refined:
@@ -37,7 +37,7 @@ class _StageCosts:
             Ks.pop()
         # the second policy matters only if it is faster: its chains stop once one reaches the first's L
         lats = refined_chains(F, B, AR, E if self.overlap else None, Ks, M, link_period, C, limit, W, drain, queue,
-                              race=True)
+                              race=True, feed=feed)
         if len(lats) == 2 and lats[1][0] < lats[0][0] - 1e-9:
             return lats[1][0], pols[1]
         return lats[0][0], pols[0]
@@ -51,7 +51,7 @@ class _StageCosts:
         except ValueError:
             return None
         return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period, W=pc.window, drain=pc.drain_period,
-                            queue=pc.queue)
+                            queue=pc.queue, feed=pc.feed)
 
     def tails(self, lay: Layout) -> list:
         """``[tail(a, lay) for a in range(N)]``, each filled on first use (the search reads it by index)."""

@@ -119,8 +119,8 @@ class _Checked(_DP):
         self.checks = getattr(self, "checks", 0) + 1
         return -float("inf")
 
-    def latency(self, F, B, AR, E, C, D, link_period, limit=float("inf"), W=None, drain=None, queue=None):
-        lat, pol = super().latency(F, B, AR, E, C, D, link_period, W=W, drain=drain, queue=queue)
+    def latency(self, F, B, AR, E, C, D, link_period, limit=float("inf"), W=None, drain=None, queue=None, feed=None):
+        lat, pol = super().latency(F, B, AR, E, C, D, link_period, W=W, drain=drain, queue=queue, feed=feed)
         bound, self.pending = getattr(self, "pending", None), None
         if bound is not None:
             assert bound <= lat * (1 + 1e-9), (bound, lat)

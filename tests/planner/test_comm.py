@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dapple.planner.comm import comm_tables, gradient_ports, queues, route_links
+from dapple.planner.comm import add_users, comm_tables, feeds, gradient_ports, queues, route_links
 from dapple.planner.cost import CostModel
 from dapple.planner.slices import routes
 
@@ -110,3 +110,16 @@ def test_gradients_queue_only_where_the_activations_hold_their_busiest_link():
     # shared links: transfers start at once, nothing queues
     shared = CostModel(linear_profile([1.0, 1.0], boundary=1e6), cluster(3, 2, link_sharing="shared"), 8)
     assert shared.comm_links(0, (0,), (1,))[6] == ()
+
+
+def test_a_shared_server_link_paces_the_warmup_of_the_stages_on_it():
+    """comm.feeds: where a server's uplink carries two communication stages' activations, each gets through
+    at its own load plus the other's, the other's counted at most as its own (a heavier stage is the slower
+    flow: the lighter one's transfers wait for one of its routes at a time); a link with one stage: no floor."""
+    users = add_users({}, ((0, 12.0, 0.0), (1, 0.0, 12.0)), 1)
+    assert feeds(users, 5) is None  # each link carries one stage
+    users = add_users(users, ((0, 10.0, 0.0), (1, 0.0, 0.5)), 3)
+    assert feeds(users, 5) == [0.0, 22.0, 0.0, 20.0, 0.0]  # server 0's uplink: 12 + 10, 10 + 10
+    users = add_users(users, ((1, 0.0, 40.0),), 5)  # server 1's downlink: 12, 0.5 and 40
+    # stage 1: 12 + 0.5 + 12 there (its busiest); stage 3: 20 on server 0's uplink; stage 5: 40 + 12 + 0.5
+    assert feeds(users, 7) == [0.0, 24.5, 0.0, 20.0, 0.0, 52.5, 0.0]
