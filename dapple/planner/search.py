@@ -243,12 +243,10 @@ class _DP(_Pruning, _StageCosts, _Memo):
                     u, d = srv1.get(s, NO_LOAD)
                     srv1[s] = (u + tu, d + td)
                 srvmax1 = max((u + d for u, d in srv1.values()), default=0.0)
-                users1 = add_users(pre.users, servers1, 2 * pre.depth - 1)
                 srvd1 = max((u if u > d else d for u, d in srv1.values()), default=0.0)
                 W1, Bsum1 = pre.W + busy1, pre.Bsum + chain1
             else:
                 dev1, devd1, srv1, srvmax1, srvd1 = 0.0, 0.0, pre.servers, 0.0, 0.0
-                users1 = pre.users
                 W1 = Bsum1 = 0.0
             last_in1 = in1
             # without the period bound: checked below only for the ends that pass the cheaper ones (few do)
@@ -259,7 +257,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
             busy1, chain1 = 0.0, None
             F0, B0, AR0, E0, C0, Cw0 = [], [], [], [], [], []
             dev1, devd1, srv1, srvmax1, srvd1, last_in1 = 0.0, 0.0, {}, 0.0, 0.0, 0.0
-            users1 = {}
+            servers1 = ()
             W1 = Bsum1 = 0.0
             hot1, queue0 = (), ()
             deferred = False  # the gate's ends, with every bound
@@ -273,10 +271,18 @@ class _DP(_Pruning, _StageCosts, _Memo):
         tails = self.tails(tail_eval)
         queue = (*queue0, queues(hot1, comm_to_rest.ports), False) if refined else None
 
-        shared1 = refined and any(len(ups) > 1 or len(downs) > 1 for ups, downs in users1.values())
         n_all = 2 * pre.depth + 3  # interleaved stages of prefix + new + rest
+        users1, shared1 = None, False  # the prefix's and the transfer in's server link users (refined; on first use)
+
+        def users_in() -> dict:
+            nonlocal users1, shared1
+            if users1 is None:
+                users1 = add_users(pre.users, servers1, 2 * pre.depth - 1) if servers1 else pre.users
+                shared1 = any(len(ups) > 1 or len(downs) > 1 for ups, downs in users1.values())
+            return users1
 
         def feed_of(servers2) -> list | None:  # comm.feeds of prefix + new + rest (None: no server link shared)
+            users_in()
             if not shared1:
                 for s, tu, td in servers2:
                     ups, downs = users1.get(s, NO_USERS)
@@ -365,7 +371,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
                           W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
                           max(pre.fmax, busy1, f), floor, Cw, devd1, queue0,
                           tuple([(k, perm[w] if k == "down" else w) for k, w in hot1]),
-                          users={perm[s]: t for s, t in users1.items()} if refined else {})
+                          users={perm[s]: t for s, t in users_in().items()} if refined else {})
             if bucket is None:
                 states[j2][skey] = [nxt]
             elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):
