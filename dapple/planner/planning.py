@@ -81,7 +81,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     10% of the DP's plan, x warmup policies A and B, but not a policy modelled more than 10% above the other on
     the same plan) is made by the event simulator, the judge of the model (0:
     trust the model; skipped above SIMULATE_LIMIT devices x micro-batches); ``meta`` records it. The model's
-    median error against the simulator is 0.1%, its p90 about 6% (benchmarks/estimate_vs_simulator.py): a plan
+    median error against the simulator is 0.1%, its p90 3.4% to 5.0% (benchmarks/estimate_vs_simulator.py): a plan
     modelled 10% slower seldom simulates faster (benchmarks/planner_regret.py: what the choice gains).
     Raises ValueError when no plan fits in device memory.
     """
