@@ -27,16 +27,33 @@ def efficient_replicas(micro: int, most: int) -> list[int]:
 def allreduce_floor(cm: "CostModel", replicas: int, params: np.ndarray) -> np.ndarray:
     """The least ring AllReduce ms of ``params`` bytes (array) over ``replicas`` devices anywhere on the cluster:
     inside one server or across servers, whichever is cheaper (only across when more than a server's worth)."""
+    return _ring_floor(_rings(cm, [replicas]), np.asarray([replicas]), params)[0]
+
+
+def _rings(cm: "CostModel", reps: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+    """Per option of a ring (within a server, across servers): (share, bandwidth, steps, allowed) over ``reps``
+    (the cost model's ring; 1 where not allowed: across servers only when more than a server's worth, r = 1 has
+    no AllReduce)."""
     cl = cm.cluster
-    if replicas <= 1:
-        return np.zeros_like(params)
-    where = (True,) if replicas > cl.devices_per_server else ((False, True) if cl.servers > 1 else (False,))
-    best = None
-    for spans in where:
-        share, bw, steps = cm._ring(replicas, spans)  # the cost model's ring, over a whole array of sizes
-        t = (share * params / bw + steps) * 1e3
-        best = t if best is None else np.minimum(best, t)
-    return np.where(params > 0, best, 0.0)
+    out = []
+    for spans in (False, True):
+        rows = []
+        for r in reps:
+            big = r > cl.devices_per_server
+            allowed = r > 1 and ((big or cl.servers > 1) if spans else not big)
+            rows.append(cm._ring(r, spans) + (True,) if allowed else (1.0, 1.0, 0.0, False))
+        share, bw, steps, allowed = (np.array(x) for x in zip(*rows))
+        out.append((share, bw, steps, allowed.astype(bool)))
+    return out
+
+
+def _ring_floor(rings: list, reps: np.ndarray, params: np.ndarray) -> np.ndarray:
+    """(reps, len(params)): the cheaper allowed ring of ``rings`` (:func:`_rings`) per replica count and size."""
+    ar = np.full((len(reps), len(params)), INF)
+    for share, bw, steps, allowed in rings:
+        t = (share[:, None] * params / bw[:, None] + steps[:, None]) * 1e3
+        np.minimum(ar, np.where(allowed[:, None], t, INF), out=ar)
+    return np.where((params > 0) & (reps[:, None] > 1), ar, 0.0)
 
 
 def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: bool = False,
@@ -116,7 +133,7 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
             T, fits, _, n = first(j, r, False)  # stages [j, e) for e = j+1..j+n: no later end is allowed
             if not n:
                 continue
-            fr, br = first.f[r], first.b[r]
+            fr, br = first.f2[first.row[r]], first.b2[first.row[r]]
             f, b = fr[j + 1:j + 1 + n] - fr[j], br[j + 1:j + 1 + n] - br[j]  # (n,)
             U = np.maximum(f, b)[None, :] + share * np.minimum(f, b)[None, :]  # (C, n)
             ok = (U[None] <= tau) & fits[None, None, :n]  # (K, C, n)
@@ -176,52 +193,41 @@ class PeriodRows:
 
 
 class _FirstStages:
-    """The candidate first stages [j, c) of the bounds' DPs over the rest of the model, for c = j+1..N."""
+    """The candidate first stages [j, c) of the bounds' DPs over the rest of the model, for c = j+1..N, on each
+    replica count r of ``reps`` (rows of (reps, N + 1) arrays of prefix sums: F, B, F + B, saved bytes)."""
 
     def __init__(self, cm: "CostModel", M: int, devices: int, cut: float, overlap: bool = False):
         self.cm, self.M, self.cut, self.overlap = cm, M, cut, overlap
         self.reps = efficient_replicas(cm.micro, devices)  # replica counts r <= min(micro, devices)
-        self.fb, self.f, self.b, self.saved = {}, {}, {}, {}  # per r: prefix sums of F + B, F, B, saved bytes
-        for r in self.reps:
-            f, bk, sv = cm._sums(cm.rows(r))
-            self.fb[r], self.f[r], self.b[r] = np.asarray(f) + np.asarray(bk), np.asarray(f), np.asarray(bk)
-            self.saved[r] = np.asarray(sv)
+        self.row = {r: i for i, r in enumerate(self.reps)}
+        sums = [cm._sums(cm.rows(r)) for r in self.reps]
+        self.f2, self.b2, self.saved2 = (np.array([x[k] for x in sums]) for k in range(3))
+        self.fb2 = self.f2 + self.b2
         self.params = np.asarray(cm._pre_params)
         self.static = self.params * cm.optimizer_factor
-        # the same over every r at once, (reps, N + 1): rest_bound's rows
         self.r = np.asarray(self.reps)
-        self.fb2 = np.array([self.fb[r] for r in self.reps])
-        self.f2, self.b2 = np.array([self.f[r] for r in self.reps]), np.array([self.b[r] for r in self.reps])
-        self.saved2 = np.array([self.saved[r] for r in self.reps])
         self.rings = _rings(cm, self.reps)
+        self.last: tuple = (None, None)  # ((j, allreduce), every(j, allreduce)): what __call__ reads rows of
 
     def __call__(self, j: int, r: int, allreduce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
         """(T = F + B of each, which a bound may use, what their AllReduce adds to their chain at least (its
         floor; overlapped: the floor - B, at least 0) (with ``allreduce`` or a cut, else None), n: ends past
         j + n are never allowed). Allowed: fits in device memory (parameters x optimizer factor + one saved
-        slice) and, below the cut, its own chain M T + that AllReduce term stays below it."""
-        pre, sv, params, static = self.fb[r], self.saved[r], self.params, self.static
-        T = pre[j + 1:] - pre[j]  # (N - j,)
-        ar = allreduce_floor(self.cm, r, params[j + 1:] - params[j]) if allreduce or self.cut < INF else None
-        if ar is not None and self.overlap:  # E - B >= AR - B: the part of the AllReduce after the last backward
-            ar = np.maximum(ar - (self.b[r][j + 1:] - self.b[r][j]), 0.0)
-        ok = (static[j + 1:] - static[j]) + (sv[j + 1:] - sv[j]) <= self.cm.cluster.device_memory
-        if self.cut < INF:
-            ok &= self.M * T + ar < self.cut
-        return T, ok, ar, _span(ok)
+        slice) and, below the cut, its own chain M T + that AllReduce term stays below it. Row r of
+        :meth:`every` (kept for the next r of the same j)."""
+        if self.last[0] != (j, allreduce):
+            self.last = ((j, allreduce), self.every(j, allreduce))
+        T, ok, ar, _ = self.last[1]
+        i = self.row[r]
+        return T[i], ok[i], ar[i] if ar is not None else None, _span(ok[i])
 
     def every(self, j: int, allreduce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
         """:meth:`__call__` for every r at once: (T, ok, AR term) as (reps, N - j) arrays, n: the largest span."""
         T = self.fb2[:, j + 1:] - self.fb2[:, j:j + 1]  # (reps, N - j)
         ar = None
         if allreduce or self.cut < INF:
-            p = self.params[j + 1:] - self.params[j]  # (N - j,)
-            ar = np.full(T.shape, INF)
-            for share, bw, steps, allowed in self.rings:  # allreduce_floor's ring, per option of spanning servers
-                t = (share[:, None] * p / bw[:, None] + steps[:, None]) * 1e3
-                np.minimum(ar, np.where(allowed[:, None], t, INF), out=ar)
-            ar = np.where((p > 0) & (self.r[:, None] > 1), ar, 0.0)
-            if self.overlap:
+            ar = _ring_floor(self.rings, self.r, self.params[j + 1:] - self.params[j])
+            if self.overlap:  # E - B >= AR - B: the part of the AllReduce after the last backward
                 ar = np.maximum(ar - (self.b2[:, j + 1:] - self.b2[:, j:j + 1]), 0.0)
         ok = (self.static[j + 1:] - self.static[j]) + (self.saved2[:, j + 1:] - self.saved2[:, j:j + 1]) \
             <= self.cm.cluster.device_memory
@@ -229,22 +235,6 @@ class _FirstStages:
             ok &= self.M * T + ar < self.cut
         cols = np.flatnonzero(ok.any(axis=0))
         return T, ok, ar, int(cols[-1]) + 1 if len(cols) else 0
-
-
-def _rings(cm: "CostModel", reps: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
-    """Per option of a ring (within a server, across servers): (share, bandwidth, steps, allowed) over ``reps``,
-    as :func:`allreduce_floor` takes them (1 where not allowed; r = 1 has no AllReduce)."""
-    cl = cm.cluster
-    out = []
-    for spans in (False, True):
-        rows = []
-        for r in reps:
-            big = r > cl.devices_per_server  # more than a server's worth: across servers only
-            allowed = r > 1 and ((big or cl.servers > 1) if spans else not big)
-            rows.append(cm._ring(r, spans) + (True,) if allowed else (1.0, 1.0, 0.0, False))
-        share, bw, steps, allowed = (np.array(x) for x in zip(*rows))
-        out.append((share, bw, steps, allowed.astype(bool)))
-    return out
 
 
 def _span(ok: np.ndarray) -> int:
