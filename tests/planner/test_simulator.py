@@ -9,6 +9,8 @@ import pytest
 import dapple
 from dapple import Plan
 from dapple.planner import Stage, evaluate, simulate
+from dapple.planner.cost import CostModel, layout_of
+from dapple.planner.evaluate import pipeline_costs
 
 from .helpers import cluster, linear_profile, random_profile
 
@@ -225,9 +227,6 @@ def test_a_shared_server_link_slows_the_warmup_as_in_the_simulator():
     """comm.feeds' floor (two communication stages' activations on one server uplink or downlink get through no
     faster than both loads allow): over 60 random plans on 2 x 4 devices where it changes the refined estimate,
     the estimate moves closer to the simulator, on average and for most plans (a heuristic: not for all)."""
-    from dapple.planner.cost import CostModel, layout_of
-    from dapple.planner.evaluate import pipeline_costs
-
     rng = random.Random(0)
     errors = []  # (with the floor, without it): (estimate - simulated) / simulated
     while len(errors) < 60:
