@@ -95,13 +95,16 @@ def queues(hot: tuple, ports: tuple[frozenset, frozenset]) -> bool:
     return any(who in (own if k == "in" else servers) for k, who in hot)
 
 
+NO_USERS = ((), ())  # a server's (uplink, downlink) communication stages before any crosses it (add_users)
+
+
 def add_users(users: dict, servers: tuple, at: int) -> dict:
     """``users`` (server -> (uplink users, downlink users), each ((interleaved stage, ms per micro-batch), ...) in
     stage order) with communication stage ``at``'s server loads ``servers`` ((server, uplink ms, downlink ms),
     ...: ``CostModel.comm_links``) added, as a new dict (``users`` is left as it was)."""
     out = dict(users)
     for s, u, d in servers:
-        ups, downs = out.get(s, ((), ()))
+        ups, downs = out.get(s, NO_USERS)
         out[s] = (ups + ((at, u),) if u > 0 else ups, downs + ((at, d),) if d > 0 else downs)
     return out
 

@@ -6,7 +6,7 @@ import bisect
 import time
 from typing import TYPE_CHECKING
 
-from .comm import add_users, feeds, queues
+from .comm import NO_USERS, add_users, feeds, queues
 from .cost import CostModel
 from .memo import SearchResult, _gc_paused, _Memo, _Prefix
 from .pruning import BUCKETS_AFTER, INF, TIGHTEN_AFTER, _Pruning
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 COMM_CACHE_LIMIT = 30_000
 REFINED_SEEDS = 3  # seed plans whose cuts _DP.refine_seeds improves by local search
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
-NO_USERS = ((), ())  # a server's (uplink, downlink) communication stages before any crosses it (comm.add_users)
 
 
 class _DP(_Pruning, _StageCosts, _Memo):
