@@ -31,7 +31,8 @@ class _Prefix:
     D: list
     lb: float  # lower bound on L of any completion, from the fixed stages' steady costs
     free: tuple  # free devices per server (canonical order)
-    latency: float  # formula 5: the complete plan prefix + the remaining layers as one stage on the free devices
+    latency: float | None  # formula 5: the complete plan prefix + the remaining layers as one stage on the free
+    # devices (None until _DP.prefix_latency prices it from ``job``)
     servers: dict  # per server, (uplink, downlink) ms per micro-batch of the prefix's transfers (refined model)
     server_max: float
     dev: float  # busiest device link of the prefix per micro-batch (refined model)
@@ -50,6 +51,7 @@ class _Prefix:
     us: list | None = None  # _DP.prefix_u_table: the prefix's largest U per count of stages after it (on use)
     users: dict = field(default_factory=dict)  # per server, the communication stages on its uplink and downlink
     # with their ms per micro-batch (comm.add_users; refined model)
+    job: tuple | None = None  # with F, B, ..., what _DP.prefix_latency prices ``latency`` from
 
     def spans(self) -> tuple:
         """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""
@@ -61,17 +63,11 @@ class _Prefix:
 
 class _Memo:
     """The memo's side of ``search._DP``: which prefixes a layer expands and the placements (state keys) a new
-    stage can take (it provides the cluster's shape, b, width and the key tables)."""
+    stage can take (it provides the cluster's shape, b and the key tables)."""
 
     def frontier(self, layer_states: dict) -> list:
-        """The prefixes to expand at one j: all of them, or with ``width`` the best ``width`` by formula 5's L
-        (a width-limited pass is a heuristic: ``complete`` becomes False when it drops any)."""
-        pres = [p for bucket in layer_states.values() for p in bucket]
-        if self.width is not None and len(pres) > self.width:
-            pres.sort(key=lambda p: p.latency)
-            del pres[self.width:]
-            self.complete = False
-        return pres
+        """The prefixes to expand at one j: all of them (the exact DP)."""
+        return [p for bucket in layer_states.values() for p in bucket]
 
     def options(self, free: tuple, prev: Layout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices

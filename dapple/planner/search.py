@@ -50,7 +50,6 @@ class _DP(_Pruning, _StageCosts, _Memo):
         self.pv = None  # the period bound's tables (bounds.period_bound), made by tighten()
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
-        self.width: int | None = None  # prefixes expanded per j (None: all, the exact DP)
         self._options: dict = {}
         self._kid: dict = {}  # state key -> int id (states[j] is keyed by the id)
         self._canon: dict = {}  # (free devices, new stage's layout) -> (state key id, server relabelling)
@@ -213,6 +212,34 @@ class _DP(_Pruning, _StageCosts, _Memo):
         x = W + Bsum + f + bb + self.period_rest(j2, n_rest, ts, hi, lo)
         return x if x > low else low
 
+    def quick_floor(self, f: float, bb: float, busy2: float, chain2: float, W1: float, Bsum1: float,
+                    rest: tuple) -> float:
+        """A cheap lower bound on L of prefix + a new stage (F ``f``, B ``bb``; the prefix's first micro-batch
+        leaves after ``W1``, its last gradient ``Bsum1`` before the end) + the rest as one stage: formula 2, M (F+B)
+        of a stage; refined, the rest's chain without its waits (:meth:`rest_chain` is the full one)."""
+        M = self.M
+        t_f, t_b, t_ar, t_e, _ = rest
+        if not self.refined:
+            return max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
+        return W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar, Bsum1 + bb + chain2)
+
+    def plan_latency(self, F: list, B: list, AR: list, E: list, C: list, D: list, Cw: list, job: tuple,
+                     limit: float = INF) -> tuple[float, str]:
+        """:meth:`latency` of prefix + new stage (their interleaved F, B, AR, E, chain, D and window) + the rest as
+        one stage, which expand() prices lazily: ``job`` = (the transfer to the rest's F and B, the rest's F, B,
+        AR, ending, the transfer's chain and window, the rest's D, the link period, the drain period, the
+        queues, comm.feeds' maker (refined; None: formula 2) and the transfer's server loads)."""
+        busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue, feed_of, servers2 = job
+        return self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
+                            C + [chain2, t_b], D + [t_d], period, limit, Cw + [window2, t_b], drain, queue,
+                            feed_of(servers2) if feed_of is not None else None)
+
+    def prefix_latency(self, pre: _Prefix) -> float:
+        """Formula 5's L of a memoised prefix (priced on first use: only ties on the floor need it)."""
+        if pre.latency is None:
+            pre.latency = self.plan_latency(pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, pre.job)[0]
+        return pre.latency
+
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
         N, M, ns, cm = self.N, self.M, self.ns, self.cm
@@ -331,16 +358,11 @@ class _DP(_Pruning, _StageCosts, _Memo):
             if not enters:
                 # the rest-as-one-stage's chain bounds this complete plan's L from below (formula 2: M (F+B) of
                 # any stage); skip evaluating a plan that can neither beat the best nor enter the bucket
-                if refined:  # the rest's own chain (refined_chains with K = 1), its supply and period from below
-                    quick = W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar,
-                                                                      Bsum1 + bb + chain2)  # cheap, lower
-                    if quick < self.cut:
-                        e = cm.overlapped_ending(j, j2, new) if e is None else e
-                        periods = link_periods(servers2, out2, in2)
-                        quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e,
-                                                periods[0])
-                else:
-                    quick = max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
+                quick = self.quick_floor(f, bb, busy2, chain2, W1, Bsum1, rest)
+                if refined and quick < self.cut:  # the rest's own chain (refined_chains with K = 1)
+                    e = cm.overlapped_ending(j, j2, new) if e is None else e
+                    periods = link_periods(servers2, out2, in2)
+                    quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, periods[0])
                 if quick >= self.cut:
                     continue
                 if deferred:
@@ -353,14 +375,32 @@ class _DP(_Pruning, _StageCosts, _Memo):
             period, drain = link_periods(servers2, out2, in2) if periods is None else periods
             F, B, AR, E, C, D = F0 + [f], B0 + [bb], AR0 + [ar], E0 + [e], C0 + [bb], pre.D + [dn]
             Cw = Cw0 + [bb]
-            # a plan that cannot enter the bucket matters only if it beats the best: stop there
-            lat, pol = self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
-                                    C + [chain2, t_b], D + [t_d], period, INF if enters else self.best[0],
-                                    Cw + [window2, t_b], drain, queue, feed_of(servers2) if refined else None)
-            if not wide and t_d >= 1 and lat < self.best[0]:
+            # formula 5's L of prefix + new + the rest as one stage, priced only where it decides something
+            job = (busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue,
+                   feed_of if refined else None, servers2)
+            complete = not wide and t_d >= 1  # a plan the search may record
+            lat = None
+            if not enters:  # it matters only if it beats the best: stop there
+                lat, pol = self.plan_latency(F, B, AR, E, C, D, Cw, job, self.best[0])
+            elif complete:  # priced if its own bounds let it beat the best (2 plans in 20k on 8x8 do)
+                best = self.best[0]
+                quick = self.quick_floor(f, bb, busy2, chain2, W1, Bsum1, rest)
+                if refined and quick < best:
+                    quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period)
+                if quick < best:
+                    lat, pol = self.plan_latency(F, B, AR, E, C, D, Cw, job)
+            if complete and lat is not None and lat < self.best[0]:
                 self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail_eval)), pre.policies + (name, "rest"), pol)
-            if full and (bucket[-1].floor, bucket[-1].latency) <= (floor, lat):
-                continue
+            if full:  # ranked by floor, then by L: priced only on a tie (a fifth of the transitions on 8x8)
+                held = bucket[-1]
+                if held.floor < floor:
+                    continue
+                if held.floor == floor:
+                    if same_costs(held, (F, B, AR, E, C, D, Cw, job)):
+                        continue  # the same L: the first stays (a quarter of the ties on 8x8)
+                    lat = self.plan_latency(F, B, AR, E, C, D, Cw, job)[0] if lat is None else lat
+                    if self.prefix_latency(held) <= lat:
+                        continue
             relabelled = [0] * ns
             for s in range(ns):
                 relabelled[perm[s]] = free2[s]
@@ -370,13 +410,24 @@ class _DP(_Pruning, _StageCosts, _Memo):
                           W1 + f, Bsum1 + bb, self.below(pre, chain1, bb, ar, e),
                           max(pre.fmax, busy1, f), floor, Cw, devd1, queue0,
                           tuple([(k, perm[w] if k == "down" else w) for k, w in hot1]),
-                          users={perm[s]: t for s, t in users_in().items()} if refined else {})
-            if bucket is None:
+                          users={perm[s]: t for s, t in users_in().items()} if refined else {},
+                          job=job)
+            if bucket is None or self.beam == 1:
                 states[j2][skey] = [nxt]
-            elif self.beam == 1 or all(p.spans() != nxt.spans() for p in bucket):
+            elif all(p.spans() != nxt.spans() for p in bucket):
                 bucket.append(nxt)
-                bucket.sort(key=lambda p: (p.floor, p.latency))
+                bucket.sort(key=lambda p: (p.floor, self.prefix_latency(p)))
                 del bucket[self.beam:]
+
+
+def same_costs(pre: _Prefix, costs: tuple) -> bool:
+    """Whether a memoised prefix and a candidate's ``costs`` (_DP.plan_latency's arguments but the limit) price
+    the same: equal interleaved costs, periods and queues, and equal comm.feeds (so the same L, to the bit)."""
+    job, other = pre.job, costs[-1]
+    if (pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, job[:11]) != (*costs[:-1], other[:11]):
+        return False
+    return (job[11](job[12]) if job[11] is not None else None) == (
+        other[11](other[12]) if other[11] is not None else None)
 
 
 def most_stages(num_layers: int, max_stages: int | None) -> int:
