@@ -141,7 +141,7 @@ class CostModel:
             canon = self._comm_canon.get(key)
             if canon is None:
                 canon = self._comm_canon[key] = self._comm_all_layers(*key)
-            table, loads, which, hot, hot_at = canon
+            table, loads, which, hot, hot_at, (own, ports_at) = canon
             server = list(label)
             which = [(server[s], u, d) for s, u, d in which]
             hot = [(k, server[who] if k == "down" else who) for k, who in hot]
@@ -160,7 +160,7 @@ class CostModel:
                         cache[layer] = hit
                 return hit
 
-            pair.ports = gradient_ports(routes(self.micro, len(src), len(dst)), src, dst)  # type: ignore[attr-defined]
+            pair.ports = (own, frozenset([server[s] for s in ports_at]))  # type: ignore[attr-defined]
             self._comm[(src, dst)] = pair
         return pair
 
@@ -173,9 +173,9 @@ class CostModel:
         """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`), packed: (table (5, N):
         busiest, out, in, chain, window; loads (K, N): the K distinct per-server uplink and downlink loads;
         [(server, its uplink's row of loads, its downlink's)]; the receiver-side links busiest at some cut;
-        (links, N) bool: where each is)."""
-        bz, o, i, ud, ch, w, hot = comm_tables(routes(self.micro, len(src), len(dst)), src, dst,
-                                               self._route_times, self.cluster.link_sharing == "shared")
+        (links, N) bool: where each is; comm.gradient_ports)."""
+        rs = routes(self.micro, len(src), len(dst))
+        bz, o, i, ud, ch, w, hot = comm_tables(rs, src, dst, self._route_times, self.cluster.link_sharing == "shared")
         hot_at = np.stack([at for _, at in hot]) if hot else np.zeros((0, len(bz)), dtype=bool)
         distinct: dict = {}  # links with the same loads share a row (on 128 x 8: tens of thousands of tables)
 
@@ -184,7 +184,8 @@ class CostModel:
 
         which = [(s, row(u), row(d)) for s, u, d in ud]
         loads = np.stack([x for _, x in distinct.values()]) if distinct else np.zeros((0, len(bz)))
-        return np.stack([bz, o, i, ch, w]), loads, which, [link for link, _ in hot], hot_at
+        return (np.stack([bz, o, i, ch, w]), loads, which, [link for link, _ in hot], hot_at,
+                gradient_ports(rs, src, dst))
 
     def _boundary(self, rows: int) -> np.ndarray:
         """(N,): bytes crossing each cut for a slice of ``rows`` rows."""

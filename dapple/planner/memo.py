@@ -49,6 +49,7 @@ class _Prefix:
     hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CostModel.comm_links)
     lead: tuple | None = None  # least `lead` and own chain terms of its stages in a plan of depth + 2 (_DP.prefix_lead)
     us: list | None = None  # _DP.prefix_u_table: the prefix's largest U per count of stages after it (on use)
+    ts: dict | None = None  # _DP.period_ts's buckets but the last, per (stages after, links, buckets) (on use)
     users: dict = field(default_factory=dict)  # per server, the communication stages on its uplink and downlink
     # with their ms per micro-batch (comm.add_users; refined model)
     job: tuple | None = None  # with F, B, ..., what _DP.prefix_latency prices ``latency`` from

@@ -170,12 +170,19 @@ class _Pruning:
         us = self.prefix_u_table(pre)
         last = len(us) - 1
         x = self.period_floor(0.0, links)
-        out = []
-        for c in range(C):
-            more = after + (c + 1 if c < C - 1 else (most if most > C else C))
-            u = us[more if more < last else last]
-            out.append(u if u > x else x)
-        return out
+        cache = pre.ts if pre.ts is not None else {}
+        pre.ts = cache
+        head = cache.get((after, links, C))  # the buckets but the last: the same for every ``most``
+        if head is None:
+            head = []
+            for c in range(C - 1):
+                more = after + c + 1
+                u = us[more if more < last else last]
+                head.append(u if u > x else x)
+            cache[(after, links, C)] = head
+        more = after + (most if most > C else C)
+        u = us[more if more < last else last]
+        return head + [u if u > x else x]
 
     def period_rest(self, j: int, R: int, ts: list, hi: float = 0.0, lo: float = 0.0) -> float:
         """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices into c + 1
