@@ -47,6 +47,7 @@ class _DP(_Pruning, _StageCosts, _Memo):
         self.set_best(incumbent, None)
         self.states = self.transitions = 0
         self._seeds: list = []  # (L, spans) of the best seed plans, for refine_seeds
+        self._priced = 0  # seed plans seed() priced (the rest were past its bound)
         self.pv = None  # the period bound's tables (bounds.period_bound), made by tighten()
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
@@ -79,14 +80,36 @@ class _DP(_Pruning, _StageCosts, _Memo):
 
     # ---- seeds: a few simple complete plans give the bound something to prune with ------------------
     def seed(self) -> None:
-        found = []
-        for spans in even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages):
-            res = self.evaluate_spans(spans)
+        """The even-split seed plans (seeds.even_seeds): the best is the incumbent, the best REFINED_SEEDS are kept
+        for refine_seeds. Priced in order of a cheap lower bound (seed_bound) and only while it is below the
+        REFINED_SEEDS-th best priced so far (a plan past it could be neither): the same incumbent and kept seeds
+        as pricing them all, in generation order (the first of equal L wins)."""
+        spans_of = list(even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages))
+        bounds = [self.seed_bound(spans) for spans in spans_of]
+        found, keep = [], []  # (L, generation index, spans, policy); the best REFINED_SEEDS Ls so far
+        for i in sorted(range(len(spans_of)), key=bounds.__getitem__):
+            if len(keep) >= REFINED_SEEDS and bounds[i] > keep[-1]:
+                break  # and every later one: L >= its bound > the kept ones'
+            res = self.evaluate_spans(spans_of[i])
             if res is not None:
-                self.record(res[0], spans, ("even",) * len(spans), res[1])
-                found.append((res[0], spans))
-        found.sort(key=lambda x: x[0])
-        self._seeds = found[:REFINED_SEEDS]
+                found.append((res[0], i, spans_of[i], res[1]))
+                keep = sorted(keep + [res[0]])[:REFINED_SEEDS]
+        self._priced = len(found)
+        for lat, _, spans, pol in sorted(found, key=lambda x: x[1]):  # generation order
+            self.record(lat, spans, ("even",) * len(spans), pol)
+        found.sort(key=lambda x: (x[0], x[1]))
+        self._seeds = [(lat, spans) for lat, _, spans, _ in found[:REFINED_SEEDS]]
+
+    def seed_bound(self, spans: tuple) -> float:
+        """A lower bound on a plan's L under both models from its stages' compute alone: M (F+B) of every stage,
+        and one micro-batch's round trip + (M - 1) max(F, B) of every stage (refined; bounds.period_bound)."""
+        M = self.M
+        fb = [self.cm.compute(a, c, len(lay)) for a, c, lay in spans]
+        low = M * max(f + b for f, b in fb)
+        if self.refined:
+            trip = sum(f + b for f, b in fb)
+            low = max(low, trip + (M - 1) * max(f if f > b else b for f, b in fb))
+        return low
 
     def refine_seeds(self) -> None:
         """Local search over the cuts of the best seeds (seeds.refine_cuts), once: a near-optimal incumbent
