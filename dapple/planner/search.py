@@ -402,16 +402,20 @@ class _DP(_Pruning, _StageCosts, _Memo):
             job = (busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue,
                    feed_of if refined else None, servers2)
             complete = not wide and t_d >= 1  # a plan the search may record
-            lat = None
+            lat = low = None  # this plan's L; a lower bound on it (quick_floor, then rest_chain: ``tight``)
+
+            def bound_below(limit: float) -> float:  # the lower bound, tightened only while it is below ``limit``
+                nonlocal low, tight
+                if low is None:
+                    low, tight = self.quick_floor(f, bb, busy2, chain2, W1, Bsum1, rest), not refined
+                if not tight and low < limit:
+                    low, tight = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period), True
+                return low
+            tight = False
             if not enters:  # it matters only if it beats the best: stop there
                 lat, pol = self.plan_latency(F, B, AR, E, C, D, Cw, job, self.best[0])
-            elif complete:  # priced if its own bounds let it beat the best (2 plans in 20k on 8x8 do)
-                best = self.best[0]
-                quick = self.quick_floor(f, bb, busy2, chain2, W1, Bsum1, rest)
-                if refined and quick < best:
-                    quick = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period)
-                if quick < best:
-                    lat, pol = self.plan_latency(F, B, AR, E, C, D, Cw, job)
+            elif complete and bound_below(self.best[0]) < self.best[0]:  # may beat the best (2 in 20k on 8x8 do)
+                lat, pol = self.plan_latency(F, B, AR, E, C, D, Cw, job)
             if complete and lat is not None and lat < self.best[0]:
                 self.record(lat, pre.spans() + ((j, j2, new), (j2, N, tail_eval)), pre.policies + (name, "rest"), pol)
             if full:  # ranked by floor, then by L: priced only on a tie (a fifth of the transitions on 8x8)
@@ -421,8 +425,12 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 if held.floor == floor:
                     if same_costs(held, (F, B, AR, E, C, D, Cw, job)):
                         continue  # the same L: the first stays (a quarter of the ties on 8x8)
-                    lat = self.plan_latency(F, B, AR, E, C, D, Cw, job)[0] if lat is None else lat
-                    if self.prefix_latency(held) <= lat:
+                    first = self.prefix_latency(held)
+                    if lat is None:
+                        if bound_below(first) >= first:
+                            continue  # L >= its bound >= the held one's: that one stays
+                        lat = self.plan_latency(F, B, AR, E, C, D, Cw, job)[0]
+                    if first <= lat:
                         continue
             relabelled = [0] * ns
             for s in range(ns):
