@@ -51,6 +51,17 @@ class _Pruning:
         below += chain1
         return below + bb if below + bb > own else own
 
+    def quick_floor(self, f: float, bb: float, busy2: float, chain2: float, W1: float, Bsum1: float,
+                    rest: tuple) -> float:
+        """A cheap lower bound on L of prefix + a new stage (F ``f``, B ``bb``; the prefix's first micro-batch
+        leaves after ``W1``, its last gradient ``Bsum1`` before the end) + the rest as one stage: formula 2, M (F+B)
+        of a stage; refined, the rest's chain without its waits (:meth:`rest_chain` is the full one)."""
+        M = self.M
+        t_f, t_b, t_ar, t_e, _ = rest
+        if not self.refined:
+            return max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
+        return W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar, Bsum1 + bb + chain2)
+
     def rest_chain(self, pre: _Prefix, chain1: float | None, f: float, bb: float, ar: float, busy1: float,
                    busy2: float, chain2: float, W1: float, rest: tuple, e: float, link_period: float) -> float:
         """A lower bound on L of prefix + new stage + the rest as one stage: the rest's chain in refined_chains

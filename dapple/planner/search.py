@@ -10,8 +10,8 @@ from .comm import NO_USERS, add_users, feeds, queues
 from .cost import CostModel
 from .memo import SearchResult, _gc_paused, _Memo, _Prefix
 from .pruning import BUCKETS_AFTER, INF, TIGHTEN_AFTER, _Pruning
-from .seeds import even_seeds, refine_cuts
-from .stage_costs import _StageCosts
+from .seeds import _Seeding
+from .stage_costs import _StageCosts, same_costs
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
@@ -21,11 +21,10 @@ if TYPE_CHECKING:
 # memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both
 # are recomputed on use): 8 x 8 needs ~7k, 128 x 8 makes ~1k a second, each a few kB
 COMM_CACHE_LIMIT = 30_000
-REFINED_SEEDS = 3  # seed plans whose cuts _DP.refine_seeds improves by local search
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
 
 
-class _DP(_Pruning, _StageCosts, _Memo):
+class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
     """Formulas 4-5 for one micro-batch size (see :func:`dp_search`)."""
 
     def __init__(self, profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int,
@@ -77,49 +76,6 @@ class _DP(_Pruning, _StageCosts, _Memo):
         """The incumbent: prune what cannot beat it by more than ``gap`` (relative)."""
         self.best = (latency, found)
         self.cut = latency / (1.0 + self.gap)
-
-    # ---- seeds: a few simple complete plans give the bound something to prune with ------------------
-    def seed(self) -> None:
-        """The even-split seed plans (seeds.even_seeds): the best is the incumbent, the best REFINED_SEEDS are kept
-        for refine_seeds. Priced in order of a cheap lower bound (seed_bound) and only while it is below the
-        REFINED_SEEDS-th best priced so far (a plan past it could be neither): the same incumbent and kept seeds
-        as pricing them all, in generation order (the first of equal L wins)."""
-        spans_of = list(even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages))
-        bounds = [self.seed_bound(spans) for spans in spans_of]
-        found, keep = [], []  # (L, generation index, spans, policy); the best REFINED_SEEDS Ls so far
-        for i in sorted(range(len(spans_of)), key=bounds.__getitem__):
-            if len(keep) >= REFINED_SEEDS and bounds[i] > keep[-1]:
-                break  # and every later one: L >= its bound > the kept ones'
-            res = self.evaluate_spans(spans_of[i])
-            if res is not None:
-                found.append((res[0], i, spans_of[i], res[1]))
-                keep = sorted(keep + [res[0]])[:REFINED_SEEDS]
-        self._priced = len(found)
-        for lat, _, spans, pol in sorted(found, key=lambda x: x[1]):  # generation order
-            self.record(lat, spans, ("even",) * len(spans), pol)
-        found.sort(key=lambda x: (x[0], x[1]))
-        self._seeds = [(lat, spans) for lat, _, spans, _ in found[:REFINED_SEEDS]]
-
-    def seed_bound(self, spans: tuple) -> float:
-        """A lower bound on a plan's L under both models from its stages' compute alone: M (F+B) of every stage,
-        and one micro-batch's round trip + (M - 1) max(F, B) of every stage (refined; bounds.period_bound)."""
-        M = self.M
-        fb = [self.cm.compute(a, c, len(lay)) for a, c, lay in spans]
-        low = M * max(f + b for f, b in fb)
-        if self.refined:
-            trip = sum(f + b for f, b in fb)
-            low = max(low, trip + (M - 1) * max(f if f > b else b for f, b in fb))
-        return low
-
-    def refine_seeds(self) -> None:
-        """Local search over the cuts of the best seeds (seeds.refine_cuts), once: a near-optimal incumbent
-        before the DP halves its states on the 8x8 case of benchmarks/planning_time.py."""
-        for _, spans in self._seeds:
-            lat, spans = refine_cuts(lambda sp: (self.evaluate_spans(sp) or (None,))[0], spans)
-            res = self.evaluate_spans(spans) if lat < self.best[0] else None
-            if res is not None:
-                self.record(res[0], spans, ("even",) * len(spans), res[1])
-        self._seeds = []
 
     # ---- the DP ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -234,34 +190,6 @@ class _DP(_Pruning, _StageCosts, _Memo):
         hi, lo = (f, bb) if f > bb else (bb, f)
         x = W + Bsum + f + bb + self.period_rest(j2, n_rest, ts, hi, lo)
         return x if x > low else low
-
-    def quick_floor(self, f: float, bb: float, busy2: float, chain2: float, W1: float, Bsum1: float,
-                    rest: tuple) -> float:
-        """A cheap lower bound on L of prefix + a new stage (F ``f``, B ``bb``; the prefix's first micro-batch
-        leaves after ``W1``, its last gradient ``Bsum1`` before the end) + the rest as one stage: formula 2, M (F+B)
-        of a stage; refined, the rest's chain without its waits (:meth:`rest_chain` is the full one)."""
-        M = self.M
-        t_f, t_b, t_ar, t_e, _ = rest
-        if not self.refined:
-            return max(M * (t_f + t_b), M * (f + bb), 2 * M * busy2)
-        return W1 + f + busy2 + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar, Bsum1 + bb + chain2)
-
-    def plan_latency(self, F: list, B: list, AR: list, E: list, C: list, D: list, Cw: list, job: tuple,
-                     limit: float = INF) -> tuple[float, str]:
-        """:meth:`latency` of prefix + new stage (their interleaved F, B, AR, E, chain, D and window) + the rest as
-        one stage, which expand() prices lazily: ``job`` = (the transfer to the rest's F and B, the rest's F, B,
-        AR, ending, the transfer's chain and window, the rest's D, the link period, the drain period, the
-        queues, comm.feeds' maker (refined; None: formula 2) and the transfer's server loads)."""
-        busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue, feed_of, servers2 = job
-        return self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
-                            C + [chain2, t_b], D + [t_d], period, limit, Cw + [window2, t_b], drain, queue,
-                            feed_of(servers2) if feed_of is not None else None)
-
-    def prefix_latency(self, pre: _Prefix) -> float:
-        """Formula 5's L of a memoised prefix (priced on first use: only ties on the floor need it)."""
-        if pre.latency is None:
-            pre.latency = self.plan_latency(pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, pre.job)[0]
-        return pre.latency
 
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
@@ -409,7 +337,8 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 if low is None:
                     low, tight = self.quick_floor(f, bb, busy2, chain2, W1, Bsum1, rest), not refined
                 if not tight and low < limit:
-                    low, tight = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period), True
+                    low = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period)
+                    tight = True
                 return low
             tight = False
             if not enters:  # it matters only if it beats the best: stop there
@@ -449,16 +378,6 @@ class _DP(_Pruning, _StageCosts, _Memo):
                 bucket.append(nxt)
                 bucket.sort(key=lambda p: (p.floor, self.prefix_latency(p)))
                 del bucket[self.beam:]
-
-
-def same_costs(pre: _Prefix, costs: tuple) -> bool:
-    """Whether a memoised prefix and a candidate's ``costs`` (_DP.plan_latency's arguments but the limit) price
-    the same: equal interleaved costs, periods and queues, and equal comm.feeds (so the same L, to the bit)."""
-    job, other = pre.job, costs[-1]
-    if (pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, job[:11]) != (*costs[:-1], other[:11]):
-        return False
-    return (job[11](job[12]) if job[11] is not None else None) == (
-        other[11](other[12]) if other[11] is not None else None)
 
 
 def most_stages(num_layers: int, max_stages: int | None) -> int:

@@ -10,6 +10,8 @@ from .cost import Layout
 if TYPE_CHECKING:
     from .cost import CostModel
 
+REFINED_SEEDS = 3  # seed plans whose cuts _Seeding.refine_seeds improves by local search
+
 
 def consecutive_layouts(reps: Sequence[int], per_server: int) -> list[Layout]:
     """Stages taking consecutive device ids (0, 1, ...), as server layouts."""
@@ -136,3 +138,50 @@ def refine_cuts(latency: Callable[[tuple], float | None], spans: tuple, budget: 
                 if budget <= 0:
                     break
     return best, tuple((cuts[i], cuts[i + 1], lays[i]) for i in range(S))
+
+
+class _Seeding:
+    """The seeds' side of ``search._DP``: a few simple complete plans give its bound something to prune with (it
+    provides the cost model, the pricing of spans and the incumbent)."""
+
+    def seed(self) -> None:
+        """The even-split seed plans (seeds.even_seeds): the best is the incumbent, the best REFINED_SEEDS are kept
+        for refine_seeds. Priced in order of a cheap lower bound (seed_bound) and only while it is below the
+        REFINED_SEEDS-th best priced so far (a plan past it could be neither): the same incumbent and kept seeds
+        as pricing them all, in generation order (the first of equal L wins)."""
+        spans_of = list(even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages))
+        bounds = [self.seed_bound(spans) for spans in spans_of]
+        found, keep = [], []  # (L, generation index, spans, policy); the best REFINED_SEEDS Ls so far
+        for i in sorted(range(len(spans_of)), key=bounds.__getitem__):
+            if len(keep) >= REFINED_SEEDS and bounds[i] > keep[-1]:
+                break  # and every later one: L >= its bound > the kept ones'
+            res = self.evaluate_spans(spans_of[i])
+            if res is not None:
+                found.append((res[0], i, spans_of[i], res[1]))
+                keep = sorted(keep + [res[0]])[:REFINED_SEEDS]
+        self._priced = len(found)
+        for lat, _, spans, pol in sorted(found, key=lambda x: x[1]):  # generation order
+            self.record(lat, spans, ("even",) * len(spans), pol)
+        found.sort(key=lambda x: (x[0], x[1]))
+        self._seeds = [(lat, spans) for lat, _, spans, _ in found[:REFINED_SEEDS]]
+
+    def seed_bound(self, spans: tuple) -> float:
+        """A lower bound on a plan's L under both models from its stages' compute alone: M (F+B) of every stage,
+        and one micro-batch's round trip + (M - 1) max(F, B) of every stage (refined; bounds.period_bound)."""
+        M = self.M
+        fb = [self.cm.compute(a, c, len(lay)) for a, c, lay in spans]
+        low = M * max(f + b for f, b in fb)
+        if self.refined:
+            trip = sum(f + b for f, b in fb)
+            low = max(low, trip + (M - 1) * max(f if f > b else b for f, b in fb))
+        return low
+
+    def refine_seeds(self) -> None:
+        """Local search over the cuts of the best seeds (seeds.refine_cuts), once: a near-optimal incumbent
+        before the DP halves its states on the 8x8 case of benchmarks/planning_time.py."""
+        for _, spans in self._seeds:
+            lat, spans = refine_cuts(lambda sp: (self.evaluate_spans(sp) or (None,))[0], spans)
+            res = self.evaluate_spans(spans) if lat < self.best[0] else None
+            if res is not None:
+                self.record(res[0], spans, ("even",) * len(spans), res[1])
+        self._seeds = []

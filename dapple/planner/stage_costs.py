@@ -7,6 +7,7 @@ from typing import Sequence
 from .cost import Layout
 from .evaluate import pipeline_costs
 from .latency import paper_latency
+from .memo import _Prefix
 from .memory import max_in_flight
 from .pruning import INF
 from .refined import refined_chains
@@ -41,6 +42,23 @@ class _StageCosts:
         if len(lats) == 2 and lats[1][0] < lats[0][0] - 1e-9:
             return lats[1][0], pols[1]
         return lats[0][0], pols[0]
+
+    def plan_latency(self, F: list, B: list, AR: list, E: list, C: list, D: list, Cw: list, job: tuple,
+                     limit: float = INF) -> tuple[float, str]:
+        """:meth:`latency` of prefix + new stage (their interleaved F, B, AR, E, chain, D and window) + the rest as
+        one stage, which expand() prices lazily: ``job`` = (the transfer to the rest's F and B, the rest's F, B,
+        AR, ending, the transfer's chain and window, the rest's D, the link period, the drain period, the
+        queues, comm.feeds' maker (refined; None: formula 2) and the transfer's server loads)."""
+        busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue, feed_of, servers2 = job
+        return self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
+                            C + [chain2, t_b], D + [t_d], period, limit, Cw + [window2, t_b], drain, queue,
+                            feed_of(servers2) if feed_of is not None else None)
+
+    def prefix_latency(self, pre: _Prefix) -> float:
+        """Formula 5's L of a memoised prefix (priced on first use: only ties on the floor need it)."""
+        if pre.latency is None:
+            pre.latency = self.plan_latency(pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, pre.job)[0]
+        return pre.latency
 
     def evaluate_spans(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, str] | None:
         """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
@@ -94,3 +112,13 @@ class _StageCosts:
             ds = [0] * (j + 1) + [max_in_flight(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
             hit = self._stage_costs[key] = (fs, bs, ars, ds)
         return hit
+
+
+def same_costs(pre: _Prefix, costs: tuple) -> bool:
+    """Whether a memoised prefix and a candidate's ``costs`` (_DP.plan_latency's arguments but the limit) price
+    the same: equal interleaved costs, periods and queues, and equal comm.feeds (so the same L, to the bit)."""
+    job, other = pre.job, costs[-1]
+    if (pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, job[:11]) != (*costs[:-1], other[:11]):
+        return False
+    return (job[11](job[12]) if job[11] is not None else None) == (
+        other[11](other[12]) if other[11] is not None else None)

@@ -111,7 +111,8 @@ def test_seed_bound_is_below_every_seeds_latency_and_lazy_pricing_keeps_the_same
                 every.append((res[0], i, spans, res[1]))
         dp.seed()
         first = min(every, key=lambda x: (x[0], x[1])) if every else None
-        assert dp.best == ((first[0], (first[2], ("even",) * len(first[2]), first[3])) if first else (float("inf"), None))
+        want = (first[0], (first[2], ("even",) * len(first[2]), first[3])) if first else (float("inf"), None)
+        assert dp.best == want
         every.sort(key=lambda x: (x[0], x[1]))
         assert dp._seeds == [(lat, spans) for lat, _, spans, _ in every[:3]]
 
