@@ -328,7 +328,7 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
             Cw = Cw0 + [bb]
             # formula 5's L of prefix + new + the rest as one stage, priced only where it decides something
             job = (busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue,
-                   feed_of if refined else None, servers2)
+                   feed_of(servers2) if refined else None)
             complete = not wide and t_d >= 1  # a plan the search may record
             lat = low = None  # this plan's L; a lower bound on it (quick_floor, then rest_chain: ``tight``)
 

@@ -48,11 +48,10 @@ class _StageCosts:
         """:meth:`latency` of prefix + new stage (their interleaved F, B, AR, E, chain, D and window) + the rest as
         one stage, which expand() prices lazily: ``job`` = (the transfer to the rest's F and B, the rest's F, B,
         AR, ending, the transfer's chain and window, the rest's D, the link period, the drain period, the
-        queues, comm.feeds' maker (refined; None: formula 2) and the transfer's server loads)."""
-        busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue, feed_of, servers2 = job
+        queues and comm.feeds (refined; None: no server link shared, or formula 2))."""
+        busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue, feed = job
         return self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
-                            C + [chain2, t_b], D + [t_d], period, limit, Cw + [window2, t_b], drain, queue,
-                            feed_of(servers2) if feed_of is not None else None)
+                            C + [chain2, t_b], D + [t_d], period, limit, Cw + [window2, t_b], drain, queue, feed)
 
     def prefix_latency(self, pre: _Prefix) -> float:
         """Formula 5's L of a memoised prefix (priced on first use: only ties on the floor need it)."""
@@ -116,9 +115,5 @@ class _StageCosts:
 
 def same_costs(pre: _Prefix, costs: tuple) -> bool:
     """Whether a memoised prefix and a candidate's ``costs`` (_DP.plan_latency's arguments but the limit) price
-    the same: equal interleaved costs, periods and queues, and equal comm.feeds (so the same L, to the bit)."""
-    job, other = pre.job, costs[-1]
-    if (pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, job[:11]) != (*costs[:-1], other[:11]):
-        return False
-    return (job[11](job[12]) if job[11] is not None else None) == (
-        other[11](other[12]) if other[11] is not None else None)
+    the same: equal interleaved costs, periods, queues and feeds (so the same L, to the bit)."""
+    return (pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, pre.job) == costs
