@@ -330,7 +330,8 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
             job = (busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue,
                    feed_of(servers2) if refined else None)
             complete = not wide and t_d >= 1  # a plan the search may record
-            lat = low = None  # this plan's L; a lower bound on it (quick_floor, then rest_chain: ``tight``)
+            lat = low = None  # this plan's L; a lower bound on it (quick_floor, then rest_chain once ``tight``)
+            tight = False
 
             def bound_below(limit: float) -> float:  # the lower bound, tightened only while it is below ``limit``
                 nonlocal low, tight
@@ -340,7 +341,6 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
                     low = self.rest_chain(pre, chain1, f, bb, ar, busy1, busy2, chain2, W1, rest, e, period)
                     tight = True
                 return low
-            tight = False
             if not enters:  # it matters only if it beats the best: stop there
                 lat, pol = self.plan_latency(F, B, AR, E, C, D, Cw, job, self.best[0])
             elif complete and bound_below(self.best[0]) < self.best[0]:  # may beat the best (2 in 20k on 8x8 do)
