@@ -47,7 +47,11 @@ def main() -> None:
                     help="stop the 8x8 and 128x8 searches after this many seconds (anytime: best plan so far)")
     ap.add_argument("--gap", type=float, default=0.01,
                     help="the optimality gap of the 8x8 cases marked 'gap' (plan(gap=...)); 0 leaves them out")
+    ap.add_argument("--workers", default="auto",
+                    help="plan(workers=...): processes searching micro-batch sizes side by side (auto: one per core "
+                         "for the compact search)")
     args = ap.parse_args()
+    workers = args.workers if args.workers == "auto" else int(args.workers)
     bert = lambda: Profile.from_pipedream(PIPEDREAM / "bert_48.txt", 2)  # noqa: E731
     eight = lambda: Cluster.preset("A", servers=8)  # noqa: E731
     cases = [("bert_48, global 64, 2x8 (A), micro-batch searched", bert, lambda: Cluster.preset("A"), 64, None, None,
@@ -69,12 +73,13 @@ def main() -> None:
     for name, prof, cluster, g, b, limit, gap in cases:
         p, c = prof(), cluster()
         med, times, result = timed(args.repeats, lambda: plan(p, c, g, b, model=args.model, time_limit=limit,
-                                                              gap=gap))
+                                                              gap=gap, workers=workers))
         print(f"{name}: median {med:.3f} s over {len(times)} runs ({', '.join(f'{t:.3f}' for t in times)}); "
               f"{result.num_stages} stages {[len(s.devices) for s in result.stages]}, micro-batch "
               f"{result.micro_batch_size}, {result.meta['dp_states']} DP states, "
               f"{result.meta['dp_transitions']} transitions, estimate {result.estimate.latency_ms:.1f} ms, "
-              f"search {'complete' if result.meta['search_complete'] else 'stopped at the time limit'}"
+              f"search {'complete' if result.meta['search_complete'] else 'stopped at the time limit'}, "
+              f"{result.meta['workers']} worker(s)"
               + (f" (no plan below {result.meta['latency_lower_bound_ms']:.1f} ms: at most "
                  f"{result.estimate.latency_ms / result.meta['latency_lower_bound_ms'] - 1:.1%} off the optimum)"
                  if "latency_lower_bound_ms" in result.meta else ""), flush=True)

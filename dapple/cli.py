@@ -71,6 +71,9 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
                         "search of clusters over 4 servers, no limit for the full search)")
     p.add_argument("--gap", type=float, default=0.0,
                    help="stop proving once the plan is within this fraction of the best possible (e.g. 0.01)")
+    p.add_argument("--workers", type=_workers, default="auto",
+                   help="processes searching micro-batch sizes side by side (default auto: one per core for the "
+                        "compact search, Linux only)")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     p.set_defaults(run=_run_plan)
 
@@ -81,7 +84,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile, args.profile_batch)
     result = plan(prof, load_cluster(args.cluster), args.global_batch, args.micro_batch, model=args.model,
                   overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule, search=args.search,
-                  time_limit=args.time_limit, gap=args.gap)
+                  time_limit=args.time_limit, gap=args.gap, workers=args.workers)
     print(result)
     if args.output:
         result.save(args.output)
@@ -97,6 +100,16 @@ def _seconds(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, inf or auto, got {text!r}") from None
+
+
+def _workers(text: str) -> int | str:
+    """``--workers``: a number of processes or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes or auto, got {text!r}") from None
 
 
 def _add_simulate(sub: "argparse._SubParsersAction") -> None:

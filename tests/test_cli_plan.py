@@ -65,6 +65,18 @@ def test_time_limit_takes_seconds_inf_or_auto(tmp_path, capsys):
     assert main([*args, "--time-limit", "5"]) == 0 and Plan.load(out).meta["time_limit_s"] == 5.0
 
 
+def test_workers_take_a_count_or_auto(tmp_path, capsys):
+    from tests.planner.helpers import linear_profile
+    profile, out = tmp_path / "p.yaml", tmp_path / "plan.yaml"
+    linear_profile([1.0, 2.0, 1.0]).save(profile)
+    args = ["plan", str(profile), "--cluster", "A", "--global-batch", "16", "-o", str(out)]
+    with pytest.raises(SystemExit):
+        main([*args, "--workers", "many"])
+    assert "--workers: expected a number of processes or auto, got 'many'" in capsys.readouterr().err
+    assert main(args) == 0 and Plan.load(out).meta["workers"] == 1  # auto: the full search runs in-process
+    assert main([*args, "--workers", "1"]) == 0 and Plan.load(out).meta["workers"] == 1
+
+
 def test_pipedream_profile_needs_its_batch_size():
     with pytest.raises(SystemExit, match="vgg19.txt is a PipeDream profile; .* --profile-batch"):
         main(["plan", str(pipedream_path("vgg19")), "--cluster", "A", "--global-batch", "64"])

@@ -9,6 +9,7 @@ from .._checks import flag, is_int, is_real, non_negative_int, number, positive_
 from .checks import profile_and_cluster
 from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
+from .parallel import resolve_workers, run_searches
 from .plan import Plan, Stage
 from .schedule import SCHEDULES, WARMUP_POLICIES
 from .search import INF, SearchResult, _DP, _gc_paused, can_occupy, most_stages
@@ -48,7 +49,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
          model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | str | None = "auto",
-         gap: float = 0.0, verify: int = 6) -> Plan:
+         gap: float = 0.0, verify: int = 6, workers: int | str = "auto") -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``,
     among the plans that use every device of it (a plan's device ids are the ranks 0..n-1 of the job that runs
     it). Where fewer devices may do better (a tiny global batch, very slow links), plan for a smaller Cluster
@@ -83,6 +84,11 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     trust the model; skipped above SIMULATE_LIMIT devices x micro-batches); ``meta`` records it. The model's
     median error against the simulator is 0.1%, its p90 3.4% to 5.0% (benchmarks/estimate_vs_simulator.py): a plan
     modelled 10% slower seldom simulates faster (benchmarks/planner_regret.py: what the choice gains).
+    ``workers``: processes searching micro-batch sizes side by side (forked: Linux only), each size's search
+    bounded by the best seed plan of all sizes instead of the best plan of the sizes searched before it (the
+    plan is the same for any number of workers > 1, and may differ from workers=1's only where the DP's
+    heuristic depends on its incumbent); "auto" (default): one per core for the compact search (a large
+    cluster: seconds per size), 1 for the full one (benchmarks/planning_time.py: 8x8 on 2 cores).
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()
@@ -151,12 +157,21 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     # full search: each other size's own best within VERIFY_WITHIN is a candidate too (on 2x8, bert_48 plans in
     # 0.18 s instead of 0.11 s; the compact search of large clusters keeps the tight bound: 8x8 would take 8x longer)
     widen = 1 + VERIFY_WITHIN if verify and search == "full" else 1.0
+    workers = resolve_workers(workers, len(dps), search == "compact")
+    if workers > 1:  # side by side: each size's incumbent is the best seed plan of all sizes, not the sizes before
+        for dp in dps[1:]:
+            if dp.best[0] >= dps[0].best[0] * widen:
+                dp.set_best(dps[0].best[0] * widen, None)
+            dp.deadline = deadline
+        dps[0].deadline = deadline
+        run_searches(dps, workers)
     for dp in dps:
-        bound = found.latency * widen if found else INF
-        if dp.best[0] >= bound:
-            dp.set_best(bound, None)
-        dp.deadline = deadline
-        dp.run()
+        if workers == 1:  # one by one: each size's incumbent is the best plan of the sizes before it
+            bound = found.latency * widen if found else INF
+            if dp.best[0] >= bound:
+                dp.set_best(bound, None)
+            dp.deadline = deadline
+            dp.run()
         complete = complete and dp.complete
         tried.append(dp.b)
         if dp.best[1] is not None:
@@ -188,7 +203,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             "latency_model": model, "overlap": overlap, "placement": list(policies),
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
             "dp_transitions": found.transitions, "search": search, "search_complete": complete,
-            "time_limit_s": time_limit}
+            "time_limit_s": time_limit, "workers": workers}
     if gap:
         meta["gap"] = gap
     # what the search proves: no modelled L below this (a finished full search: its best plan's)

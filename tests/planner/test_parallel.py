@@ -1,0 +1,91 @@
+"""Micro-batch sizes searched in forked workers: the same results as in-process, clear errors, no hang."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+import dapple
+from dapple.planner import parallel
+from dapple.planner.search import INF, _DP
+
+from .helpers import cluster, random_profile
+
+forks = pytest.mark.skipif(not parallel.can_fork(), reason="workers are forked: Linux only")
+
+
+def searches(prof, c, g, sizes):
+    dps = [_DP(prof, c, g, b, "refined", True, None, 4.0, 1, INF, None, 1) for b in sizes]
+    for dp in dps:
+        dp.seed()
+    return dps
+
+
+@forks
+def test_workers_copy_back_what_the_search_found():
+    """Each size's best plan, counts, completeness and root bound, as the same search run in-process."""
+    prof, c = random_profile(random.Random(3), 10), cluster(6, 2, inter=3e8)
+    here, there = searches(prof, c, 48, [2, 4, 8]), searches(prof, c, 48, [2, 4, 8])
+    parallel.run_searches(here, 1)
+    parallel.run_searches(there, 2)
+    got = [(dp.best, dp.cut, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in there]
+    assert got == [(dp.best, dp.cut, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in here]
+    assert sum(dp.states for dp in here) > 3  # the searches did work (not only their roots)
+    assert all(dp.best[1] is not None for dp in here)
+
+
+@forks
+def test_plan_is_the_same_for_any_number_of_workers():
+    prof, c = random_profile(random.Random(5), 12), cluster(6, 2, inter=3e8)
+    plans = [dapple.plan(prof, c, 48, workers=w, overlap=True) for w in (2, 3)]
+    assert plans[0].meta["workers"] == 2 and plans[1].meta["workers"] == 3
+    assert [(s.layers, s.devices, s.warmup) for s in plans[0].stages] == \
+        [(s.layers, s.devices, s.warmup) for s in plans[1].stages]
+    assert plans[0].micro_batch_size == plans[1].micro_batch_size
+    assert plans[0].estimate.latency_ms == plans[1].estimate.latency_ms
+    one = dapple.plan(prof, c, 48, workers=1, overlap=True)  # bounded by the sizes before: the same optimum here
+    assert one.meta["workers"] == 1
+    assert one.estimate.latency_ms == pytest.approx(plans[0].estimate.latency_ms, rel=1e-12)
+
+
+@pytest.mark.parametrize("workers, message", [(0, r"workers: expected a positive int or 'auto', got 0"),
+                                              ("all", r"workers: expected a positive int or 'auto', got 'all'"),
+                                              (2.0, r"workers: expected a positive int or 'auto', got 2.0")])
+def test_bad_workers_are_refused(workers, message):
+    prof, c = random_profile(random.Random(0), 6), cluster(6, 2)
+    with pytest.raises(ValueError, match=message):
+        dapple.plan(prof, c, 24, workers=workers)
+
+
+def test_workers_need_fork(monkeypatch):
+    monkeypatch.setattr(parallel, "can_fork", lambda: False)
+    monkeypatch.setattr(parallel.sys, "platform", "darwin")
+    with pytest.raises(ValueError, match=r"workers=2: the searches run in forked processes, which darwin"):
+        parallel.resolve_workers(2, 4, True)
+    assert parallel.resolve_workers("auto", 4, True) == 1  # auto falls back to in-process
+
+
+def test_auto_forks_only_for_the_compact_search(monkeypatch):
+    monkeypatch.setattr(parallel, "can_fork", lambda: True)
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert parallel.resolve_workers("auto", 10, True) == 4  # one per core
+    assert parallel.resolve_workers("auto", 3, True) == 3  # one per search
+    assert parallel.resolve_workers("auto", 10, False) == 1  # the full search: a fork costs more than a size
+    assert parallel.resolve_workers(8, 3, False) == 3
+
+
+def _die(i):
+    os._exit(3)
+
+
+@forks
+@pytest.mark.timeout(60)
+def test_a_dead_worker_is_an_error_not_a_hang(monkeypatch):
+    monkeypatch.setattr(parallel, "_run", _die)  # the forked workers inherit it
+    prof, c = random_profile(random.Random(1), 8), cluster(6, 2)
+    dps = searches(prof, c, 24, [2, 4])
+    with pytest.raises(RuntimeError, match=r"a planner worker process died .* micro-batch sizes \[2, 4\] with 2"):
+        parallel.run_searches(dps, 2)
+    assert parallel._JOBS == []
