@@ -7,14 +7,15 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .._checks import is_int
 
 if TYPE_CHECKING:
     from .search import _DP
 
-_JOBS: list = []  # the searches of the running call: a forked worker inherits them, nothing is pickled to it
+_JOBS: list = []  # the running call's items: a forked worker inherits them, nothing is pickled to it
+_TASK: list = []  # and what it does with each (a worker inherits it too: lambdas do)
 
 
 def can_fork() -> bool:
@@ -40,31 +41,47 @@ def resolve_workers(workers: int | str, searches: int, large: bool) -> int:
     return min(workers, max(searches, 1))
 
 
-def _run(i: int) -> tuple:
-    """In a worker: search ``_JOBS[i]`` and return what plan() reads of it."""
-    dp = _JOBS[i]
-    dp.run()
-    return dp.best, dp.states, dp.transitions, dp.complete, dp.root_bound
+def _apply(i: int):
+    """In a worker: the running call's task on its i-th item."""
+    return _TASK[0](_JOBS[i])
 
 
-def run_searches(dps: Sequence["_DP"], workers: int) -> None:
-    """``dp.run()`` for every search in ``dps``, ``workers`` at a time, in order (the most promising first); each
-    one's best plan, counts, completeness and root bound are copied back. Every search keeps the incumbent it was
-    given (they share none while running: the plan does not depend on timing or on the number of workers)."""
-    global _JOBS
+def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") -> list:
+    """[task(item) for item in items], ``workers`` processes at a time where workers > 1 (forked: they inherit
+    ``task`` and ``items``; only the results are pickled back), in order. A worker that dies is a RuntimeError
+    naming ``what`` it was doing, not a hang."""
+    global _JOBS, _TASK
+    if workers <= 1 or len(items) <= 1:
+        return [task(item) for item in items]
+    _JOBS, _TASK = list(items), [task]
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(items)),
+                                 mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_apply, range(len(items))))
+    except BrokenProcessPool as e:
+        raise RuntimeError(f"a planner worker process died (out of memory?) in {what} with {workers} workers; "
+                           f"retry with workers=1") from e
+    finally:
+        _JOBS, _TASK = [], []
+
+
+# what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)
+KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound")}
+
+
+def in_workers(dps: Sequence["_DP"], workers: int, step: str) -> None:
+    """``dp.seed()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a time, in order (the
+    most promising first), with what KEPT names copied back. Every search keeps the incumbent it was given (they
+    share none while running: the plan does not depend on timing or on the number of workers)."""
     if workers <= 1 or len(dps) <= 1:
         for dp in dps:
-            dp.run()
+            getattr(dp, step)()
         return
-    _JOBS = list(dps)
-    try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(dps)),
-                                 mp_context=multiprocessing.get_context("fork")) as pool:
-            for dp, (best, states, transitions, complete, root) in zip(dps, pool.map(_run, range(len(dps)))):
-                dp.set_best(*best)
-                dp.states, dp.transitions, dp.complete, dp.root_bound = states, transitions, complete, root
-    except BrokenProcessPool as e:
-        raise RuntimeError(f"a planner worker process died (out of memory?) while searching micro-batch sizes "
-                           f"{[dp.b for dp in dps]} with {workers} workers; retry with workers=1") from e
-    finally:
-        _JOBS = []
+
+    def call(dp):
+        getattr(dp, step)()
+        return tuple(getattr(dp, name) for name in KEPT[step])
+    for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}")):
+        dp.set_best(*kept[0])
+        for name, value in zip(KEPT[step][1:], kept[1:]):
+            setattr(dp, name, value)

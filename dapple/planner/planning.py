@@ -9,7 +9,7 @@ from .._checks import flag, is_int, is_real, non_negative_int, number, positive_
 from .checks import profile_and_cluster
 from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
-from .parallel import resolve_workers, run_searches
+from .parallel import forked_map, in_workers, resolve_workers
 from .plan import Plan, Stage
 from .schedule import SCHEDULES, WARMUP_POLICIES
 from .search import INF, SearchResult, _DP, _gc_paused, can_occupy, most_stages
@@ -84,11 +84,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     trust the model; skipped above SIMULATE_LIMIT devices x micro-batches); ``meta`` records it. The model's
     median error against the simulator is 0.1%, its p90 3.4% to 5.0% (benchmarks/estimate_vs_simulator.py): a plan
     modelled 10% slower seldom simulates faster (benchmarks/planner_regret.py: what the choice gains).
-    ``workers``: processes searching micro-batch sizes side by side (forked: Linux only), each size's search
-    bounded by the best seed plan of all sizes instead of the best plan of the sizes searched before it (the
-    plan is the same for any number of workers > 1, and may differ from workers=1's only where the DP's
-    heuristic depends on its incumbent); "auto" (default): one per core for the compact search (a large
-    cluster: seconds per size), 1 for the full one (benchmarks/planning_time.py: 8x8 on 2 cores).
+    ``workers``: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
+    any number); "auto" (default): one per core for the compact search (a large cluster: seconds per size), 1 for
+    the full one (benchmarks/planning_time.py: 8x8 on 2 cores).
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()
@@ -137,16 +135,16 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     dps = []
     for b in sorted(candidates, reverse=True):  # larger micro-batches first: they win ties (all divide g)
         if can_occupy(cluster.num_devices, profile.num_layers, b, max_stages):
-            dp = _DP(profile, cluster, g, b, model, overlap, warmup_policy if model == "refined" else None,
-                     optimizer_factor, beam, INF, max_stages, 1 if search == "compact" else None, float(gap))
-            dp.seed()
-            dps.append(dp)
+            dps.append(_DP(profile, cluster, g, b, model, overlap, warmup_policy if model == "refined" else None,
+                           optimizer_factor, beam, INF, max_stages, 1 if search == "compact" else None, float(gap)))
     if not dps:  # a plan uses every device: at most `depth` stages of at most b replicas each
         raise ValueError(f"micro-batch sizes {sorted(candidates)}: none can occupy the {cluster.num_devices} devices "
                          f"of {cluster.name or 'the cluster'} in at most {depth} stages ({profile.num_layers} layers"
                          f"{'' if max_stages is None else f', max_stages={max_stages}'}); a stage has at most one "
                          f"replica per micro-batch row: need a micro-batch of at least "
                          f"{-(-cluster.num_devices // depth)} rows")
+    workers = resolve_workers(workers, len(dps), search == "compact")
+    in_workers(dps, workers, "seed")
     refine_promising(dps)
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
     dps.sort(key=lambda dp: dp.best[0])  # most promising first: its plans bound the others' search
@@ -157,28 +155,27 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     # full search: each other size's own best within VERIFY_WITHIN is a candidate too (on 2x8, bert_48 plans in
     # 0.18 s instead of 0.11 s; the compact search of large clusters keeps the tight bound: 8x8 would take 8x longer)
     widen = 1 + VERIFY_WITHIN if verify and search == "full" else 1.0
-    workers = resolve_workers(workers, len(dps), search == "compact")
-    if workers > 1:  # side by side: each size's incumbent is the best seed plan of all sizes, not the sizes before
-        for dp in dps[1:]:
-            if dp.best[0] >= dps[0].best[0] * widen:
-                dp.set_best(dps[0].best[0] * widen, None)
-            dp.deadline = deadline
-        dps[0].deadline = deadline
-        run_searches(dps, workers)
-    for dp in dps:
-        if workers == 1:  # one by one: each size's incumbent is the best plan of the sizes before it
-            bound = found.latency * widen if found else INF
-            if dp.best[0] >= bound:
+    # two waves, each searched side by side by the workers: the promising sizes (refine_promising's: seeds within
+    # REFINE_WITHIN of the best), bounded by the best seed plan; then the rest, bounded by the best plan of the
+    # first wave (the sizes of a wave share nothing while they run: the plan does not depend on the workers)
+    lead = dps[0].best[0]
+    waves = [[dp for dp in dps if dp.best[0] <= lead * (1 + REFINE_WITHIN)],
+             [dp for dp in dps if dp.best[0] > lead * (1 + REFINE_WITHIN)]]
+    for wave in waves:
+        bound = (found.latency if found else lead) * widen
+        for dp in wave:
+            if dp is not dps[0] and dp.best[0] >= bound:
                 dp.set_best(bound, None)
             dp.deadline = deadline
-            dp.run()
-        complete = complete and dp.complete
-        tried.append(dp.b)
-        if dp.best[1] is not None:
-            spans, policies, pol = dp.best[1]
-            bests.append((dp.best[0], dp.b, (spans, policies)))
-            if found is None or dp.best[0] < found.latency:
-                found = SearchResult(dp.best[0], spans, policies, pol, dp.b, dp.states, dp.transitions)
+        in_workers(wave, workers, "run")
+        for dp in wave:
+            complete = complete and dp.complete
+            tried.append(dp.b)
+            if dp.best[1] is not None:
+                spans, policies, pol = dp.best[1]
+                bests.append((dp.best[0], dp.b, (spans, policies)))
+                if found is None or dp.best[0] < found.latency:
+                    found = SearchResult(dp.best[0], spans, policies, pol, dp.b, dp.states, dp.transitions)
     if found is None:
         raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
@@ -190,7 +187,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     cands += sorted([c for c in bests if c[1] != found.micro_batch_size] +
                     [(lat, b, (sp, pols)) for lat, b, (sp, pols, _) in seeds], key=lambda c: (c[0], c[1]))
     chosen, simulated, n_sim = _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
-                                       optimizer_factor, verify, deadline)
+                                       optimizer_factor, verify, deadline, workers)
     b, spans, policies, policy = chosen
     M = g // b
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
@@ -241,11 +238,11 @@ def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True, gap: f
 
 
 def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,
-            deadline=None):
+            deadline=None, workers=1):
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
     ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan x warmup policies modelled within
-    VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none past ``deadline`` but the
-    DP's own)."""
+    VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none listed past ``deadline``
+    but the DP's own), simulated by ``workers`` processes (parallel.forked_map)."""
     from .simulator import simulate
 
     pols = (warmup_policy,) if warmup_policy else ("A", "B")
@@ -269,7 +266,7 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
     too_big = cluster.num_devices * (g // b) > SIMULATE_LIMIT
     if not verify or too_big:
         return chosen, None, 0
-    seen, best_sim, n = set(), None, 0
+    seen, trials = set(), []  # (b, spans, policies, warmup policy, the plan to simulate), in order
     for lat, b, (spans, policies) in cands:
         if lat > best_lat * (1 + VERIFY_WITHIN):
             break  # the rest are sorted by modelled latency: all further off
@@ -284,12 +281,15 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
             if lats[pol] > min(lats.values()) * (1 + VERIFY_WITHIN):
                 continue
             devs = devices_of(spans, cluster)
-            trial = Plan(g, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)],
-                         schedule=schedule, warmup_policy=pol)
-            t = simulate(trial, profile, cluster, overlap=overlap).latency_ms
-            n += 1
-            if best_sim is None or t < best_sim * (1 - 1e-3) or (
-                    t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],)):
-                best_sim = t
-                chosen = (b, spans, policies, pol)
-    return chosen, best_sim, n
+            trials.append((b, spans, policies, pol, Plan(g, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in
+                                                               zip(spans, devs, pc.K)],
+                                                          schedule=schedule, warmup_policy=pol)))
+    times = forked_map(lambda trial: simulate(trial[-1], profile, cluster, overlap=overlap).latency_ms, trials,
+                       workers, f"simulating {len(trials)} candidate plans")
+    best_sim = None
+    for (b, spans, policies, pol, _), t in zip(trials, times):
+        if best_sim is None or t < best_sim * (1 - 1e-3) or (
+                t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],)):
+            best_sim = t
+            chosen = (b, spans, policies, pol)
+    return chosen, best_sim, len(trials)
