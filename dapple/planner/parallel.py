@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 _JOBS: list = []  # the running call's items: a forked worker inherits them, nothing is pickled to it
 _TASK: list = []  # and what it does with each (a worker inherits it too: lambdas do)
+_LOCK = threading.Lock()  # one call at a time sets them (plan() from two threads)
 
 
 def can_fork() -> bool:
@@ -27,9 +29,10 @@ def can_fork() -> bool:
 def resolve_workers(workers: int | str, searches: int, large: bool) -> int:
     """How many processes run ``searches`` searches: ``workers``, or for "auto" one per core (os.sched_getaffinity)
     up to one per search where ``large`` (the compact search of a large cluster: seconds per size) and workers
-    can be forked, else 1 (a fork costs more than a small search)."""
+    can be forked (not from a daemonic pool worker), else 1 (a fork costs more than a small search)."""
+    daemon = multiprocessing.current_process().daemon  # a pool's worker: it may not start processes
     if workers == "auto":
-        if not large or not can_fork():
+        if not large or not can_fork() or daemon:
             return 1
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, min(cores, searches))
@@ -38,6 +41,9 @@ def resolve_workers(workers: int | str, searches: int, large: bool) -> int:
     if workers > 1 and not can_fork():
         raise ValueError(f"workers={workers}: the searches run in forked processes, which {sys.platform} does not "
                          f"offer safely; use workers=1")
+    if workers > 1 and daemon:
+        raise ValueError(f"workers={workers}: this process ({multiprocessing.current_process().name}) is a daemonic "
+                         f"pool worker, which may not start processes; use workers=1")
     return min(workers, max(searches, 1))
 
 
@@ -53,16 +59,17 @@ def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") ->
     global _JOBS, _TASK
     if workers <= 1 or len(items) <= 1:
         return [task(item) for item in items]
-    _JOBS, _TASK = list(items), [task]
-    try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(items)),
-                                 mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_apply, range(len(items))))
-    except BrokenProcessPool as e:
-        raise RuntimeError(f"a planner worker process died (out of memory?) in {what} with {workers} workers; "
-                           f"retry with workers=1") from e
-    finally:
-        _JOBS, _TASK = [], []
+    with _LOCK:
+        _JOBS, _TASK = list(items), [task]
+        try:
+            with ProcessPoolExecutor(max_workers=min(workers, len(items)),
+                                     mp_context=multiprocessing.get_context("fork")) as pool:
+                return list(pool.map(_apply, range(len(items))))
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"a planner worker process died (out of memory?) in {what} with {workers} workers; "
+                               f"retry with workers=1") from e
+        finally:
+            _JOBS, _TASK = [], []
 
 
 # what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)

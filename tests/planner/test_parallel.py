@@ -80,6 +80,14 @@ def test_auto_forks_only_for_the_compact_search(monkeypatch):
     assert parallel.resolve_workers(8, 3, False) == 3
 
 
+def test_a_daemonic_pool_worker_plans_in_process(monkeypatch):
+    monkeypatch.setattr(parallel, "can_fork", lambda: True)
+    monkeypatch.setattr(parallel.multiprocessing.current_process(), "daemon", True)
+    assert parallel.resolve_workers("auto", 4, True) == 1
+    with pytest.raises(ValueError, match=r"workers=2: this process \(MainProcess\) is a daemonic pool worker"):
+        parallel.resolve_workers(2, 4, True)
+
+
 def _die(i):
     os._exit(3)
 
