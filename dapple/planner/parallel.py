@@ -17,7 +17,20 @@ if TYPE_CHECKING:
 
 _JOBS: list = []  # the running call's items: a forked worker inherits them, nothing is pickled to it
 _TASK: list = []  # and what it does with each (a worker inherits it too: lambdas do)
+WORKER_MEMORY = 1.5e9  # bytes a worker may need: workers="auto" starts no more than fit (128 x 8 at 60 s: 1.2 GB)
 _LOCK = threading.Lock()  # one call at a time sets them (plan() from two threads)
+
+
+def available_memory() -> float:
+    """Bytes the system can give without swapping (/proc/meminfo's MemAvailable; inf where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
 
 
 def can_fork() -> bool:
@@ -29,13 +42,14 @@ def can_fork() -> bool:
 def resolve_workers(workers: int | str, searches: int, large: bool) -> int:
     """How many processes run ``searches`` searches: ``workers``, or for "auto" one per core (os.sched_getaffinity)
     up to one per search where ``large`` (the compact search of a large cluster: seconds per size) and workers
-    can be forked (not from a daemonic pool worker), else 1 (a fork costs more than a small search)."""
+    can be forked (not from a daemonic pool worker) and no more than WORKER_MEMORY each fit in the available
+    memory, else 1 (a fork costs more than a small search)."""
     daemon = multiprocessing.current_process().daemon  # a pool's worker: it may not start processes
     if workers == "auto":
         if not large or not can_fork() or daemon:
             return 1
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(cores, searches))
+        return max(1, min(cores, searches, int(available_memory() // WORKER_MEMORY)))
     if not is_int(workers, 1):
         raise ValueError(f"workers: expected a positive int or 'auto', got {workers!r}")
     if workers > 1 and not can_fork():

@@ -78,6 +78,15 @@ def test_auto_forks_only_for_the_compact_search(monkeypatch):
     assert parallel.resolve_workers("auto", 3, True) == 3  # one per search
     assert parallel.resolve_workers("auto", 10, False) == 1  # the full search: a fork costs more than a size
     assert parallel.resolve_workers(8, 3, False) == 3
+    monkeypatch.setattr(parallel, "available_memory", lambda: 2.5 * parallel.WORKER_MEMORY)
+    assert parallel.resolve_workers("auto", 10, True) == 2  # no more than fit in memory
+    monkeypatch.setattr(parallel, "available_memory", lambda: 0.5 * parallel.WORKER_MEMORY)
+    assert parallel.resolve_workers("auto", 10, True) == 1
+    assert parallel.resolve_workers(3, 10, True) == 3  # asked for: as many
+
+
+def test_available_memory_is_read_from_the_system():
+    assert parallel.available_memory() > 0
 
 
 def test_a_daemonic_pool_worker_plans_in_process(monkeypatch):
