@@ -92,24 +92,20 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seconds(text: str) -> float | str:
-    """``--time-limit``: a number of seconds (``inf`` for none) or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, inf or auto, got {text!r}") from None
+def _or_auto(parse: Callable[[str], object], expected: str) -> Callable[[str], object]:
+    """An argparse type: ``auto``, or what ``parse`` makes of the text (else the error says ``expected``)."""
+    def convert(text: str) -> object:
+        if text == "auto":
+            return text
+        try:
+            return parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected} or auto, got {text!r}") from None
+    return convert
 
 
-def _workers(text: str) -> int | str:
-    """``--workers``: a number of processes or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of processes or auto, got {text!r}") from None
+_seconds = _or_auto(float, "seconds, inf")  # --time-limit (inf: none)
+_workers = _or_auto(int, "a number of processes")  # --workers
 
 
 def _add_simulate(sub: "argparse._SubParsersAction") -> None:

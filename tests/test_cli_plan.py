@@ -52,11 +52,16 @@ def test_simulate_follows_the_overlap_the_plan_was_made_with(tmp_path, capsys):
     assert simulate(plan, prof, Cluster.preset("A"), overlap=False).overlap is False
 
 
-def test_time_limit_takes_seconds_inf_or_auto(tmp_path, capsys):
+def tiny_plan_args(tmp_path) -> tuple[list, object]:
+    """`dapple plan` of a 3-layer profile on preset A, and the plan file it writes."""
     from tests.planner.helpers import linear_profile
     profile, out = tmp_path / "p.yaml", tmp_path / "plan.yaml"
     linear_profile([1.0, 2.0, 1.0]).save(profile)
-    args = ["plan", str(profile), "--cluster", "A", "--global-batch", "16", "-o", str(out)]
+    return ["plan", str(profile), "--cluster", "A", "--global-batch", "16", "-o", str(out)], out
+
+
+def test_time_limit_takes_seconds_inf_or_auto(tmp_path, capsys):
+    args, out = tiny_plan_args(tmp_path)
     with pytest.raises(SystemExit):
         main([*args, "--time-limit", "abc"])
     assert "--time-limit: expected seconds, inf or auto, got 'abc'" in capsys.readouterr().err
@@ -66,10 +71,7 @@ def test_time_limit_takes_seconds_inf_or_auto(tmp_path, capsys):
 
 
 def test_workers_take_a_count_or_auto(tmp_path, capsys):
-    from tests.planner.helpers import linear_profile
-    profile, out = tmp_path / "p.yaml", tmp_path / "plan.yaml"
-    linear_profile([1.0, 2.0, 1.0]).save(profile)
-    args = ["plan", str(profile), "--cluster", "A", "--global-batch", "16", "-o", str(out)]
+    args, out = tiny_plan_args(tmp_path)
     with pytest.raises(SystemExit):
         main([*args, "--workers", "many"])
     assert "--workers: expected a number of processes or auto, got 'many'" in capsys.readouterr().err
