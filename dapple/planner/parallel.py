@@ -15,8 +15,7 @@ from .._checks import is_int
 if TYPE_CHECKING:
     from .search import _DP
 
-_JOBS: list = []  # the running call's items: a forked worker inherits them, nothing is pickled to it
-_TASK: list = []  # and what it does with each (a worker inherits it too: lambdas do)
+_RUNNING: tuple = ()  # (task, items) of the running call: a forked worker inherits them (lambdas too), unpickled
 WORKER_MEMORY = 1.5e9  # bytes a worker may need: workers="auto" starts no more than fit (128 x 8 at 60 s: 1.2 GB)
 _LOCK = threading.Lock()  # one call at a time sets them (plan() from two threads)
 
@@ -63,18 +62,19 @@ def resolve_workers(workers: int | str, searches: int, large: bool) -> int:
 
 def _apply(i: int):
     """In a worker: the running call's task on its i-th item."""
-    return _TASK[0](_JOBS[i])
+    task, items = _RUNNING
+    return task(items[i])
 
 
 def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") -> list:
     """[task(item) for item in items], ``workers`` processes at a time where workers > 1 (forked: they inherit
     ``task`` and ``items``; only the results are pickled back), in order. A worker that dies is a RuntimeError
     naming ``what`` it was doing, not a hang."""
-    global _JOBS, _TASK
+    global _RUNNING
     if workers <= 1 or len(items) <= 1:
         return [task(item) for item in items]
     with _LOCK:
-        _JOBS, _TASK = list(items), [task]
+        _RUNNING = (task, list(items))
         try:
             with ProcessPoolExecutor(max_workers=min(workers, len(items)),
                                      mp_context=multiprocessing.get_context("fork")) as pool:
@@ -83,7 +83,7 @@ def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") ->
             raise RuntimeError(f"a planner worker process died (out of memory?) in {what} with {workers} workers; "
                                f"retry with workers=1") from e
         finally:
-            _JOBS, _TASK = [], []
+            _RUNNING = ()
 
 
 # what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)
@@ -94,11 +94,6 @@ def in_workers(dps: Sequence["_DP"], workers: int, step: str) -> None:
     """``dp.seed()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a time, in order (the
     most promising first), with what KEPT names copied back. Every search keeps the incumbent it was given (they
     share none while running: the plan does not depend on timing or on the number of workers)."""
-    if workers <= 1 or len(dps) <= 1:
-        for dp in dps:
-            getattr(dp, step)()
-        return
-
     def call(dp):
         getattr(dp, step)()
         return tuple(getattr(dp, name) for name in KEPT[step])

@@ -110,4 +110,4 @@ def test_a_dead_worker_is_an_error_not_a_hang(monkeypatch):
     with pytest.raises(RuntimeError, match=r"a planner worker process died \(out of memory\?\) in run\(\) of "
                                            r"micro-batch sizes \[2, 4\] with 2 workers"):
         parallel.in_workers(dps, 2, "run")
-    assert parallel._JOBS == []
+    assert parallel._RUNNING == ()
