@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from heapq import heappop, heappush
 from typing import Callable, Sequence
 
 import numpy as np
@@ -9,72 +10,116 @@ import numpy as np
 from .slices import Route
 
 
-def comm_tables(rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
-                shared: bool = False) -> tuple:
-    """``CostModel.comm_links`` at every cut of the model at once, for routes ``rs`` from replicas on servers
-    ``src`` to replicas on servers ``dst``: (busiest, out, in, ((server, uplink, downlink), ...), chain,
-    window, hot), each an (N,) array over cuts (``CostModel.comm_links`` says what chain and window are), and
-    ``hot``: ((link, (N,) bool), ...), each receiver-side link ("in", receiver replica) or ("down", server)
-    that is a busiest link at some cut, and the cuts where it is (:func:`queues`; none with shared links). numpy over layers: the
-    routes and links of two layouts are the same at every cut, only the bytes differ.
-    ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``: ``Cluster.link_sharing
-    == "shared"``."""
-    # each link's load is a count of route kinds (rows, same server): loads = counts @ times
-    kinds: dict = {}  # (rows, same server) -> row of `times`
-    links: dict = {}  # link -> {kind: routes}
-    for r in rs:
-        a, b = src[r.src], dst[r.dst]
-        kind = kinds.setdefault((r.rows, a == b), len(kinds))
-        for link in route_links(("send", r.src), ("recv", r.dst), a, b):
-            c = links.setdefault(link, {})
-            c[kind] = c.get(kind, 0) + 1
-    times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
-    names = list(links)
-    counts = np.zeros((len(names), len(kinds)))
-    for x, link in enumerate(names):
-        for kind, n in links[link].items():
-            counts[x, kind] = n
-    loads = counts @ times  # (links, N): ms each link is busy per micro-batch at each cut
-    zero = np.zeros(times.shape[1])
+class CommPair:
+    """``CostModel.comm_links`` of a pair of stage layouts, cut by cut, for routes ``rs`` from replicas on servers
+    ``src`` to replicas on servers ``dst``. The routes, their links and the order the simulator starts them in
+    are the same at every cut, only the bytes differ: those are worked out once here, a cut's numbers on first
+    ask (:meth:`at`), once per distinct set of link loads and route times (cuts with the same bytes share them:
+    a transformer's blocks). ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``:
+    ``Cluster.link_sharing == "shared"``."""
 
-    def most(which: tuple) -> np.ndarray:
-        rows = [x for x, (k, _) in enumerate(names) if k in which]
-        return loads[rows].max(axis=0) if rows else zero
+    def __init__(self, rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
+                 shared: bool = False):
+        # each link's load is a count of route kinds (rows, same server): loads = counts @ times
+        kinds: dict = {}  # (rows, same server) -> row of `times`
+        links: dict = {}  # link -> {kind: routes}
+        for r in rs:
+            a, b = src[r.src], dst[r.dst]
+            kind = kinds.setdefault((r.rows, a == b), len(kinds))
+            for link in route_links(("send", r.src), ("recv", r.dst), a, b):
+                c = links.setdefault(link, {})
+                c[kind] = c.get(kind, 0) + 1
+        times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
+        names = list(links)
+        counts = np.zeros((len(names), len(kinds)))
+        for x, link in enumerate(names):
+            for kind, n in links[link].items():
+                counts[x, kind] = n
+        # (links + kinds, N): the ms each link is busy per micro-batch at each cut, then each kind's route time
+        self._cols = np.concatenate([counts @ times, times])
+        self._links = len(names)
+        self._out = [x for x, (k, _) in enumerate(names) if k in ("out", "xout")]
+        self._in = [x for x, (k, _) in enumerate(names) if k in ("in", "xin")]
+        row = {link: x for x, link in enumerate(names)}
+        self._ud = [(s, row.get(("up", s)), row.get(("down", s)))
+                    for s in sorted({who for (k, who) in names if k in ("up", "down")})]
+        # the receiver-side links ("in", receiver replica) or ("down", server): hot where a busiest link (queues)
+        self._inbound = [(x, (k, who[1] if k == "in" else who)) for x, (k, who) in enumerate(names)
+                         if k in ("in", "down")]
+        self._shared = shared
+        # the steady state's share (window): the routes in posting order, (kind, links, receiver replica)
+        self._posted = [(kinds[(r.rows, src[r.src] == dst[r.dst])], route_links(r.src, r.dst, src[r.src], dst[r.dst]),
+                         r.dst) for r in rs]
+        self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, src, dst, times)
+        self.ports = gradient_ports(rs, src, dst)
+        self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it
 
-    out, inc = most(("out", "xout")), most(("in", "xin"))
-    row = {link: x for x, link in enumerate(names)}
-    servers = sorted({who for (k, who) in names if k in ("up", "down")})
-    ud = [(s, *(loads[row[(k, s)]] if (k, s) in row else zero for k in ("up", "down"))) for s in servers]
-    busiest = loads.max(axis=0)
-    longest = times.max(axis=0)
-    if shared:  # routes sharing the busiest link all land at its end
-        return busiest, out, inc, ud, busiest, busiest, ()
-    top = busiest * (1 - 1e-9)
-    hot = tuple(((k, who[1] if k == "in" else who), at) for (k, who), at in zip(names, loads >= top)
-                if k in ("in", "down") and at.any())
-    # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links are
-    # free; a receiver's gradients start back before the others' data is in, overlapping later forward routes
-    free: dict = {}
-    done: dict = {}
-    for r in rs:
-        a, b = src[r.src], dst[r.dst]
-        end = zero
-        ls = route_links(r.src, r.dst, a, b)
-        for x in ls:
-            if x in free:
-                end = np.maximum(end, free[x])
-        end = end + times[kinds[(r.rows, a == b)]]
-        for x in ls:
-            free[x] = end
-        done[r.dst] = np.maximum(done[r.dst], end) if r.dst in done else end
-    first = np.minimum.reduce(list(done.values()))
-    last = np.maximum.reduce(list(done.values()))
-    window = np.maximum(longest, busiest - (np.maximum(busiest, last) - first))
-    if len(rs) > LIST_ROUTES:  # many routes: the same closed form for the first micro-batch
-        return busiest, out, inc, ud, window, window, hot
-    # the first micro-batch's: its round trip, the transfers started as the simulator does
-    return (busiest, out, inc, ud, np.maximum(longest, _round_trip(rs, src, dst, times, kinds) - busiest), window,
-            hot)
+    def _trip_order(self, rs: Sequence[Route], src: tuple, dst: tuple, times: np.ndarray) -> tuple:
+        """One micro-batch's round trip (:meth:`_round_trip`): its routes' kinds, receivers, forward and backward
+        links, and the order the simulator starts each way (taken at the cut with the most bytes)."""
+        rows_of: dict = {}  # a replica's rows: one with fewer finishes its compute and posts its transfers first
+        for r in rs:
+            rows_of[("s", r.src)] = rows_of.get(("s", r.src), 0) + r.rows
+            rows_of[("r", r.dst)] = rows_of.get(("r", r.dst), 0) + r.rows
+        kind = [k for k, _, _ in self._posted]
+        dst_of = [r.dst for r in rs]
+        fw = [route_links(("s", r.src), ("r", r.dst), src[r.src], dst[r.dst]) for r in rs]
+        bw = [route_links(("r", r.dst), ("s", r.src), dst[r.dst], src[r.src]) for r in rs]
+        rep = int(np.argmax(times.sum(axis=0)))
+        t = [times[k, rep].item() for k in kind]
+        fw_order = _start_order([EARLY * rows_of[("s", r.src)] for r in rs], t, fw)
+        done = _landed(dst_of, _replay([0.0] * len(rs), t, fw, fw_order))
+        bw_order = _start_order([done[r.dst] + EARLY * rows_of[("r", r.dst)] for r in rs], t, bw)
+        return kind, dst_of, fw, fw_order, bw, bw_order
+
+    def at(self, layer: int) -> tuple:
+        """(busiest, out, in, ((server, uplink, downlink), ...), chain, window, hot) of one micro-batch's transfers
+        after ``layer``, ms (``CostModel.comm_links`` says what each is); ``hot``: the receiver-side links that
+        are a busiest link (:func:`queues`; none with shared links)."""
+        col = tuple(self._cols[:, layer].tolist())
+        hit = self._at.get(col)
+        if hit is None:
+            hit = self._at[col] = self._cut(col[:self._links], col[self._links:])
+        return hit
+
+    def _cut(self, loads: tuple, times: tuple) -> tuple:
+        busiest, longest = max(loads), max(times)
+        out = max([loads[x] for x in self._out], default=0.0)
+        inc = max([loads[x] for x in self._in], default=0.0)
+        ud = tuple([(s, 0.0 if u is None else loads[u], 0.0 if d is None else loads[d]) for s, u, d in self._ud])
+        if self._shared:  # routes sharing the busiest link all land at its end
+            return busiest, out, inc, ud, busiest, busiest, ()
+        top = busiest * (1 - 1e-9)
+        hot = tuple([link for x, link in self._inbound if loads[x] >= top])
+        # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links
+        # are free; a receiver's gradients start back before the others' data is in, overlapping later routes
+        free: dict = {}
+        done: dict = {}
+        for kind, ls, d in self._posted:
+            end = 0.0
+            for x in ls:
+                if x in free and free[x] > end:
+                    end = free[x]
+            end = end + times[kind]
+            for x in ls:
+                free[x] = end
+            if d not in done or end > done[d]:
+                done[d] = end
+        first, last = min(done.values()), max(done.values())
+        window = max(longest, busiest - (max(busiest, last) - first))
+        if self._trip is None:  # many routes: the same closed form for the first micro-batch
+            return busiest, out, inc, ud, window, window, hot
+        # the first micro-batch's: its round trip, the transfers started as the simulator does
+        return busiest, out, inc, ud, max(longest, self._round_trip(times) - busiest), window, hot
+
+    def _round_trip(self, times: tuple) -> float:
+        """ms from the first activations leaving to the last gradients landing, for one micro-batch with nothing
+        below the receivers (what is below shifts every receiver's gradients alike): the routes run as the
+        simulator starts them, each receiver's gradients when its own data is in."""
+        kind, dst, fw, fw_order, bw, bw_order = self._trip
+        t = [times[k] for k in kind]
+        done = _landed(dst, _replay([0.0] * len(t), t, fw, fw_order))
+        return max(_replay([done[d] for d in dst], t, bw, bw_order))
 
 
 def gradient_ports(rs: Sequence[Route], src: tuple, dst: tuple) -> tuple[frozenset, frozenset]:
@@ -142,7 +187,9 @@ def _start_order(ready: list, dur: list, links: list) -> list:
     """Indices in the order the simulator starts them: at each event, every waiting transfer (in order) whose
     links are all free starts."""
     free: dict = {}
-    waiting = sorted(range(len(dur)), key=lambda x: (ready[x], x))
+    ends: list = []  # heap of the started transfers' ends: a link is taken only once free, so those after t are
+    # the links' free times
+    waiting = sorted(range(len(dur)), key=lambda x: (ready[x], x))  # (stays sorted: the first not ready is next)
     out: list = []
     t = 0.0
     while waiting:
@@ -157,58 +204,48 @@ def _start_order(ready: list, dur: list, links: list) -> list:
                     end = t + dur[x]
                     for link in links[x]:
                         free[link] = end
+                    heappush(ends, end)
                     continue
             still.append(x)
         waiting = still
         if waiting:  # the next event: a link freed or a transfer ready
-            nxt = float("inf")
-            for v in free.values():
-                if t < v < nxt:
-                    nxt = v
+            while ends and ends[0] <= t:
+                heappop(ends)
+            nxt = ends[0] if ends else float("inf")
             for x in waiting:
                 v = ready[x]
-                if t < v < nxt:
-                    nxt = v
+                if v > t:
+                    if v < nxt:
+                        nxt = v
+                    break
             t = nxt
     return out
 
 
-def _round_trip(rs: Sequence[Route], src: tuple, dst: tuple, times: np.ndarray, kinds: dict) -> np.ndarray:
-    """(N,) ms from the first activations leaving to the last gradients landing, for one micro-batch with
-    nothing below the receivers (what is below shifts every receiver's gradients alike): the routes run as
-    the simulator starts them (order taken at the cut with the most bytes), each receiver's gradients when its
-    own data is in."""
-    rep = int(np.argmax(times.sum(axis=0)))
-    rows_of: dict = {}  # a replica's rows: one with fewer finishes its compute and posts its transfers first
-    for r in rs:
-        rows_of[("s", r.src)] = rows_of.get(("s", r.src), 0) + r.rows
-        rows_of[("r", r.dst)] = rows_of.get(("r", r.dst), 0) + r.rows
-    fw = [route_links(("s", r.src), ("r", r.dst), src[r.src], dst[r.dst]) for r in rs]
-    t = [times[kinds[(r.rows, src[r.src] == dst[r.dst])]] for r in rs]
-    zero = np.zeros(times.shape[1])
-    done: dict = {}  # receiver -> when its last activations land
-    for r, end in zip(rs, _replay([zero] * len(rs), [EARLY * rows_of[("s", r.src)] for r in rs], t, fw, rep)):
-        done[r.dst] = np.maximum(done[r.dst], end) if r.dst in done else end
-    bw = [route_links(("r", r.dst), ("s", r.src), dst[r.dst], src[r.src]) for r in rs]
-    early = [EARLY * rows_of[("r", r.dst)] for r in rs]
-    return np.maximum.reduce(_replay([done[r.dst] for r in rs], early, t, bw, rep))
-
-
-def _replay(ready: list, early: list, t: list, links: list, rep: int) -> list:
-    """Each transfer's (N,) end, started as the simulator does (:func:`_start_order` at cut ``rep``): at the
-    later of its ``ready`` time and its links' last transfer's end. ``early``: a tie-break on readiness."""
+def _replay(ready: list, t: list, links: list, order: list) -> list:
+    """Each transfer's end, started in ``order`` (:func:`_start_order`): at the later of its ``ready`` time and
+    its links' last transfer's end."""
     free: dict = {}
-    ends: list = [None] * len(t)
-    for x in _start_order([float(r[rep]) + e for r, e in zip(ready, early)], [float(v[rep]) for v in t], links):
+    ends: list = [0.0] * len(t)
+    for x in order:
         end = ready[x]
         for link in links[x]:
-            if link in free:
-                end = np.maximum(end, free[link])
+            if link in free and free[link] > end:
+                end = free[link]
         end = end + t[x]
         for link in links[x]:
             free[link] = end
         ends[x] = end
     return ends
+
+
+def _landed(dst: list, ends: list) -> dict:
+    """receiver -> when its last activations land, for transfers to receivers ``dst`` ending at ``ends``."""
+    done: dict = {}
+    for d, end in zip(dst, ends):
+        if d not in done or end > done[d]:
+            done[d] = end
+    return done
 
 
 def route_links(sender: object, receiver: object, src_server: int, dst_server: int) -> tuple:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .._checks import number, positive_int
-from .comm import comm_tables, gradient_ports
+from .comm import CommPair
 from .slices import routes
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class CostModel:
         self._pre_params = _prefix(params)
         self._prefix: dict[int, tuple[list[float], list[float], list[float]]] = {}
         self._comm: dict = {}  # (src, dst) -> comm_pair, filled on use
-        self._comm_canon: dict[tuple, tuple] = {}  # the same for servers relabelled 0, 1, ...
+        self._comm_canon: dict[tuple, CommPair] = {}  # the same for servers relabelled 0, 1, ...
         self._bbytes: dict[int, np.ndarray] = {}
         self._routes_ms: dict[tuple, np.ndarray] = {}
         self._ar: dict[tuple, float] = {}
@@ -133,33 +133,32 @@ class CostModel:
     def comm_pair(self, src: Layout, dst: Layout):
         """``layer -> comm_links(layer, src, dst)`` (memoised per pair: the search asks one pair at many cuts)."""
         pair = self._comm.get((src, dst))
-        if pair is None:  # costs see servers only as same-or-not: compute once per relabelling (first use order)
+        if pair is None:  # costs see servers only as same-or-not: one comm.CommPair per relabelling (first use order)
             label: dict = {}
             for s in src + dst:
                 label.setdefault(s, len(label))
             key = (tuple(label[s] for s in src), tuple(label[s] for s in dst))
             canon = self._comm_canon.get(key)
             if canon is None:
-                canon = self._comm_canon[key] = self._comm_all_layers(*key)
-            table, loads, which, hot, hot_at, (own, ports_at) = canon
+                canon = self._comm_canon[key] = CommPair(routes(self.micro, len(src), len(dst)), *key,
+                                                         self._route_times, self.cluster.link_sharing == "shared")
             server = list(label)
-            which = [(server[s], u, d) for s, u, d in which]
-            hot = [(k, server[who] if k == "down" else who) for k, who in hot]
+            at = canon.at
             # per-cut answers are cached for pairs over a few servers; over many (128 x 8) the caches of tens of
             # thousands of pairs with a (server, ms) entry per server filled gigabytes: those are rebuilt per ask
-            cache = [None] * self.num_layers if len(which) <= CACHED_SERVERS else None
+            cache = [None] * self.num_layers if len(server) <= CACHED_SERVERS else None
 
             def pair(layer: int) -> tuple:  # (refers to no CostModel: no reference cycle keeps the caches alive)
                 hit = cache[layer] if cache is not None else None
                 if hit is None:
-                    bz, o, i, ch, w = table[:, layer].tolist()
-                    at = loads[:, layer].tolist()
-                    hit = (bz, o, i, tuple([(s, at[u], at[d]) for s, u, d in which]), ch, w,
-                           tuple([link for link, x in zip(hot, hot_at[:, layer]) if x]))
+                    bz, o, i, ud, ch, w, hot = at(layer)
+                    hit = (bz, o, i, tuple([(server[s], u, d) for s, u, d in ud]), ch, w,
+                           tuple([(k, server[who] if k == "down" else who) for k, who in hot]))
                     if cache is not None:
                         cache[layer] = hit
                 return hit
 
+            own, ports_at = canon.ports
             pair.ports = (own, frozenset([server[s] for s in ports_at]))  # type: ignore[attr-defined]
             self._comm[(src, dst)] = pair
         return pair
@@ -168,24 +167,6 @@ class CostModel:
         """Drop the memoised :meth:`comm_pair` tables (a long search bounds its memory with this)."""
         self._comm.clear()
         self._comm_canon.clear()
-
-    def _comm_all_layers(self, src: Layout, dst: Layout) -> tuple:
-        """:meth:`comm_links` at every cut of the model at once (:func:`comm.comm_tables`), packed: (table (5, N):
-        busiest, out, in, chain, window; loads (K, N): the K distinct per-server uplink and downlink loads;
-        [(server, its uplink's row of loads, its downlink's)]; the receiver-side links busiest at some cut;
-        (links, N) bool: where each is; comm.gradient_ports)."""
-        rs = routes(self.micro, len(src), len(dst))
-        bz, o, i, ud, ch, w, hot = comm_tables(rs, src, dst, self._route_times, self.cluster.link_sharing == "shared")
-        hot_at = np.stack([at for _, at in hot]) if hot else np.zeros((0, len(bz)), dtype=bool)
-        distinct: dict = {}  # links with the same loads share a row (on 128 x 8: tens of thousands of tables)
-
-        def row(x: np.ndarray) -> int:
-            return distinct.setdefault(x.tobytes(), (len(distinct), x))[0]
-
-        which = [(s, row(u), row(d)) for s, u, d in ud]
-        loads = np.stack([x for _, x in distinct.values()]) if distinct else np.zeros((0, len(bz)))
-        return (np.stack([bz, o, i, ch, w]), loads, which, [link for link, _ in hot], hot_at,
-                gradient_ports(rs, src, dst))
 
     def _boundary(self, rows: int) -> np.ndarray:
         """(N,): bytes crossing each cut for a slice of ``rows`` rows."""

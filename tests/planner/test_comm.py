@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dapple.planner.comm import add_users, comm_tables, feeds, gradient_ports, queues, route_links
+from dapple.planner.comm import CommPair, add_users, feeds, gradient_ports, queues, route_links
 from dapple.planner.cost import CostModel
 from dapple.planner.slices import routes
 
@@ -38,21 +38,31 @@ def _times(rows: int, same_server: bool) -> np.ndarray:
 
 def test_a_concat_gets_no_stagger_credit():
     # 2 replicas on server 0 -> 1 on server 1: both routes cross server 1's downlink, one after the other
-    busiest, out, inc, ud, chain, window, _ = comm_tables(routes(8, 2, 1), (0, 0), (1,), _times)
-    assert busiest == pytest.approx([80.0] * 3)  # 2 routes x 4 rows x 10 ms
-    assert inc == pytest.approx([80.0] * 3) and out == pytest.approx([40.0] * 3)
-    assert {s: (list(u), list(d)) for s, u, d in ud} == {0: ([80.0] * 3, [0.0] * 3), 1: ([0.0] * 3, [80.0] * 3)}
-    assert chain == pytest.approx(busiest)  # one receiver: its gradients leave after all its data is in
-    assert window == pytest.approx(busiest)
+    pair = CommPair(routes(8, 2, 1), (0, 0), (1,), _times)
+    for cut in range(3):
+        busiest, out, inc, ud, chain, window, hot = pair.at(cut)
+        assert busiest == pytest.approx(80.0)  # 2 routes x 4 rows x 10 ms
+        assert inc == pytest.approx(80.0) and out == pytest.approx(40.0)
+        assert ud == ((0, 80.0, 0.0), (1, 0.0, 80.0))
+        assert chain == pytest.approx(busiest)  # one receiver: its gradients leave after all its data is in
+        assert window == pytest.approx(busiest)
+        assert hot == (("down", 1),)  # the receiver server's downlink (its device link is an "xin": not tracked)
 
 
 def test_a_split_credits_the_early_receivers_gradients_unless_links_are_shared():
     # 1 replica on server 0 -> 2 on servers 1 and 2: the uplink carries both routes; the first lands at 40 ms
-    busiest, _, _, _, chain, window, _ = comm_tables(routes(8, 1, 2), (0,), (1, 2), _times)
-    assert busiest == pytest.approx([80.0] * 3)
-    assert chain == pytest.approx([40.0] * 3)  # the second receiver's 40 ms back, after its data at 80 ms
-    assert window == pytest.approx([40.0] * 3)  # max(longest 40, 80 - (80 - 40))
-    assert comm_tables(routes(8, 1, 2), (0,), (1, 2), _times, shared=True)[4] == pytest.approx(busiest)
+    busiest, _, _, _, chain, window, _ = CommPair(routes(8, 1, 2), (0,), (1, 2), _times).at(1)
+    assert busiest == pytest.approx(80.0)
+    assert chain == pytest.approx(40.0)  # the second receiver's 40 ms back, after its data at 80 ms
+    assert window == pytest.approx(40.0)  # max(longest 40, 80 - (80 - 40))
+    assert CommPair(routes(8, 1, 2), (0,), (1, 2), _times, shared=True).at(1)[4] == pytest.approx(busiest)
+
+
+def test_cuts_with_other_bytes_get_their_own_numbers():
+    # route times that differ by cut: each cut is priced on its own, cuts with equal times share one answer
+    pair = CommPair(routes(8, 2, 1), (0, 0), (1,), lambda rows, same: np.array([1.0, 2.0, 1.0]) * rows)
+    assert [pair.at(cut)[0] for cut in range(3)] == pytest.approx([8.0, 16.0, 8.0])
+    assert pair.at(0) is pair.at(2)
 
 
 def test_one_micro_batch_round_trip_is_the_simulators_between_unequal_replica_counts():
@@ -68,10 +78,10 @@ def test_one_micro_batch_round_trip_is_the_simulators_between_unequal_replica_co
     sim = simulate(plan, prof, c).latency_ms  # 391.4 ms; the closed form before it: 290.4 ms
     assert est == pytest.approx(sim, rel=0.01)
     # the last receiver's data lands 204 ms after the first send, not after its downlink's 171 ms
-    busiest, _, _, _, chain, window, _ = comm_tables(routes(1024, 10, 6), tuple(range(10)), tuple(range(10, 16)),
-                                                  lambda rows, same: np.array([rows / 6.0]))
-    assert busiest == pytest.approx([171.0 / 6]) and busiest + chain == pytest.approx([(204.0 + 171.0) / 6])
-    assert window == pytest.approx([103.0 / 6])  # the steady state's closed form: the longest route
+    busiest, _, _, _, chain, window, _ = CommPair(routes(1024, 10, 6), tuple(range(10)), tuple(range(10, 16)),
+                                                  lambda rows, same: np.array([rows / 6.0])).at(0)
+    assert busiest == pytest.approx(171.0 / 6) and busiest + chain == pytest.approx((204.0 + 171.0) / 6)
+    assert window == pytest.approx(103.0 / 6)  # the steady state's closed form: the longest route
 
 
 def test_the_steady_state_windows_take_the_overlapped_share():
@@ -90,7 +100,7 @@ def test_the_steady_state_windows_take_the_overlapped_share():
 
 
 def test_gradients_queue_only_where_the_activations_hold_their_busiest_link():
-    # comm_tables' hot links and gradient_ports, through CostModel, on 3 servers of 2 devices
+    # CommPair's hot links and gradient_ports, through CostModel, on 3 servers of 2 devices
     cm = CostModel(linear_profile([1.0, 1.0], boundary=1e6), cluster(3, 2), 8)
     # 1 replica on server 0 -> 1 on server 1: its uplink and server 1's downlink carry the same load (hot)
     hot = cm.comm_links(0, (0,), (1,))[6]
