@@ -48,8 +48,8 @@ class CommPair:
                          if k in ("in", "down")]
         self._shared = shared
         # the steady state's share (window): the routes in posting order, (kind, links, receiver replica)
-        self._posted = [(kinds[(r.rows, src[r.src] == dst[r.dst])], route_links(r.src, r.dst, src[r.src], dst[r.dst]),
-                         r.dst) for r in rs]
+        paths, self._links_posted = _numbered([route_links(r.src, r.dst, src[r.src], dst[r.dst]) for r in rs])
+        self._posted = [(kinds[(r.rows, src[r.src] == dst[r.dst])], ls, r.dst) for r, ls in zip(rs, paths)]
         self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, src, dst, times)
         self.ports = gradient_ports(rs, src, dst)
         self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it
@@ -63,14 +63,15 @@ class CommPair:
             rows_of[("r", r.dst)] = rows_of.get(("r", r.dst), 0) + r.rows
         kind = [k for k, _, _ in self._posted]
         dst_of = [r.dst for r in rs]
-        fw = [route_links(("s", r.src), ("r", r.dst), src[r.src], dst[r.dst]) for r in rs]
-        bw = [route_links(("r", r.dst), ("s", r.src), dst[r.dst], src[r.src]) for r in rs]
+        paths, n = _numbered([route_links(("s", r.src), ("r", r.dst), src[r.src], dst[r.dst]) for r in rs] +
+                             [route_links(("r", r.dst), ("s", r.src), dst[r.dst], src[r.src]) for r in rs])
+        fw, bw = paths[:len(rs)], paths[len(rs):]
         rep = int(np.argmax(times.sum(axis=0)))
         t = [times[k, rep].item() for k in kind]
-        fw_order = _start_order([EARLY * rows_of[("s", r.src)] for r in rs], t, fw)
-        done = _landed(dst_of, _replay([0.0] * len(rs), t, fw, fw_order))
-        bw_order = _start_order([done[r.dst] + EARLY * rows_of[("r", r.dst)] for r in rs], t, bw)
-        return kind, dst_of, fw, fw_order, bw, bw_order
+        fw_order = _start_order([EARLY * rows_of[("s", r.src)] for r in rs], t, fw, n)
+        done = _landed(dst_of, _replay([0.0] * len(rs), t, fw, fw_order, n))
+        bw_order = _start_order([done[r.dst] + EARLY * rows_of[("r", r.dst)] for r in rs], t, bw, n)
+        return kind, dst_of, fw, fw_order, bw, bw_order, n
 
     def at(self, layer: int) -> tuple:
         """(busiest, out, in, ((server, uplink, downlink), ...), chain, window, hot) of one micro-batch's transfers
@@ -93,12 +94,12 @@ class CommPair:
         hot = tuple([link for x, link in self._inbound if loads[x] >= top])
         # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links
         # are free; a receiver's gradients start back before the others' data is in, overlapping later routes
-        free: dict = {}
+        free = [0.0] * self._links_posted
         done: dict = {}
         for kind, ls, d in self._posted:
             end = 0.0
             for x in ls:
-                if x in free and free[x] > end:
+                if free[x] > end:
                     end = free[x]
             end = end + times[kind]
             for x in ls:
@@ -116,10 +117,10 @@ class CommPair:
         """ms from the first activations leaving to the last gradients landing, for one micro-batch with nothing
         below the receivers (what is below shifts every receiver's gradients alike): the routes run as the
         simulator starts them, each receiver's gradients when its own data is in."""
-        kind, dst, fw, fw_order, bw, bw_order = self._trip
+        kind, dst, fw, fw_order, bw, bw_order, n = self._trip
         t = [times[k] for k in kind]
-        done = _landed(dst, _replay([0.0] * len(t), t, fw, fw_order))
-        return max(_replay([done[d] for d in dst], t, bw, bw_order))
+        done = _landed(dst, _replay([0.0] * len(t), t, fw, fw_order, n))
+        return max(_replay([done[d] for d in dst], t, bw, bw_order, n))
 
 
 def gradient_ports(rs: Sequence[Route], src: tuple, dst: tuple) -> tuple[frozenset, frozenset]:
@@ -183,54 +184,64 @@ LIST_ROUTES = 24  # routes of a pair of layouts up to which they are scheduled a
 EARLY = 1e-9  # ms per row: a replica's compute ends this much later per row it has (only the order counts)
 
 
-def _start_order(ready: list, dur: list, links: list) -> list:
-    """Indices in the order the simulator starts them: at each event, every waiting transfer (in order) whose
-    links are all free starts."""
-    free: dict = {}
+def _numbered(paths: list) -> tuple[list, int]:
+    """The links of each transfer of ``paths`` as ints 0, 1, ... (a link's name, a tuple, hashes anew at every
+    lookup), and how many distinct links there are."""
+    ids: dict = {}
+    return [tuple([ids.setdefault(link, len(ids)) for link in p]) for p in paths], len(ids)
+
+
+def _start_order(ready: list, dur: list, links: list, n: int) -> list:
+    """Indices in the order the simulator starts them: at each event, every waiting transfer (in order of
+    ``ready``, then index) whose links (``links``: :func:`_numbered`'s, ``n`` of them) are all free starts.
+    Between two events where no link frees, only the newly ready can start (the blocked stay blocked)."""
+    free = [0.0] * n
     ends: list = []  # heap of the started transfers' ends: a link is taken only once free, so those after t are
     # the links' free times
-    waiting = sorted(range(len(dur)), key=lambda x: (ready[x], x))  # (stays sorted: the first not ready is next)
+    order = sorted(range(len(dur)), key=lambda x: (ready[x], x))
+    k = 0  # order[k:]: not ready yet
+    blocked: list = []  # ready, waiting for a link, in order
     out: list = []
-    t = 0.0
-    while waiting:
-        still = []
-        for x in waiting:
-            if ready[x] <= t:
-                for link in links[x]:
-                    if free.get(link, 0.0) > t:
-                        break
-                else:  # all its links free: it starts
-                    out.append(x)
-                    end = t + dur[x]
-                    for link in links[x]:
-                        free[link] = end
-                    heappush(ends, end)
-                    continue
-            still.append(x)
-        waiting = still
-        if waiting:  # the next event: a link freed or a transfer ready
-            while ends and ends[0] <= t:
-                heappop(ends)
-            nxt = ends[0] if ends else float("inf")
-            for x in waiting:
-                v = ready[x]
-                if v > t:
-                    if v < nxt:
-                        nxt = v
+    t, freed = 0.0, True
+    while True:
+        new = k
+        while k < len(order) and ready[order[k]] <= t:
+            k += 1
+        scan = blocked + order[new:k] if freed else order[new:k]
+        keep = [] if freed else blocked
+        for x in scan:
+            for link in links[x]:
+                if free[link] > t:
+                    keep.append(x)
                     break
-            t = nxt
-    return out
+            else:  # all its links free: it starts
+                out.append(x)
+                end = t + dur[x]
+                for link in links[x]:
+                    free[link] = end
+                heappush(ends, end)
+        blocked = keep
+        if len(out) == len(order):
+            return out
+        # the next event: a link freed or a transfer ready
+        while ends and ends[0] <= t:
+            heappop(ends)
+        nxt = ends[0] if ends else float("inf")
+        if k < len(order) and ready[order[k]] < nxt:
+            t, freed = ready[order[k]], False
+        else:
+            t, freed = nxt, True
 
 
-def _replay(ready: list, t: list, links: list, order: list) -> list:
-    """Each transfer's end, started in ``order`` (:func:`_start_order`): at the later of its ``ready`` time and
-    its links' last transfer's end."""
-    free: dict = {}
+def _replay(ready: list, t: list, links: list, order: list, n: int) -> list:
+    """Each transfer's end, started in ``order`` (:func:`_start_order`): at the later of its ``ready`` time (>= 0)
+    and its links' last transfer's end (``links``: :func:`_numbered`'s, ``n`` of them)."""
+    free = [0.0] * n
     ends: list = [0.0] * len(t)
     for x in order:
         end = ready[x]
         for link in links[x]:
-            if link in free and free[link] > end:
+            if free[link] > end:
                 end = free[link]
         end = end + t[x]
         for link in links[x]:
