@@ -42,10 +42,14 @@ def balanced_cuts(cm: "CostModel", reps: Sequence[int]) -> list[int] | None:
     layers while it stays within P. The min-max partition where every stage has the same replica count; with
     unequal counts a heuristic (taking fewer layers early can move an expensive layer off a slow stage)."""
     N, S = cm.num_layers, len(reps)
+    of_rows: dict = {}  # slice rows -> prefix sums of F + B (a pattern has one or two replica counts)
     sums = []
     for r in reps:
-        f, b, _ = cm._sums(cm.rows(r))
-        sums.append([x + y for x, y in zip(f, b)])
+        rows = cm.rows(r)
+        if rows not in of_rows:
+            f, b, _ = cm._sums(rows)
+            of_rows[rows] = [x + y for x, y in zip(f, b)]
+        sums.append(of_rows[rows])
 
     def cover(P: float) -> list[int] | None:
         cuts, a = [], 0
