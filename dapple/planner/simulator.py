@@ -130,6 +130,8 @@ class _Sim:
         self.arrived: dict[tuple, int] = {}  # (device, kind, micro_batch) -> transfers arrived
         self.link_busy: set = set()
         self.waiting: list = []  # ready transfers waiting for a busy link
+        self.blocked = 0  # waiting[:blocked] found their links busy at the last dispatch (held links)
+        self.freed = False  # a held link freed since then: they are looked at again
         self.events: list = []
         self.seq = 0
         self.timeline: list[TimelineOp] = []
@@ -174,8 +176,10 @@ class _Sim:
     def dispatch(self, t: float) -> None:
         """Start every waiting transfer whose links are all free, in order of readiness (a transfer that
         waits for a busy link holds nothing meanwhile); shared links: every one whose pair has none in flight."""
-        still = []
-        for item in self.waiting:
+        # held links: one blocked at the last dispatch stays blocked until a link frees
+        skip = self.blocked if self.net is None and not self.freed else 0
+        still = self.waiting[:skip]
+        for item in self.waiting[skip:]:
             seq, src, dst, kind, mb, layer, rows, links, si, ti = item
             if self.net is not None:  # shared links: on its way at once, after the pair's earlier transfers
                 if (src, dst, kind) in self.streams:
@@ -184,7 +188,7 @@ class _Sim:
                 self.streams.add((src, dst, kind))
                 self.net.add(t, seq, self.cm.route_ms(layer, rows, si, ti), links, (t, item))
                 continue
-            if any(link in self.link_busy for link in links):
+            if not self.link_busy.isdisjoint(links):
                 still.append(item)
                 continue
             self.link_busy.update(links)
@@ -192,6 +196,7 @@ class _Sim:
             self.record(item, t, end)
             self.push(end, "xfer", (dst, kind, mb, links))
         self.waiting = still
+        self.blocked, self.freed = len(still), False
 
     def record(self, item: tuple, start: float, end: float) -> None:
         _, src, dst, kind, mb, layer, rows, _, _, _ = item
@@ -255,6 +260,7 @@ class _Sim:
             else:
                 d, k, mb, links = payload
                 self.link_busy.difference_update(links)
+                self.freed = True
                 self.arrived[(d, k, mb)] = self.arrived.get((d, k, mb), 0) + 1
                 self.try_start(d, t)
                 self.dispatch(t)
