@@ -72,14 +72,24 @@ class _Memo:
 
     def options(self, free: tuple, prev: Layout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
-        after it, the rest's device count and layout (its first b replicas when wider), and the new state's key
-        and server relabelling."""
+        after it, the rest's device count and layout (its first b replicas when wider), the new state's key and
+        server relabelling, and the communication costs in and out of it per cut (CostModel.comm_pair, filled
+        by expand() once a placement passes the bounds: they depend on the previous stage's layout itself)."""
         key = (free, prev, m)
         hit = self._options.get(key)
         if hit is None:
-            first: dict = {}
-            for k, s in enumerate(prev or ()):
-                first.setdefault(s, k)
+            # the rest depends on the previous stage only through the order its servers first appear in
+            hit = self._options[key] = [(*option, []) for option in
+                                        self._placed(free, tuple(dict.fromkeys(prev)) if prev else (), m)]
+        return hit
+
+    def _placed(self, free: tuple, first_servers: tuple, m: int) -> list:
+        """:meth:`options` but the communication costs, for a previous stage whose servers first appear in the
+        order ``first_servers`` (memoised)."""
+        key = (free, first_servers, m)
+        hit = self._placements.get(key)
+        if hit is None:
+            first = {s: k for k, s in enumerate(first_servers)}
             order = sorted(range(self.ns), key=lambda s: (first.get(s, 1 << 30), s))
             hit = []
             for name, take in placements(free, self.dps, m, order):
@@ -92,7 +102,7 @@ class _Memo:
                 # stage's there)
                 ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
                 rank = {s: r for r, s in enumerate(ahead)}
-                like = _arrange(take, prev)
+                like = _arrange(take, first_servers)
                 for new in dict.fromkeys((like, tuple(sorted(like, key=rank.get)))):
                     n_rest = sum(free2)
                     wide = n_rest > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
@@ -103,12 +113,10 @@ class _Memo:
                         kid = self._kid.setdefault(state_key, len(self._kid))  # an int: cheaper to hash than the key
                         canon = self._canon[(free2, new)] = (kid, perm)
                     kid, perm = canon
-                    # comms: the communication costs in and out of the new stage per cut (CostModel.comm_pair),
-                    # filled by expand() once a placement passes the bounds
                     # the rest's layout only as far as a stage can use it (b replicas): on 128 x 8 a whole tail
                     # per placement filled gigabytes (a wide rest is never recorded as a plan's last stage)
-                    hit.append((name, new, free2, n_rest, tail, wide, kid, perm, []))
-            self._options[key] = hit
+                    hit.append((name, new, free2, n_rest, tail, wide, kid, perm))
+            self._placements[key] = hit
         return hit
 
 

@@ -50,7 +50,8 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
         self.pv = None  # the period bound's tables (bounds.period_bound), made by tighten()
         self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
         self.complete = True
-        self._options: dict = {}
+        self._options: dict = {}  # (free, previous layout, m) -> _Memo.options
+        self._placements: dict = {}  # (free, the previous layout's servers in order, m) -> _Memo._placed
         self._kid: dict = {}  # state key -> int id (states[j] is keyed by the id)
         self._canon: dict = {}  # (free devices, new stage's layout) -> (state key id, server relabelling)
         self._stage_costs: dict = {}  # (j, m, spans servers) -> stage_costs
@@ -115,6 +116,7 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
                     return
                 if len(cm._comm) > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
                     self._options.clear()
+                    self._placements.clear()
                     cm.forget_comm()
                 free = pre.free
                 R = sum(free)
