@@ -20,58 +20,57 @@ class CommPair:
 
     def __init__(self, rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
                  shared: bool = False):
-        # each link's load is a count of route kinds (rows, same server): loads = counts @ times
         kinds: dict = {}  # (rows, same server) -> row of `times`
-        links: dict = {}  # link -> {kind: routes}
+        kind = []  # each route's
+        ids: dict = {}  # link -> its number, in order of first use
+        paths = []  # each route's links, numbered
         for r in rs:
             a, b = src[r.src], dst[r.dst]
-            kind = kinds.setdefault((r.rows, a == b), len(kinds))
-            for link in route_links(("send", r.src), ("recv", r.dst), a, b):
-                c = links.setdefault(link, {})
-                c[kind] = c.get(kind, 0) + 1
-        times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
-        names = list(links)
+            kind.append(kinds.setdefault((r.rows, a == b), len(kinds)))
+            links = route_links(("s", r.src), ("r", r.dst), a, b)
+            paths.append(tuple([ids.setdefault(link, len(ids)) for link in links]))
+        # each link's load is a count of route kinds (rows, same server): loads = counts @ times
+        names = list(ids)
         counts = np.zeros((len(names), len(kinds)))
-        for x, link in enumerate(names):
-            for kind, n in links[link].items():
-                counts[x, kind] = n
+        for k, path in zip(kind, paths):
+            for x in path:
+                counts[x, k] += 1
+        times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
         # (links + kinds, N): the ms each link is busy per micro-batch at each cut, then each kind's route time
         self._cols = np.concatenate([counts @ times, times])
         self._links = len(names)
         self._out = [x for x, (k, _) in enumerate(names) if k in ("out", "xout")]
         self._in = [x for x, (k, _) in enumerate(names) if k in ("in", "xin")]
-        row = {link: x for x, link in enumerate(names)}
-        self._ud = [(s, row.get(("up", s)), row.get(("down", s)))
+        self._ud = [(s, ids.get(("up", s)), ids.get(("down", s)))
                     for s in sorted({who for (k, who) in names if k in ("up", "down")})]
         # the receiver-side links ("in", receiver replica) or ("down", server): hot where a busiest link (queues)
         self._inbound = [(x, (k, who[1] if k == "in" else who)) for x, (k, who) in enumerate(names)
                          if k in ("in", "down")]
         self._shared = shared
         # the steady state's share (window): the routes in posting order, (kind, links, receiver replica)
-        paths, self._links_posted = _numbered([route_links(r.src, r.dst, src[r.src], dst[r.dst]) for r in rs])
-        self._posted = [(kinds[(r.rows, src[r.src] == dst[r.dst])], ls, r.dst) for r, ls in zip(rs, paths)]
-        self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, src, dst, times)
+        self._posted = [(k, path, r.dst) for k, path, r in zip(kind, paths, rs)]
+        self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, kind, paths, times)
         self.ports = gradient_ports(rs, src, dst)
         self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it
 
-    def _trip_order(self, rs: Sequence[Route], src: tuple, dst: tuple, times: np.ndarray) -> tuple:
-        """One micro-batch's round trip (:meth:`_round_trip`): its routes' kinds, receivers, forward and backward
-        links, and the order the simulator starts each way (taken at the cut with the most bytes)."""
-        rows_of: dict = {}  # a replica's rows: one with fewer finishes its compute and posts its transfers first
+    def _trip_order(self, rs: Sequence[Route], kind: list, paths: list, times: np.ndarray) -> tuple:
+        """One micro-batch's round trip (:meth:`_round_trip`): its routes' kinds, receivers and links, and the
+        order the simulator starts them each way (taken at the cut with the most bytes). The gradients take each
+        route's links the other way: each link's reverse (a device's out for its in, a server's downlink for its
+        uplink), shared by the same routes, so the routes' numbered ``paths`` serve both ways."""
+        sent: dict = {}  # a replica's rows: one with fewer finishes its compute and posts its transfers first
+        got: dict = {}
         for r in rs:
-            rows_of[("s", r.src)] = rows_of.get(("s", r.src), 0) + r.rows
-            rows_of[("r", r.dst)] = rows_of.get(("r", r.dst), 0) + r.rows
-        kind = [k for k, _, _ in self._posted]
-        dst_of = [r.dst for r in rs]
-        paths, n = _numbered([route_links(("s", r.src), ("r", r.dst), src[r.src], dst[r.dst]) for r in rs] +
-                             [route_links(("r", r.dst), ("s", r.src), dst[r.dst], src[r.src]) for r in rs])
-        fw, bw = paths[:len(rs)], paths[len(rs):]
+            sent[r.src] = sent.get(r.src, 0) + r.rows
+            got[r.dst] = got.get(r.dst, 0) + r.rows
+        dst = [r.dst for r in rs]
+        n = self._links
         rep = int(np.argmax(times.sum(axis=0)))
         t = [times[k, rep].item() for k in kind]
-        fw_order = _start_order([EARLY * rows_of[("s", r.src)] for r in rs], t, fw, n)
-        done = _landed(dst_of, _replay([0.0] * len(rs), t, fw, fw_order, n))
-        bw_order = _start_order([done[r.dst] + EARLY * rows_of[("r", r.dst)] for r in rs], t, bw, n)
-        return kind, dst_of, fw, fw_order, bw, bw_order, n
+        fw_order = _start_order([EARLY * sent[r.src] for r in rs], t, paths, n)
+        done = _landed(dst, _replay([0.0] * len(rs), t, paths, fw_order, n))
+        bw_order = _start_order([done[r.dst] + EARLY * got[r.dst] for r in rs], t, paths, n)
+        return kind, dst, paths, fw_order, bw_order, n
 
     def at(self, layer: int) -> tuple:
         """(busiest, out, in, ((server, uplink, downlink), ...), chain, window, hot) of one micro-batch's transfers
@@ -94,7 +93,7 @@ class CommPair:
         hot = tuple([link for x, link in self._inbound if loads[x] >= top])
         # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links
         # are free; a receiver's gradients start back before the others' data is in, overlapping later routes
-        free = [0.0] * self._links_posted
+        free = [0.0] * self._links
         done: dict = {}
         for kind, ls, d in self._posted:
             end = 0.0
@@ -117,10 +116,10 @@ class CommPair:
         """ms from the first activations leaving to the last gradients landing, for one micro-batch with nothing
         below the receivers (what is below shifts every receiver's gradients alike): the routes run as the
         simulator starts them, each receiver's gradients when its own data is in."""
-        kind, dst, fw, fw_order, bw, bw_order, n = self._trip
+        kind, dst, paths, fw_order, bw_order, n = self._trip
         t = [times[k] for k in kind]
-        done = _landed(dst, _replay([0.0] * len(t), t, fw, fw_order, n))
-        return max(_replay([done[d] for d in dst], t, bw, bw_order, n))
+        done = _landed(dst, _replay([0.0] * len(t), t, paths, fw_order, n))
+        return max(_replay([done[d] for d in dst], t, paths, bw_order, n))
 
 
 def gradient_ports(rs: Sequence[Route], src: tuple, dst: tuple) -> tuple[frozenset, frozenset]:
@@ -184,17 +183,10 @@ LIST_ROUTES = 24  # routes of a pair of layouts up to which they are scheduled a
 EARLY = 1e-9  # ms per row: a replica's compute ends this much later per row it has (only the order counts)
 
 
-def _numbered(paths: list) -> tuple[list, int]:
-    """The links of each transfer of ``paths`` as ints 0, 1, ... (a link's name, a tuple, hashes anew at every
-    lookup), and how many distinct links there are."""
-    ids: dict = {}
-    return [tuple([ids.setdefault(link, len(ids)) for link in p]) for p in paths], len(ids)
-
-
 def _start_order(ready: list, dur: list, links: list, n: int) -> list:
     """Indices in the order the simulator starts them: at each event, every waiting transfer (in order of
-    ``ready``, then index) whose links (``links``: :func:`_numbered`'s, ``n`` of them) are all free starts.
-    Between two events where no link frees, only the newly ready can start (the blocked stay blocked)."""
+    ``ready``, then index) whose links (``links``: numbers below ``n``, as CommPair numbers them) are all free
+    starts. Between two events where no link frees, only the newly ready can start (the blocked stay blocked)."""
     free = [0.0] * n
     ends: list = []  # heap of the started transfers' ends: a link is taken only once free, so those after t are
     # the links' free times
@@ -235,7 +227,7 @@ def _start_order(ready: list, dur: list, links: list, n: int) -> list:
 
 def _replay(ready: list, t: list, links: list, order: list, n: int) -> list:
     """Each transfer's end, started in ``order`` (:func:`_start_order`): at the later of its ``ready`` time (>= 0)
-    and its links' last transfer's end (``links``: :func:`_numbered`'s, ``n`` of them)."""
+    and its links' last transfer's end (``links``: numbers below ``n``)."""
     free = [0.0] * n
     ends: list = [0.0] * len(t)
     for x in order:
