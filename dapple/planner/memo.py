@@ -73,8 +73,9 @@ class _Memo:
     def options(self, free: tuple, prev: Layout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
         after it, the rest's device count and layout (its first b replicas when wider), the new state's key and
-        server relabelling, and the communication costs in and out of it per cut (CostModel.comm_pair, filled
-        by expand() once a placement passes the bounds: they depend on the previous stage's layout itself)."""
+        server relabelling, whether it spans servers, and the communication costs in and out of it per cut
+        (CostModel.comm_pair, filled by expand() once a placement passes the bounds: they depend on the previous
+        stage's layout itself)."""
         key = (free, prev, m)
         hit = self._options.get(key)
         if hit is None:
@@ -115,7 +116,7 @@ class _Memo:
                     kid, perm = canon
                     # the rest's layout only as far as a stage can use it (b replicas): on 128 x 8 a whole tail
                     # per placement filled gigabytes (a wide rest is never recorded as a plan's last stage)
-                    hit.append((name, new, free2, n_rest, tail, wide, kid, perm))
+                    hit.append((name, new, free2, n_rest, tail, wide, kid, perm, len(set(new)) > 1))
             self._placements[key] = hit
         return hit
 

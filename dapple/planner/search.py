@@ -145,12 +145,15 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
                     # reach() without the incoming transfer, shared by this m's placements (>= 0): most m end here,
                     # before their placements are listed (the ends of a stage within one server or across servers)
                     kinds = ([False] if m <= most else []) + ([True] if m > 1 and ns > 1 else [])
+                    placed = self._options.get((free, prev, m))  # listed before: only the kinds they have
+                    if placed is not None:
+                        kinds = [multi for multi in kinds if any(option[8] == multi for option in placed)]
                     ts = self.period_ts(pre, 1, min(R - m, N - j - 1), links) if self.pv is not None else None
                     gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts, prev is not None)
                             for multi in kinds}
                     if not any(gate.values()):
                         continue
-                    for option in self.options(free, prev, m):
+                    for option in (placed if placed is not None else self.options(free, prev, m)):
                         self.expand(states, pre, j, m, option, prev, lo, gate)
 
     def reach(self, pre: _Prefix, j: int, m: int, multi: bool, n_rest: int, lo: int, base: float, W: float,
@@ -196,9 +199,8 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2: L of prefix + new + rest."""
         N, M, ns, cm = self.N, self.M, self.ns, self.cm
-        name, new, free2, n_rest, tail_eval, wide, key, perm, comms = option
+        name, new, free2, n_rest, tail_eval, wide, key, perm, multi, comms = option
         refined = self.refined
-        multi = len(set(new)) > 1
         ends = gate[multi]  # the ends that pass the bounds before the transfer into the new stage is priced
         if not ends:
             return
