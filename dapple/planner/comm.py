@@ -137,7 +137,10 @@ def queues(hot: tuple, ports: tuple[frozenset, frozenset]) -> bool:
     (("in", receiver replica) or ("down", server), ...); ``ports``: :func:`gradient_ports` of the routes to
     the stage below)."""
     own, servers = ports
-    return any(who in (own if k == "in" else servers) for k, who in hot)
+    for k, who in hot:  # (a loop: the search asks this 100k times on 8x8, a generator costs more than the test)
+        if who in (own if k == "in" else servers):
+            return True
+    return False
 
 
 NO_USERS = ((), ())  # a server's (uplink, downlink) communication stages before any crosses it (add_users)
