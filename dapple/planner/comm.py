@@ -19,7 +19,7 @@ class CommPair:
     ``Cluster.link_sharing == "shared"``."""
 
     def __init__(self, rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
-                 shared: bool = False):
+                 shared: bool = False, keep: bool = True):
         kinds: dict = {}  # (rows, same server) -> row of `times`
         kind = []  # each route's
         ids: dict = {}  # link -> its number, in order of first use
@@ -36,22 +36,27 @@ class CommPair:
             for x in path:
                 counts[x, k] += 1
         times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
-        # (links + kinds, N): the ms each link is busy per micro-batch at each cut, then each kind's route time
-        self._cols = np.concatenate([counts @ times, times])
-        self._links = len(names)
+        loads = counts @ times  # (links, N): the ms each link is busy per micro-batch at each cut
+        distinct: dict = {}  # links with the same loads share a row (on 128 x 8: pairs of hundreds of links)
+        self._row = [distinct.setdefault(x.tobytes(), (len(distinct), x))[0] for x in loads]  # each link's
+        # (distinct loads + kinds, N): then each kind's route time
+        self._cols = np.concatenate([np.stack([x for _, x in distinct.values()]), times])
+        self._rows, self._links = len(distinct), len(names)
         self._out = [x for x, (k, _) in enumerate(names) if k in ("out", "xout")]
         self._in = [x for x, (k, _) in enumerate(names) if k in ("in", "xin")]
         self._ud = [(s, ids.get(("up", s)), ids.get(("down", s)))
                     for s in sorted({who for (k, who) in names if k in ("up", "down")})]
         # the receiver-side links ("in", receiver replica) or ("down", server): hot where a busiest link (queues)
-        self._inbound = [(x, (k, who[1] if k == "in" else who)) for x, (k, who) in enumerate(names)
-                         if k in ("in", "down")]
+        inbound = [x for x, (k, _) in enumerate(names) if k in ("in", "down")]
+        self._inbound = (inbound, [(k, who[1] if k == "in" else who) for k, who in (names[x] for x in inbound)])
         self._shared = shared
         # the steady state's share (window): the routes in posting order, (kind, links, receiver replica)
-        self._posted = [(k, path, r.dst) for k, path, r in zip(kind, paths, rs)]
+        self._posted = (kind, paths, [r.dst for r in rs])  # (lists, not a tuple per route: 128 x 8 keeps many)
         self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, kind, paths, times)
         self.ports = gradient_ports(rs, src, dst)
-        self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it
+        self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it (with ``keep``: a pair over
+        # many servers is priced anew at each ask, as caching each cut's (server, loads) filled gigabytes on 128 x 8)
+        self._keep = keep
 
     def _trip_order(self, rs: Sequence[Route], kind: list, paths: list, times: np.ndarray) -> tuple:
         """One micro-batch's round trip (:meth:`_round_trip`): its routes' kinds, receivers and links, and the
@@ -79,10 +84,13 @@ class CommPair:
         col = tuple(self._cols[:, layer].tolist())
         hit = self._at.get(col)
         if hit is None:
-            hit = self._at[col] = self._cut(col[:self._links], col[self._links:])
+            rows = col[:self._rows]
+            hit = self._cut([rows[x] for x in self._row], col[self._rows:])
+            if self._keep:
+                self._at[col] = hit
         return hit
 
-    def _cut(self, loads: tuple, times: tuple) -> tuple:
+    def _cut(self, loads: list, times: tuple) -> tuple:
         busiest, longest = max(loads), max(times)
         out = max([loads[x] for x in self._out], default=0.0)
         inc = max([loads[x] for x in self._in], default=0.0)
@@ -90,12 +98,12 @@ class CommPair:
         if self._shared:  # routes sharing the busiest link all land at its end
             return busiest, out, inc, ud, busiest, busiest, ()
         top = busiest * (1 - 1e-9)
-        hot = tuple([link for x, link in self._inbound if loads[x] >= top])
+        hot = tuple([link for x, link in zip(*self._inbound) if loads[x] >= top])
         # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links
         # are free; a receiver's gradients start back before the others' data is in, overlapping later routes
         free = [0.0] * self._links
         done: dict = {}
-        for kind, ls, d in self._posted:
+        for kind, ls, d in zip(*self._posted):
             end = 0.0
             for x in ls:
                 if free[x] > end:

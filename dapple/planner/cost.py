@@ -141,7 +141,8 @@ class CostModel:
             canon = self._comm_canon.get(key)
             if canon is None:
                 canon = self._comm_canon[key] = CommPair(routes(self.micro, len(src), len(dst)), *key,
-                                                         self._route_times, self.cluster.link_sharing == "shared")
+                                                         self._route_times, self.cluster.link_sharing == "shared",
+                                                         keep=len(label) <= CACHED_SERVERS)
             server = list(label)
             at = canon.at
             # per-cut answers are cached for pairs over a few servers; over many (128 x 8) the caches of tens of

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .search import _DP
 
 _RUNNING: tuple = ()  # (task, items) of the running call: a forked worker inherits them (lambdas too), unpickled
-WORKER_MEMORY = 1.5e9  # bytes a worker may need: workers="auto" starts no more than fit (128 x 8 at 60 s: 1.2 GB)
+WORKER_MEMORY = 2e9  # bytes a worker may need: workers="auto" starts no more than fit (128 x 8 at 60 s: 1.4 GB)
 _LOCK = threading.Lock()  # one call at a time sets them (plan() from two threads)
 
 
