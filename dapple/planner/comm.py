@@ -54,8 +54,8 @@ class CommPair:
         self._posted = (kind, paths, [r.dst for r in rs])  # (lists, not a tuple per route: 128 x 8 keeps many)
         self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, kind, paths, times)
         self.ports = gradient_ports(rs, src, dst)
-        self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it (with ``keep``: a pair over
-        # many servers is priced anew at each ask, as caching each cut's (server, loads) filled gigabytes on 128 x 8)
+        self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it, kept only with ``keep`` (a pair
+        # over many servers is priced anew at each ask: caching each cut's (server, loads) filled gigabytes on 128 x 8)
         self._keep = keep
 
     def _trip_order(self, rs: Sequence[Route], kind: list, paths: list, times: np.ndarray) -> tuple:
@@ -91,6 +91,7 @@ class CommPair:
         return hit
 
     def _cut(self, loads: list, times: tuple) -> tuple:
+        """:meth:`at` of a cut where the links carry ``loads`` and the route kinds take ``times`` (ms)."""
         busiest, longest = max(loads), max(times)
         out = max([loads[x] for x in self._out], default=0.0)
         inc = max([loads[x] for x in self._in], default=0.0)

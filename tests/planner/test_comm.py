@@ -63,6 +63,9 @@ def test_cuts_with_other_bytes_get_their_own_numbers():
     pair = CommPair(routes(8, 2, 1), (0, 0), (1,), lambda rows, same: np.array([1.0, 2.0, 1.0]) * rows)
     assert [pair.at(cut)[0] for cut in range(3)] == pytest.approx([8.0, 16.0, 8.0])
     assert pair.at(0) is pair.at(2)
+    # a pair over many servers (keep=False) keeps no answer: the same numbers, made anew
+    wide = CommPair(routes(8, 2, 1), (0, 0), (1,), lambda rows, same: np.array([1.0, 2.0, 1.0]) * rows, keep=False)
+    assert wide.at(0) == pair.at(0) and wide.at(0) is not wide.at(2)
 
 
 def test_one_micro_batch_round_trip_is_the_simulators_between_unequal_replica_counts():
