@@ -146,7 +146,7 @@ class _DP(_Pruning, _StageCosts, _Memo, _Seeding):
                     # before their placements are listed (the ends of a stage within one server or across servers)
                     kinds = ([False] if m <= most else []) + ([True] if m > 1 and ns > 1 else [])
                     placed = self._options.get((free, prev, m))  # listed before: only the kinds they have
-                    if placed is not None:
+                    if placed is not None:  # (an option's [8]: whether it spans servers, _Memo.options)
                         kinds = [multi for multi in kinds if any(option[8] == multi for option in placed)]
                     ts = self.period_ts(pre, 1, min(R - m, N - j - 1), links) if self.pv is not None else None
                     gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts, prev is not None)
