@@ -52,30 +52,29 @@ class CommPair:
         self._shared = shared
         # the steady state's share (window): the routes in posting order, (kind, links, receiver replica)
         self._posted = (kind, paths, [r.dst for r in rs])  # (lists, not a tuple per route: 128 x 8 keeps many)
-        self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, kind, paths, times)
+        self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, times)
         self.ports = gradient_ports(rs, src, dst)
         self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it, kept only with ``keep`` (a pair
         # over many servers is priced anew at each ask: caching each cut's (server, loads) filled gigabytes on 128 x 8)
         self._keep = keep
 
-    def _trip_order(self, rs: Sequence[Route], kind: list, paths: list, times: np.ndarray) -> tuple:
-        """One micro-batch's round trip (:meth:`_round_trip`): its routes' kinds, receivers and links, and the
-        order the simulator starts them each way (taken at the cut with the most bytes). The gradients take each
-        route's links the other way: each link's reverse (a device's out for its in, a server's downlink for its
-        uplink), shared by the same routes, so the routes' numbered ``paths`` serve both ways."""
+    def _trip_order(self, rs: Sequence[Route], times: np.ndarray) -> tuple[list, list]:
+        """One micro-batch's round trip (:meth:`_round_trip`): the order the simulator starts its routes each way
+        (taken at the cut with the most bytes). The gradients take each route's links the other way: each link's
+        reverse (a device's out for its in, a server's downlink for its uplink), shared by the same routes, so the
+        routes' numbered links serve both ways."""
+        kind, paths, dst = self._posted
         sent: dict = {}  # a replica's rows: one with fewer finishes its compute and posts its transfers first
         got: dict = {}
         for r in rs:
             sent[r.src] = sent.get(r.src, 0) + r.rows
             got[r.dst] = got.get(r.dst, 0) + r.rows
-        dst = [r.dst for r in rs]
         n = self._links
         rep = int(np.argmax(times.sum(axis=0)))
         t = [times[k, rep].item() for k in kind]
         fw_order = _start_order([EARLY * sent[r.src] for r in rs], t, paths, n)
         done = _landed(dst, _replay([0.0] * len(rs), t, paths, fw_order, n))
-        bw_order = _start_order([done[r.dst] + EARLY * got[r.dst] for r in rs], t, paths, n)
-        return kind, dst, paths, fw_order, bw_order, n
+        return fw_order, _start_order([done[r.dst] + EARLY * got[r.dst] for r in rs], t, paths, n)
 
     def at(self, layer: int) -> tuple:
         """(busiest, out, in, ((server, uplink, downlink), ...), chain, window, hot) of one micro-batch's transfers
@@ -125,7 +124,7 @@ class CommPair:
         """ms from the first activations leaving to the last gradients landing, for one micro-batch with nothing
         below the receivers (what is below shifts every receiver's gradients alike): the routes run as the
         simulator starts them, each receiver's gradients when its own data is in."""
-        kind, dst, paths, fw_order, bw_order, n = self._trip
+        (kind, paths, dst), (fw_order, bw_order), n = self._posted, self._trip, self._links
         t = [times[k] for k in kind]
         done = _landed(dst, _replay([0.0] * len(t), t, paths, fw_order, n))
         return max(_replay([done[d] for d in dst], t, paths, bw_order, n))
