@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from .cost import CostModel
 
 INF = float("inf")
+ROW_WISE_DEVICES = 256  # devices from which rest_bound takes one replica count at a time (_rest_row)
 
 
 def efficient_replicas(micro: int, most: int) -> list[int]:
@@ -75,7 +76,8 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     + one saved slice exceed device memory are excluded, and with ``cut`` (refined model) stages
     whose M T + least AllReduce reaches it (their own chain does: the bound then holds for every plan below
     ``cut``). Computed with numpy over all (c, r, R) at once per j: about 10 N vector operations (per (j, r), as
-    :func:`period_sums` does, it took 2.5x longer for bert_48 on 2x8).
+    :func:`period_sums` does, it took 2.5x longer for bert_48 on 2x8); from ROW_WISE_DEVICES devices on, per
+    (j, r) (:func:`_rest_row`), which is faster there.
     """
     N, G = cm.num_layers, devices
     Q = np.full((N + 1, G + 2), INF)  # column G + 1: INF, what a stage of r replicas leaves for R < r
@@ -86,6 +88,9 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     for j in range(N - 1, -1, -1):
         T, ok, ar, n = first.every(j, allreduce)  # (reps, N - j): stages [j, c) for c = j+1..N
         if not n:
+            continue
+        if G >= ROW_WISE_DEVICES:
+            _rest_row(Q, j, first, T, ok, ar, M, fill, allreduce)
             continue
         T = np.where(ok[:, :n], T[:, :n], INF).T[:, :, None]  # (n, reps, 1): no later end is allowed
         rest = Q[j + 1:j + 1 + n][:, left]  # (n, reps, G + 1): Q[c, R - r]
@@ -99,6 +104,28 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
         Q[j, : G + 1] = cand.min(axis=(0, 1))
     Q = np.ascontiguousarray(Q[:, : G + 1])
     return Q  # non-increasing in R (Q[N] = 0 lets a split leave devices unused)
+
+
+def _rest_row(Q: np.ndarray, j: int, first: "_FirstStages", T: np.ndarray, ok: np.ndarray, ar: np.ndarray | None,
+              M: int, fill: bool, allreduce: bool) -> None:
+    """Row ``Q[j]`` of :func:`rest_bound` one replica count r at a time: Q[c, R - r] for R = r..G is a slice of Q
+    (no gather) and r's own allowed ends are all it looks at. The same numbers; on 128 x 8 (every slice size of a
+    large micro-batch is a replica count of its own, most allowed only short stages) 5 to 7 times faster than
+    all counts at once, on 2 x 8 2 to 4 times slower (ROW_WISE_DEVICES)."""
+    G = Q.shape[1] - 2  # (column G + 1: rest_bound's INF column)
+    row = Q[j, : G + 1]
+    for i, r in enumerate(first.reps):
+        m = _span(ok[i])  # ends past j + m are not allowed for r
+        if not m:
+            continue
+        Tr = np.where(ok[i, :m], T[i, :m], INF)[:, None]  # (m, 1)
+        rest = Q[j + 1:j + 1 + m, : G + 1 - r]  # (m, G + 1 - r): Q[c, R - r] for R = r..G
+        if allreduce:
+            fpre = first.f2[i, j + 1:j + 1 + m] - first.f2[i, j]  # (m,): F of the first stage
+            cand = np.maximum(M * Tr + ar[i, :m, None], fpre[:, None] + rest)
+        else:
+            cand = np.maximum(M * Tr, Tr + rest if fill else rest)
+        np.minimum(row[r:], cand.min(axis=0), out=row[r:])
 
 
 def stage_u(M: int, stages: int | None) -> float:

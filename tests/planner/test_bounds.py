@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from dapple.planner import bounds
 from dapple.planner.bounds import allreduce_floor, efficient_replicas, rest_bound
 from dapple.planner.cost import CostModel
 from dapple.planner.exhaustive import every_plan, exhaustive_search
@@ -98,8 +99,11 @@ def _rest_bound_by_loops(cm, M, G, fill, allreduce, cut, overlap):
 
 @pytest.mark.parametrize("allreduce", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_rest_bound_equals_its_definition(allreduce, overlap):
-    """The table, computed over every replica count at once, equals the DP of its docstring as loops."""
+@pytest.mark.parametrize("row_wise", [False, True])
+def test_rest_bound_equals_its_definition(allreduce, overlap, row_wise, monkeypatch):
+    """The table, computed over every replica count at once (or one at a time, as on many devices), equals the
+    DP of its docstring as loops."""
+    monkeypatch.setattr(bounds, "ROW_WISE_DEVICES", 0 if row_wise else 10 ** 9)
     rng = random.Random(7)
     for k in range(6):
         prof = random_profile(rng, rng.randint(2, 6))
@@ -109,6 +113,22 @@ def test_rest_bound_equals_its_definition(allreduce, overlap):
             q = rest_bound(cm, 4, c.num_devices, fill=True, allreduce=allreduce, cut=cut, overlap=overlap)
             ref = _rest_bound_by_loops(cm, 4, c.num_devices, True, allreduce, cut, overlap)
             assert np.allclose(q, np.array(ref), rtol=1e-12, atol=0), (k, cut)
+
+def test_rest_bound_row_wise_gives_the_same_table(monkeypatch):
+    """Both ways of computing the table (all replica counts at once; one at a time from ROW_WISE_DEVICES devices
+    on) give the same numbers, bit for bit, on a case with many replica counts and a cut."""
+    rng = random.Random(11)
+    prof = random_profile(rng, 12)
+    cm = CostModel(prof, cluster(4, 4), 64)
+    for allreduce in (False, True):
+        for cut in (float("inf"), 2000.0):  # 2000: no plan on 4 devices or fewer (Q[0][5] ~ 1900 ms)
+            tables = []
+            for devices in (10 ** 9, 0):
+                monkeypatch.setattr(bounds, "ROW_WISE_DEVICES", devices)
+                tables.append(rest_bound(cm, 8, 16, fill=True, allreduce=allreduce, cut=cut))
+            assert np.isfinite(tables[0][0, 16])
+            assert np.array_equal(tables[0], tables[1]), (allreduce, cut)
+
 
 class _Checked(_DP):
     """The DP with its rest-chain rejection turned into an assertion: every candidate that reaches the check is
