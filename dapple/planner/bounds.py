@@ -149,13 +149,15 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
     thresholds at once: :func:`period_bound` reads it."""
     N, G, C = cm.num_layers, devices, counts
     K = len(taus)
-    X = np.full((K, C + 1, N + 1, G + 1), INF)  # X[:, s]: exactly s stages (s = C: at least C); s = 0 at N only
-    X[:, 0, N, :] = 0.0
+    # Y[j] = X[:, :, j] (X[:, s]: exactly s stages, s = C: at least C; s = 0 at N only), j first: the ends a
+    # first stage may take are then one contiguous block, and the least over them a reduction of its first axis
+    Y = np.full((N + 1, K, C + 1, G + 1), INF)
+    Y[N, :, 0, :] = 0.0
     first = _FirstStages(cm, M, G, cut, overlap)
     tau = np.asarray(taus, dtype=float)[:, None, None]  # (K, 1, 1)
     share = np.array([stage_u(M, s if s < C else None) for s in range(1, C + 1)])[:, None]  # (C, 1)
     for j in range(N - 1, -1, -1):
-        best = np.full((K, C, G + 1), INF)
+        best = Y[j, :, 1:]  # (K, C, G + 1): INF until a first stage [j, e) gives something
         for r in first.reps:
             T, fits, _, n = first(j, r, False)  # stages [j, e) for e = j+1..j+n: no later end is allowed
             if not n:
@@ -164,14 +166,14 @@ def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cu
             f, b = fr[j + 1:j + 1 + n] - fr[j], br[j + 1:j + 1 + n] - br[j]  # (n,)
             U = np.maximum(f, b)[None, :] + share * np.minimum(f, b)[None, :]  # (C, n)
             ok = (U[None] <= tau) & fits[None, None, :n]  # (K, C, n)
-            Tk = np.where(ok, T[None, None, :n], INF)  # (K, C, n)
-            # s - 1 stages after it (s = C: C - 1 or at least C): (K, C, n, G + 1 - r), min over the ends
-            cand = (Tk[..., None] + X[:, :C, j + 1:j + 1 + n, : G + 1 - r]).min(axis=2)
-            more = (Tk[:, C - 1, :, None] + X[:, C, j + 1:j + 1 + n, : G + 1 - r]).min(axis=1)  # (K, G + 1 - r)
+            Tn = np.where(ok, T[None, None, :n], INF).transpose(2, 0, 1)  # (n, K, C)
+            after = Y[j + 1:j + 1 + n, :, :, : G + 1 - r]  # (n, K, C + 1, G + 1 - r): the rest on R - r devices
+            # s - 1 stages after it (s = C: C - 1 or at least C): (K, C, G + 1 - r), min over the ends
+            cand = (Tn[..., None] + after[:, :, :C]).min(axis=0)
+            more = (Tn[:, :, C - 1, None] + after[:, :, C]).min(axis=0)  # (K, G + 1 - r)
             np.minimum(cand[:, C - 1], more, out=cand[:, C - 1])
             np.minimum(best[:, :, r:], cand, out=best[:, :, r:])
-        X[:, 1:, j] = best
-    return X[:, 1:]
+    return Y[:, :, 1:].transpose(1, 2, 0, 3)  # (K, C, N + 1, G + 1)
 
 
 def period_cells(cm: "CostModel", M: int, devices: int, cut: float = INF, overlap: bool = False) -> int:
