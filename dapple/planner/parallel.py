@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 _RUNNING: tuple = ()  # (task, items) of the running call: a forked worker inherits them (lambdas too), unpickled
 WORKER_MEMORY = 2e9  # bytes a worker may need: workers="auto" starts no more than fit (128 x 8 at 60 s: 1.4 GB)
 _LOCK = threading.Lock()  # one call at a time sets them (plan() from two threads)
+# seconds of in-process work from which workers="auto" forks the steps of a full search as well (dapple.plan: the
+# searches once the seeds took this long, the candidates' simulations once the first took this long / the rest)
+FORK_WORTH = 0.1
 
 
 def available_memory() -> float:

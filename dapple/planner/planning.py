@@ -9,6 +9,7 @@ from .._checks import flag, is_int, is_real, non_negative_int, number, positive_
 from .checks import profile_and_cluster
 from .cost import CostModel, Layout
 from .evaluate import MODELS, evaluate, pipeline_costs
+from . import parallel
 from .parallel import forked_map, in_workers, resolve_workers
 from .plan import Plan, Stage
 from .schedule import SCHEDULES, WARMUP_POLICIES
@@ -85,8 +86,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     median error against the simulator is 0.1%, its p90 3.4% to 5.0% (benchmarks/estimate_vs_simulator.py): a plan
     modelled 10% slower seldom simulates faster (benchmarks/planner_regret.py: what the choice gains).
     ``workers``: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
-    any number); "auto" (default): one per core for the compact search (a large cluster: seconds per size), 1 for
-    the full one (benchmarks/planning_time.py: 8x8 on 2 cores).
+    any number); "auto" (default): one per core for the compact search (a large cluster: seconds per size,
+    benchmarks/planning_time.py: 8x8 on 2 cores); the full search runs in-process (a fork costs more than a small
+    search) unless its seeds took parallel.FORK_WORTH = 0.1 s (resnet50 on 2x8: 9.1 -> 5.5 s on 2 cores), and
+    its candidates' simulations likewise unless they would take that long (bert_48 at 128 on 2x8: 0.63 -> 0.55 s).
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()
@@ -143,8 +146,13 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                          f"{'' if max_stages is None else f', max_stages={max_stages}'}); a stage has at most one "
                          f"replica per micro-batch row: need a micro-batch of at least "
                          f"{-(-cluster.num_devices // depth)} rows")
+    auto = workers == "auto"
     workers = resolve_workers(workers, len(dps), search == "compact")
+    spare = resolve_workers("auto", len(dps), True) if auto else workers  # what forking would use
+    t_seed = time.perf_counter()
     in_workers(dps, workers, "seed")
+    if workers < spare and time.perf_counter() - t_seed > parallel.FORK_WORTH:
+        workers = spare  # auto, a full search whose seeds took long: so will its searches (the plan is the same)
     refine_promising(dps)
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
     dps.sort(key=lambda dp: dp.best[0])  # most promising first: its plans bound the others' search
@@ -186,8 +194,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     cands = [(found.latency, found.micro_batch_size, (found.spans, found.policies))]
     cands += sorted([c for c in bests if c[1] != found.micro_batch_size] +
                     [(lat, b, (sp, pols)) for lat, b, (sp, pols, _) in seeds], key=lambda c: (c[0], c[1]))
-    chosen, simulated, n_sim = _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
-                                       optimizer_factor, verify, deadline, workers)
+    chosen, simulated, n_sim, sim_workers = _choose(profile, cluster, g, cands, model, overlap, schedule,
+                                                    warmup_policy, optimizer_factor, verify, deadline, workers, spare)
     b, spans, policies, policy = chosen
     M = g // b
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
@@ -200,7 +208,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             "latency_model": model, "overlap": overlap, "placement": list(policies),
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
             "dp_transitions": found.transitions, "search": search, "search_complete": complete,
-            "time_limit_s": time_limit, "workers": workers}
+            "time_limit_s": time_limit, "workers": max(workers, sim_workers)}
     if gap:
         meta["gap"] = gap
     # what the search proves: no modelled L below this (a finished full search: its best plan's)
@@ -238,11 +246,13 @@ def lower_bound(dps: Sequence[_DP], best: float, exhaustive: bool = True, gap: f
 
 
 def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,
-            deadline=None, workers=1):
+            deadline=None, workers=1, spare=None):
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
     ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan x warmup policies modelled within
     VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none listed past ``deadline``
-    but the DP's own), simulated by ``workers`` processes (parallel.forked_map)."""
+    but the DP's own), simulated by ``workers`` processes (parallel.forked_map), or by ``spare`` (more) once the
+    first simulation took parallel.FORK_WORTH / the rest. Returns (chosen, its simulated ms, simulations, the
+    processes that ran them)."""
     from .simulator import simulate
 
     pols = (warmup_policy,) if warmup_policy else ("A", "B")
@@ -265,7 +275,7 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
     chosen = (b, spans, policies, policy)
     too_big = cluster.num_devices * (g // b) > SIMULATE_LIMIT
     if not verify or too_big:
-        return chosen, None, 0
+        return chosen, None, 0, 1
     seen, trials = set(), []  # (b, spans, policies, warmup policy, the plan to simulate), in order
     for lat, b, (spans, policies) in cands:
         if lat > best_lat * (1 + VERIFY_WITHIN):
@@ -284,12 +294,22 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
             trials.append((b, spans, policies, pol, Plan(g, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in
                                                                zip(spans, devs, pc.K)],
                                                           schedule=schedule, warmup_policy=pol)))
-    times = forked_map(lambda trial: simulate(trial[-1], profile, cluster, overlap=overlap).latency_ms, trials,
-                       workers, f"simulating {len(trials)} candidate plans")
+    def simulated(trial) -> float:
+        return simulate(trial[-1], profile, cluster, overlap=overlap).latency_ms
+    times = []
+    if spare is not None and workers < spare and len(trials) > 2:  # auto: fork the rest if they take long
+        t = time.perf_counter()
+        times.append(simulated(trials[0]))  # (bert_48 at 128 on 2 x 8: 12 simulations of 27 ms)
+        # the rest's ops: as many per device as micro-batches, g / b (trial[0]: b)
+        if (time.perf_counter() - t) * sum(trials[0][0] / trial[0] for trial in trials[1:]) > parallel.FORK_WORTH:
+            workers = spare
+    rest = trials[len(times):]
+    times += forked_map(simulated, rest, workers, f"simulating {len(trials)} candidate plans")
+    used = min(workers, len(rest)) if len(rest) > 1 else 1  # processes (forked_map runs one item in-process)
     best_sim = None
     for (b, spans, policies, pol, _), t in zip(trials, times):
         if best_sim is None or t < best_sim * (1 - 1e-3) or (
                 t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],)):
             best_sim = t
             chosen = (b, spans, policies, pol)
-    return chosen, best_sim, len(trials)
+    return chosen, best_sim, len(trials), used

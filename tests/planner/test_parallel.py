@@ -85,6 +85,43 @@ def test_auto_forks_only_for_the_compact_search(monkeypatch):
     assert parallel.resolve_workers(3, 10, True) == 3  # asked for: as many
 
 
+@forks
+def test_auto_forks_a_full_search_only_where_it_takes_long(monkeypatch):
+    """workers="auto" keeps a full search (few servers) in-process, unless its seeds took parallel.FORK_WORTH
+    seconds: then its searches and simulations run in workers, with the same plan (here: FORK_WORTH 0)."""
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    prof, c = random_profile(random.Random(5), 10), cluster(2, 2, inter=3e8)
+    alone = dapple.plan(prof, c, 48, workers=1)
+    monkeypatch.setattr(parallel, "FORK_WORTH", float("inf"))
+    assert dapple.plan(prof, c, 48).meta["workers"] == 1  # auto: a full search, quick
+    monkeypatch.setattr(parallel, "FORK_WORTH", 0.0)
+    forked = dapple.plan(prof, c, 48)
+    assert forked.meta["search"] == "full" and forked.meta["workers"] == 2
+    assert [(s.layers, s.devices, s.warmup) for s in forked.stages] == \
+        [(s.layers, s.devices, s.warmup) for s in alone.stages]
+    assert (forked.micro_batch_size, forked.meta["dp_states"], forked.meta["simulated_ms"]) == \
+        (alone.micro_batch_size, alone.meta["dp_states"], alone.meta["simulated_ms"])
+
+
+@forks
+def test_auto_forks_the_simulations_where_they_take_long(monkeypatch):
+    """plan()'s final choice simulates its first candidate in-process; the rest go to workers ("auto") only if
+    they would take parallel.FORK_WORTH seconds at that pace: the same choice and times either way."""
+    from dapple.planner import planning
+
+    prof = random_profile(random.Random(5), 6)
+    c = cluster(2, 2, intra=5e10, inter=1e9)
+    split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
+    cands = [(100.0, 8, split), (101.0, 4, split), (102.0, 2, split)]
+    args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6, None, 1)
+    alone = planning._choose(*args)
+    assert alone[2] == 6 and alone[3] == 1
+    monkeypatch.setattr(parallel, "FORK_WORTH", float("inf"))
+    assert planning._choose(*args, 2) == alone  # quick: in-process
+    monkeypatch.setattr(parallel, "FORK_WORTH", 0.0)
+    assert planning._choose(*args, 2) == alone[:3] + (2,)
+
+
 def test_available_memory_is_read_from_the_system():
     assert parallel.available_memory() > 0
 

@@ -195,7 +195,7 @@ def test_the_simulator_judges_only_warmup_policies_near_the_better_one(monkeypat
     args = (prof, c, 64, [(100.0, 8, split)], "refined", False, "dapple", None, 4.0, 6)
     assert planning._choose(*args)[2] == 2
     monkeypatch.setattr(planning, "VERIFY_WITHIN", 0.01)
-    chosen, _, n = planning._choose(*args)
+    chosen, _, n, _ = planning._choose(*args)
     assert n == 1 and chosen[3] == "B"
 
 
