@@ -31,16 +31,17 @@ class CommPair:
             paths.append(tuple([ids.setdefault(link, len(ids)) for link in links]))
         # each link's load is a count of route kinds (rows, same server): loads = counts @ times
         names = list(ids)
-        counts = np.zeros((len(names), len(kinds)))
+        counts = [[0] * len(kinds) for _ in names]
         for k, path in zip(kind, paths):
             for x in path:
-                counts[x, k] += 1
+                counts[x][k] += 1
         times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
-        loads = counts @ times  # (links, N): the ms each link is busy per micro-batch at each cut
-        distinct: dict = {}  # links with the same loads share a row (on 128 x 8: pairs of hundreds of links)
-        self._row = [distinct.setdefault(x.tobytes(), (len(distinct), x))[0] for x in loads]  # each link's
+        loads = np.array(counts, dtype=float) @ times  # (links, N): the ms each link is busy per micro-batch
+        # at each cut; links with the same counts share a row (on 128 x 8: pairs of hundreds of links)
+        distinct: dict = {}  # counts -> (row, the first link with them)
+        self._row = [distinct.setdefault(tuple(c), (len(distinct), x))[0] for x, c in enumerate(counts)]
         # (distinct loads + kinds, N): then each kind's route time
-        self._cols = np.concatenate([np.stack([x for _, x in distinct.values()]), times])
+        self._cols = np.concatenate([loads[[x for _, x in distinct.values()]], times])
         self._rows, self._links = len(distinct), len(names)
         self._out = [x for x, (k, _) in enumerate(names) if k in ("out", "xout")]
         self._in = [x for x, (k, _) in enumerate(names) if k in ("in", "xin")]

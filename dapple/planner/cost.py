@@ -48,6 +48,7 @@ class CostModel:
         self._prefix: dict[int, tuple[list[float], list[float], list[float]]] = {}
         self._comm: dict = {}  # (src, dst) -> comm_pair, filled on use
         self._comm_canon: dict[tuple, CommPair] = {}  # the same for servers relabelled 0, 1, ...
+        self._routes: dict[tuple, list] = {}  # (senders, receivers) -> slices.routes of a micro-batch
         self._bbytes: dict[int, np.ndarray] = {}
         self._routes_ms: dict[tuple, np.ndarray] = {}
         self._ar: dict[tuple, float] = {}
@@ -140,7 +141,10 @@ class CostModel:
             key = (tuple(label[s] for s in src), tuple(label[s] for s in dst))
             canon = self._comm_canon.get(key)
             if canon is None:
-                canon = self._comm_canon[key] = CommPair(routes(self.micro, len(src), len(dst)), *key,
+                rs = self._routes.get((len(src), len(dst)))
+                if rs is None:
+                    rs = self._routes[(len(src), len(dst))] = routes(self.micro, len(src), len(dst))
+                canon = self._comm_canon[key] = CommPair(rs, *key,
                                                          self._route_times, self.cluster.link_sharing == "shared",
                                                          keep=len(label) <= CACHED_SERVERS)
             server = list(label)
