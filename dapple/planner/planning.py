@@ -88,7 +88,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     ``workers``: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
     any number); "auto" (default): one per core for the compact search (a large cluster: seconds per size,
     benchmarks/planning_time.py: 8x8 on 2 cores); the full search runs in-process (a fork costs more than a small
-    search) unless its seeds took parallel.FORK_WORTH = 0.1 s (resnet50 on 2x8: 9.1 -> 5.5 s on 2 cores), and
+    search) unless its seeds took parallel.FORK_WORTH = 0.1 s (resnet50 on 2x8: 9.1 -> 5.4 s on 2 cores), and
     its candidates' simulations likewise unless they would take that long (bert_48 at 128 on 2x8: 0.63 -> 0.55 s).
     Raises ValueError when no plan fits in device memory.
     """
