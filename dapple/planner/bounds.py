@@ -83,13 +83,15 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     Q = np.full((N + 1, G + 2), INF)  # column G + 1: INF, what a stage of r replicas leaves for R < r
     Q[N, : G + 1] = 0.0
     first = _FirstStages(cm, M, G, cut, overlap)
-    left = np.arange(G + 1)[None, :] - first.r[:, None]  # (reps, G + 1): R - r, the devices left for the rest
-    left[left < 0] = G + 1
+    row_wise = G >= ROW_WISE_DEVICES
+    if not row_wise:
+        left = np.arange(G + 1)[None, :] - first.r[:, None]  # (reps, G + 1): R - r, the devices left for the rest
+        left[left < 0] = G + 1
     for j in range(N - 1, -1, -1):
         T, ok, ar, n = first.every(j, allreduce)  # (reps, N - j): stages [j, c) for c = j+1..N
         if not n:
             continue
-        if G >= ROW_WISE_DEVICES:
+        if row_wise:
             _rest_row(Q, j, first, T, ok, ar, M, fill, allreduce)
             continue
         T = np.where(ok[:, :n], T[:, :n], INF).T[:, :, None]  # (n, reps, 1): no later end is allowed

@@ -37,7 +37,8 @@ class CommPair:
                 counts[x][k] += 1
         times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
         loads = np.array(counts, dtype=float) @ times  # (links, N): the ms each link is busy per micro-batch
-        # at each cut; links with the same counts share a row (on 128 x 8: pairs of hundreds of links)
+        # at each cut; links with the same counts share a row (on 128 x 8: pairs of hundreds of links). All links'
+        # rows in one product: that of the distinct rows alone differs from it in the last bit now and then
         distinct: dict = {}  # counts -> (row, the first link with them)
         self._row = [distinct.setdefault(tuple(c), (len(distinct), x))[0] for x, c in enumerate(counts)]
         # (distinct loads + kinds, N): then each kind's route time
