@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -21,6 +22,10 @@ _LOCK = threading.Lock()  # one call at a time sets them (plan() from two thread
 # seconds of in-process work from which workers="auto" forks the steps of a full search as well (dapple.plan: the
 # searches once the seeds took this long, the candidates' simulations once the first took this long / the rest)
 FORK_WORTH = 0.1
+# seconds past a time-limited search's deadline after which its workers count as stuck (a fork of a multi-threaded
+# process, e.g. a notebook's kernel, can deadlock on a lock another thread held): what they still do after it (the
+# bounds of the sizes not searched, the final simulations) takes seconds, 2.6 s on 128 x 8
+WORKER_GRACE = 60.0
 
 
 def available_memory() -> float:
@@ -69,38 +74,60 @@ def _apply(i: int):
     return task(items[i])
 
 
-def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") -> list:
+def forked_map(task: Callable, items: Sequence, workers: int, what: str = "", timeout: float | None = None) -> list:
     """[task(item) for item in items], ``workers`` processes at a time where workers > 1 (forked: they inherit
-    ``task`` and ``items``; only the results are pickled back), in order. A worker that dies is a RuntimeError
-    naming ``what`` it was doing, not a hang."""
+    ``task`` and ``items``; only the results are pickled back), in order. A worker that dies, or with ``timeout``
+    (seconds for the whole map) one that gives no answer in time, is a RuntimeError naming ``what`` it was doing,
+    not a hang (the workers are stopped)."""
     global _RUNNING
     if workers <= 1 or len(items) <= 1:
         return [task(item) for item in items]
     with _LOCK:
         _RUNNING = (task, list(items))
+        pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=multiprocessing.get_context("fork"))
+        stuck = False
         try:
-            with ProcessPoolExecutor(max_workers=min(workers, len(items)),
-                                     mp_context=multiprocessing.get_context("fork")) as pool:
-                return list(pool.map(_apply, range(len(items))))
+            return list(pool.map(_apply, range(len(items)), timeout=timeout))
         except BrokenProcessPool as e:
             raise RuntimeError(f"a planner worker process died (out of memory?) in {what} with {workers} workers; "
                                f"retry with workers=1") from e
+        except FuturesTimeout as e:
+            stuck = True
+            _stop(pool)
+            raise RuntimeError(f"planner workers gave no answer within {timeout:.3g} s in {what} with {workers} "
+                               f"workers (stuck: forking a multi-threaded process can deadlock); retry with "
+                               f"workers=1") from e
         finally:
+            pool.shutdown(wait=not stuck, cancel_futures=True)
             _RUNNING = ()
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Ends the worker processes of ``pool`` (Python 3.14's terminate_workers where there is one)."""
+    stop = getattr(pool, "terminate_workers", None)
+    if stop is not None:
+        stop()
+        return
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.terminate()
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.join(5)
 
 
 # what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)
 KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound")}
 
 
-def in_workers(dps: Sequence["_DP"], workers: int, step: str) -> None:
+def in_workers(dps: Sequence["_DP"], workers: int, step: str, timeout: float | None = None) -> None:
     """``dp.seed()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a time, in order (the
-    most promising first), with what KEPT names copied back. Every search keeps the incumbent it was given (they
-    share none while running: the plan does not depend on timing or on the number of workers)."""
+    most promising first), with what KEPT names copied back (``timeout``: :func:`forked_map`'s). Every search keeps
+    the incumbent it was given (they share none while running: the plan does not depend on timing or on the
+    number of workers)."""
     def call(dp):
         getattr(dp, step)()
         return tuple(getattr(dp, name) for name in KEPT[step])
-    for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}")):
+    for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}",
+                                           timeout)):
         dp.set_best(*kept[0])
         for name, value in zip(KEPT[step][1:], kept[1:]):
             setattr(dp, name, value)
