@@ -6,8 +6,8 @@ import multiprocessing
 import os
 import sys
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
+import time
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -22,10 +22,11 @@ _LOCK = threading.Lock()  # one call at a time sets them (plan() from two thread
 # seconds of in-process work from which workers="auto" forks the steps of a full search as well (dapple.plan: the
 # searches once the seeds took this long, the candidates' simulations once the first took this long / the rest)
 FORK_WORTH = 0.1
-# seconds past a time-limited search's deadline after which its workers count as stuck (a fork of a multi-threaded
-# process, e.g. a notebook's kernel, can deadlock on a lock another thread held): what they still do after it (the
-# bounds of the sizes not searched, the final simulations) takes seconds, 2.6 s on 128 x 8
-WORKER_GRACE = 60.0
+# seconds in which no worker of a step used any CPU, with work still pending, after which the workers count as
+# stuck (a fork of a multi-threaded process, e.g. a notebook's kernel, can deadlock on a lock another thread held):
+# a searching worker uses a core the whole time, however long the search, so only a stuck one is stopped
+WORKER_STUCK = 30.0
+POLL = 1.0  # seconds between looks at the workers' CPU time
 
 
 def available_memory() -> float:
@@ -74,11 +75,11 @@ def _apply(i: int):
     return task(items[i])
 
 
-def forked_map(task: Callable, items: Sequence, workers: int, what: str = "", timeout: float | None = None) -> list:
+def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") -> list:
     """[task(item) for item in items], ``workers`` processes at a time where workers > 1 (forked: they inherit
-    ``task`` and ``items``; only the results are pickled back), in order. A worker that dies, or with ``timeout``
-    (seconds for the whole map) one that gives no answer in time, is a RuntimeError naming ``what`` it was doing,
-    not a hang (the workers are stopped)."""
+    ``task`` and ``items``; only the results are pickled back), in order. A worker that dies, or workers that use
+    no CPU for WORKER_STUCK seconds while items are pending (stuck), are a RuntimeError naming ``what`` they were
+    doing, not a hang (stuck workers are ended)."""
     global _RUNNING
     if workers <= 1 or len(items) <= 1:
         return [task(item) for item in items]
@@ -87,19 +88,45 @@ def forked_map(task: Callable, items: Sequence, workers: int, what: str = "", ti
         pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=multiprocessing.get_context("fork"))
         stuck = False
         try:
-            return list(pool.map(_apply, range(len(items)), timeout=timeout))
+            futures = [pool.submit(_apply, i) for i in range(len(items))]
+            used, since = None, time.monotonic()
+            while True:
+                _, pending = wait(futures, timeout=POLL, return_when=FIRST_EXCEPTION)
+                if not pending or any(f.done() and f.exception() is not None for f in futures):
+                    break
+                cpu, now = _cpu_seconds(pool), time.monotonic()
+                if cpu is None or cpu != used:  # progress (or no way to tell: never stuck)
+                    used, since = cpu, now
+                elif now - since > WORKER_STUCK:
+                    stuck = True
+                    _stop(pool)
+                    raise RuntimeError(f"planner workers used no CPU for {now - since:.0f} s in {what} with "
+                                       f"{workers} workers, {len(pending)} of {len(items)} items left (stuck: "
+                                       f"forking a multi-threaded process can deadlock); retry with workers=1")
+            return [f.result() for f in futures]
         except BrokenProcessPool as e:
             raise RuntimeError(f"a planner worker process died (out of memory?) in {what} with {workers} workers; "
                                f"retry with workers=1") from e
-        except FuturesTimeout as e:
-            stuck = True
-            _stop(pool)
-            raise RuntimeError(f"planner workers gave no answer within {timeout:.3g} s in {what} with {workers} "
-                               f"workers (stuck: forking a multi-threaded process can deadlock); retry with "
-                               f"workers=1") from e
         finally:
             pool.shutdown(wait=not stuck, cancel_futures=True)
             _RUNNING = ()
+
+
+def _cpu_seconds(pool: ProcessPoolExecutor) -> float | None:
+    """CPU seconds the worker processes of ``pool`` used so far (/proc/PID/stat: user + system), None where
+    unknown."""
+    procs = getattr(pool, "_processes", None)
+    if not procs:
+        return None
+    ticks = 0
+    try:
+        for pid in list(procs):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    except (OSError, ValueError, IndexError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
@@ -108,9 +135,10 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     if stop is not None:
         stop()
         return
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
         proc.terminate()
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+    for proc in procs:
         proc.join(5)
 
 
@@ -118,16 +146,14 @@ def _stop(pool: ProcessPoolExecutor) -> None:
 KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound")}
 
 
-def in_workers(dps: Sequence["_DP"], workers: int, step: str, timeout: float | None = None) -> None:
+def in_workers(dps: Sequence["_DP"], workers: int, step: str) -> None:
     """``dp.seed()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a time, in order (the
-    most promising first), with what KEPT names copied back (``timeout``: :func:`forked_map`'s). Every search keeps
-    the incumbent it was given (they share none while running: the plan does not depend on timing or on the
-    number of workers)."""
+    most promising first), with what KEPT names copied back. Every search keeps the incumbent it was given (they
+    share none while running: the plan does not depend on timing or on the number of workers)."""
     def call(dp):
         getattr(dp, step)()
         return tuple(getattr(dp, name) for name in KEPT[step])
-    for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}",
-                                           timeout)):
+    for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}")):
         dp.set_best(*kept[0])
         for name, value in zip(KEPT[step][1:], kept[1:]):
             setattr(dp, name, value)

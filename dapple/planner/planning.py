@@ -90,8 +90,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     benchmarks/planning_time.py: 8x8 on 2 cores); the full search runs in-process (a fork costs more than a small
     search) unless its seeds took parallel.FORK_WORTH = 0.1 s (resnet50 on 2x8: 9.1 -> 5.4 s on 2 cores), and
     its candidates' simulations likewise unless they would take that long (bert_48 at 128 on 2x8: 0.63 -> 0.55 s).
-    With a ``time_limit``, workers still busy parallel.WORKER_GRACE = 60 s past it count as stuck: they are ended
-    and plan() raises RuntimeError (without one they are waited for).
+    Workers that use no CPU for parallel.WORKER_STUCK = 30 s with work pending are stuck (forking a multi-threaded
+    process can deadlock): they are ended and plan() raises RuntimeError (as for a worker that dies).
     Raises ValueError when no plan fits in device memory.
     """
     t0 = time.perf_counter()
@@ -151,14 +151,14 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     auto = workers == "auto"
     workers = resolve_workers(workers, len(dps), search == "compact")
     spare = resolve_workers("auto", len(dps), True) if auto else workers  # what forking would use
-    deadline = t0 + time_limit if time_limit is not None else None
     t_seed = time.perf_counter()
-    in_workers(dps, workers, "seed", worker_timeout(deadline))
+    in_workers(dps, workers, "seed")
     if workers < spare and time.perf_counter() - t_seed > parallel.FORK_WORTH:
         workers = spare  # auto, a full search whose seeds took long: so will its searches (the plan is the same)
     refine_promising(dps)
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]
     dps.sort(key=lambda dp: dp.best[0])  # most promising first: its plans bound the others' search
+    deadline = t0 + time_limit if time_limit is not None else None
     complete = True
     found: SearchResult | None = None
     tried, bests = [], []
@@ -177,7 +177,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             if dp is not dps[0] and dp.best[0] >= bound:
                 dp.set_best(bound, None)
             dp.deadline = deadline
-        in_workers(wave, workers, "run", worker_timeout(deadline))
+        in_workers(wave, workers, "run")
         for dp in wave:
             complete = complete and dp.complete
             tried.append(dp.b)
@@ -221,14 +221,6 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=g, micro_batch_size=b, stages=stages, schedule=schedule, warmup_policy=policy,
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
-
-
-def worker_timeout(deadline: float | None) -> float | None:
-    """Seconds forked workers get for a step (parallel.forked_map): up to the deadline of a time-limited search
-    and parallel.WORKER_GRACE past it (None: no deadline, or math.inf, no timeout)."""
-    if deadline is None or deadline == INF:
-        return None
-    return max(deadline - time.perf_counter(), 0.0) + parallel.WORKER_GRACE
 
 
 def refine_promising(dps: Sequence[_DP]) -> None:
@@ -314,7 +306,7 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
         if (time.perf_counter() - t) * sum(trials[0][0] / trial[0] for trial in trials[1:]) > parallel.FORK_WORTH:
             workers = spare
     rest = trials[len(times):]
-    times += forked_map(simulated, rest, workers, f"simulating {len(trials)} candidate plans", worker_timeout(deadline))
+    times += forked_map(simulated, rest, workers, f"simulating {len(trials)} candidate plans")
     used = min(workers, len(rest)) if len(rest) > 1 else 1  # processes (forked_map runs one item in-process)
     best_sim = None
     for (b, spans, policies, pol, _), t in zip(trials, times):
