@@ -143,11 +143,12 @@ def _stop(pool: ProcessPoolExecutor) -> None:
 
 
 # what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)
-KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound")}
+KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound"),
+        "bound_tables": ("best", "root_bound")}
 
 
 def in_workers(dps: Sequence["_DP"], workers: int, step: str) -> None:
-    """``dp.seed()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a time, in order (the
+    """``dp.seed()``, ``dp.bound_tables()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a time, in order (the
     most promising first), with what KEPT names copied back. Every search keeps the incumbent it was given (they
     share none while running: the plan does not depend on timing or on the number of workers)."""
     def call(dp):

@@ -90,6 +90,9 @@ class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
         self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G])
 
     def _run(self) -> None:
+        if self.root_bound and self.deadline is not None and time.perf_counter() > self.deadline:
+            self.complete = False  # bound before (plan()'s late sizes) and out of time: the tables would only
+            return  # raise the root bound a little, for its cut is now lower
         self.bound_tables()
         N, M, b, ns, dps, cm, rho = self.N, self.M, self.b, self.ns, self.dps, self.cm, self.rho
         states: list[dict] = [dict() for _ in range(N + 1)]
@@ -103,6 +106,7 @@ class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
         root = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0,
                        Cw=[])
         tighten_at, buckets_at = self.states + TIGHTEN_AFTER, self.states + BUCKETS_AFTER
+        deadline = self.deadline
         for j in range(N):
             for pre in ([root] if j == 0 else self.frontier(states[j])):
                 self.states += 1
@@ -110,7 +114,7 @@ class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
                     self.tighten()  # a search this large pays for the tighter bounds' tables
                 elif self.states == buckets_at and self.root_bound < self.cut:
                     self.tighten(buckets=True)  # and this large, for their stage-count buckets
-                if self.deadline is not None and time.perf_counter() > self.deadline:
+                if deadline is not None and time.perf_counter() > deadline:
                     self.complete = False
                     return
                 if len(cm._comm) > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
@@ -134,6 +138,9 @@ class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
                 W0, Bsum0 = (pre.W, pre.Bsum) if self.refined else (0.0, 0.0)  # formula 2: no fill/drain bound
                 most = max(free)
                 for m in range(1, min(R - 1, b) + 1):
+                    if deadline is not None and time.perf_counter() > deadline:
+                        self.complete = False  # within a state too: one takes up to a second on 128 x 8
+                        return
                     # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m
                     # devices: M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
                     lo = bisect.bisect_right(rho, rho[N] - bound * (R - m) / M, j + 1)

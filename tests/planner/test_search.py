@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import dapple
 from dapple.planner import evaluate, simulate
 from dapple.planner.exhaustive import exhaustive_search
 from dapple.planner.schedule import warmup_counts
-from dapple.planner.search import _DP, dp_search
+from dapple.planner.search import INF, _DP, dp_search
 
 from .helpers import cluster, linear_profile, random_profile, small_instances
 
@@ -341,6 +342,42 @@ def test_time_limit_auto_bounds_only_the_compact_search(monkeypatch):
     assert stopped.meta["search_complete"] is False and "search stopped at its time limit (0 s)" in str(stopped)
     assert dapple.plan(prof, cluster(6, 2), 48, 8, time_limit=float("inf")).meta["search_complete"]
 
+
+
+def test_sizes_that_may_start_late_bound_themselves_first(monkeypatch):
+    """Seeds that took EARLY_BOUNDS of the time limit: the sizes that may start after the deadline (the first
+    wave's beyond the workers, the second wave) make their root bounds before the searches. With time to spare
+    they search as before: the same plan, lower bound and states."""
+    import dapple.planner.planning as planning
+    prof, c = random_profile(random.Random(2), 12), cluster(6, 2)
+    plain = dapple.plan(prof, c, 48, time_limit=600, workers=1)
+    steps = []
+    in_workers = planning.in_workers
+
+    def spy(dps, workers, step):
+        steps.append((step, [dp.b for dp in dps]))
+        in_workers(dps, workers, step)
+    monkeypatch.setattr(planning, "in_workers", spy)
+    monkeypatch.setattr(planning, "EARLY_BOUNDS", 0.0)
+    early = dapple.plan(prof, c, 48, time_limit=600, workers=1)
+    bounded = [sizes for step, sizes in steps if step == "bound_tables"]
+    assert len(bounded) == 1 and len(bounded[0]) >= 2
+    assert [step for step, _ in steps] == ["seed", "bound_tables", "run", "run"]
+    assert [(s.layers, s.devices) for s in early.stages] == [(s.layers, s.devices) for s in plain.stages]
+    for key in ("latency_lower_bound_ms", "dp_states", "simulated_ms", "search_complete"):
+        assert early.meta[key] == plain.meta[key], key
+
+
+def test_a_size_bound_before_and_out_of_time_does_not_search():
+    prof, c = random_profile(random.Random(2), 12), cluster(6, 2)
+    dp = _DP(prof, c, 48, 8, "refined", False, None, 4.0, 1, INF, None, 1)
+    dp.seed()
+    dp.bound_tables()
+    root = dp.root_bound
+    assert root > 0
+    dp.deadline = time.perf_counter() - 1.0
+    dp.run()
+    assert (dp.states, dp.complete, dp.root_bound) == (0, False, root)
 
 def test_dropping_the_memoised_tables_changes_nothing(monkeypatch):
     """A long search drops its memoised transfer tables and placements (COMM_CACHE_LIMIT bounds its memory):
