@@ -148,9 +148,10 @@ KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transi
 
 
 def in_workers(dps: Sequence["_DP"], workers: int, step: str) -> None:
-    """``dp.seed()``, ``dp.bound_tables()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a time, in order (the
-    most promising first), with what KEPT names copied back. Every search keeps the incumbent it was given (they
-    share none while running: the plan does not depend on timing or on the number of workers)."""
+    """``dp.seed()``, ``dp.bound_tables()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a
+    time, in order (the most promising first), with what KEPT names copied back. Every search keeps the incumbent
+    it was given (they share none while running: the plan does not depend on timing or on the number of
+    workers)."""
     def call(dp):
         getattr(dp, step)()
         return tuple(getattr(dp, name) for name in KEPT[step])

@@ -173,20 +173,21 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     lead = dps[0].best[0]
     waves = [[dp for dp in dps if dp.best[0] <= lead * (1 + REFINE_WITHIN)],
              [dp for dp in dps if dp.best[0] > lead * (1 + REFINE_WITHIN)]]
+
+    def bound_by(wave, bound):  # the sizes' incumbent: the bound where their own best is not below it
+        for dp in wave:
+            if dp is not dps[0] and dp.best[0] >= bound:
+                dp.set_best(bound, None)
     if deadline is not None and seeding > EARLY_BOUNDS * time_limit:
         # a search this long may reach its deadline before the later sizes start: they make their root bounds
         # (for the report's lower bound) now, below the first wave's bound, and then search only if time is left
         # (128 x 8 at 60 s: returned 3.9 s past the limit, 6% of it, building them after the deadline)
         late = waves[0][workers:] + waves[1]
-        for dp in late:
-            if dp.best[0] >= lead * widen:
-                dp.set_best(lead * widen, None)
+        bound_by(late, lead * widen)
         in_workers(late, workers, "bound_tables")
     for wave in waves:
-        bound = (found.latency if found else lead) * widen
+        bound_by(wave, (found.latency if found else lead) * widen)
         for dp in wave:
-            if dp is not dps[0] and dp.best[0] >= bound:
-                dp.set_best(bound, None)
             dp.deadline = deadline
         in_workers(wave, workers, "run")
         for dp in wave:
