@@ -264,7 +264,7 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
     ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan x warmup policies modelled within
     VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none listed past ``deadline``
-    but the DP's own), simulated by ``workers`` processes (parallel.forked_map), or by ``spare`` (more) once the
+    but the DP's own, and none at all where the search itself ran past it: the model's choice), simulated by ``workers`` processes (parallel.forked_map), or by ``spare`` (more) once the
     first simulation took parallel.FORK_WORTH / the rest. Returns (chosen, its simulated ms, simulations, the
     processes that ran them)."""
     from .simulator import simulate
@@ -288,7 +288,8 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
         policy = "B" if lat["B"] < lat["A"] * (1 - 1e-3) else "A"
     chosen = (b, spans, policies, policy)
     too_big = cluster.num_devices * (g // b) > SIMULATE_LIMIT
-    if not verify or too_big:
+    late = deadline is not None and time.perf_counter() > deadline  # (16 x 8: a simulation of 0.9 s after 60 s)
+    if not verify or too_big or late:
         return chosen, None, 0, 1
     seen, trials = set(), []  # (b, spans, policies, warmup policy, the plan to simulate), in order
     for lat, b, (spans, policies) in cands:

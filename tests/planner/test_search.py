@@ -368,6 +368,16 @@ def test_sizes_that_may_start_late_bound_themselves_first(monkeypatch):
         assert early.meta[key] == plain.meta[key], key
 
 
+
+def test_a_search_past_its_deadline_simulates_nothing():
+    """Out of time, plan() returns the model's choice at once: the final simulations (0.9 s on 16 x 8) are not
+    run; with time left they are."""
+    prof, c = random_profile(random.Random(2), 12), cluster(6, 2)
+    stopped = dapple.plan(prof, c, 48, 8, time_limit=0.0)
+    assert stopped.meta["search_complete"] is False
+    assert "simulated_ms" not in stopped.meta and "candidates_simulated" not in stopped.meta
+    assert dapple.plan(prof, c, 48, 8, time_limit=600).meta["candidates_simulated"] >= 1
+
 def test_a_size_bound_before_and_out_of_time_does_not_search():
     prof, c = random_profile(random.Random(2), 12), cluster(6, 2)
     dp = _DP(prof, c, 48, 8, "refined", False, None, 4.0, 1, INF, None, 1)
