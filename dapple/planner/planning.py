@@ -264,8 +264,9 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
     ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan x warmup policies modelled within
     VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none listed past ``deadline``
-    but the DP's own, and none at all where the search itself ran past it: the model's choice), simulated by ``workers`` processes (parallel.forked_map), or by ``spare`` (more) once the
-    first simulation took parallel.FORK_WORTH / the rest. Returns (chosen, its simulated ms, simulations, the
+    but the DP's own, and none at all where the search itself ran past it: the model's choice), simulated by
+    ``workers`` processes (parallel.forked_map), or by ``spare`` (more) once the first simulation took
+    parallel.FORK_WORTH / the rest. Returns (chosen, its simulated ms, simulations, the
     processes that ran them)."""
     from .simulator import simulate
 
