@@ -14,6 +14,7 @@ from .parallel import forked_map, in_workers, resolve_workers
 from .plan import Plan, Stage
 from .schedule import SCHEDULES, WARMUP_POLICIES
 from .search import INF, SearchResult, _DP, _gc_paused, can_occupy, most_stages
+from .sim_floor import latency_floor
 
 if TYPE_CHECKING:
     from ..profiler.profile import Profile
@@ -208,8 +209,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     cands = [(found.latency, found.micro_batch_size, (found.spans, found.policies))]
     cands += sorted([c for c in bests if c[1] != found.micro_batch_size] +
                     [(lat, b, (sp, pols)) for lat, b, (sp, pols, _) in seeds], key=lambda c: (c[0], c[1]))
-    chosen, simulated, n_sim, sim_workers = _choose(profile, cluster, g, cands, model, overlap, schedule,
-                                                    warmup_policy, optimizer_factor, verify, deadline, workers, spare)
+    chosen, simulated, n_listed, n_sim, sim_workers = _choose(profile, cluster, g, cands, model, overlap, schedule,
+                                                              warmup_policy, optimizer_factor, verify, deadline,
+                                                              workers, spare)
     b, spans, policies, policy = chosen
     M = g // b
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
@@ -230,6 +232,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     if simulated is not None:
         meta["simulated_ms"] = round(simulated, 4)
         meta["candidates_simulated"] = n_sim
+        meta["candidates_skipped"] = n_listed - n_sim  # their floor was above the best simulated
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=g, micro_batch_size=b, stages=stages, schedule=schedule, warmup_policy=policy,
                 layer_names=list(profile.layer_names), estimate=est, meta=meta)
@@ -266,8 +269,9 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
     VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none listed past ``deadline``
     but the DP's own, and none at all where the search itself ran past it: the model's choice), simulated by
     ``workers`` processes (parallel.forked_map), or by ``spare`` (more) once the first simulation took
-    parallel.FORK_WORTH / the rest. Returns (chosen, its simulated ms, simulations, the
-    processes that ran them)."""
+    parallel.FORK_WORTH / the rest; a candidate whose floor (sim_floor.latency_floor) is above the best simulated
+    before it is not simulated, for it could not win. Returns (chosen, its simulated ms, candidates listed, those
+    simulated, the processes that ran them)."""
     from .simulator import simulate
 
     pols = (warmup_policy,) if warmup_policy else ("A", "B")
@@ -291,7 +295,7 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
     too_big = cluster.num_devices * (g // b) > SIMULATE_LIMIT
     late = deadline is not None and time.perf_counter() > deadline  # (16 x 8: a simulation of 0.9 s after 60 s)
     if not verify or too_big or late:
-        return chosen, None, 0, 1
+        return chosen, None, 0, 0, 1
     seen, trials = set(), []  # (b, spans, policies, warmup policy, the plan to simulate), in order
     for lat, b, (spans, policies) in cands:
         if lat > best_lat * (1 + VERIFY_WITHIN):
@@ -312,20 +316,49 @@ def _choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy,
                                                           schedule=schedule, warmup_policy=pol)))
     def simulated(trial) -> float:
         return simulate(trial[-1], profile, cluster, overlap=overlap).latency_ms
-    times = []
+    took: dict = {}  # trial index -> simulated ms (one left out was skipped: its floor was above the best)
     if spare is not None and workers < spare and len(trials) > 2:  # auto: fork the rest if they take long
         t = time.perf_counter()
-        times.append(simulated(trials[0]))  # (bert_48 at 128 on 2 x 8: 12 simulations of 27 ms)
+        took[0] = simulated(trials[0])  # (bert_48 at 128 on 2 x 8: 12 simulations of 27 ms)
         # the rest's ops: as many per device as micro-batches, g / b (trial[0]: b)
         if (time.perf_counter() - t) * sum(trials[0][0] / trial[0] for trial in trials[1:]) > parallel.FORK_WORTH:
             workers = spare
-    rest = trials[len(times):]
-    times += forked_map(simulated, rest, workers, f"simulating {len(trials)} candidate plans")
-    used = min(workers, len(rest)) if len(rest) > 1 else 1  # processes (forked_map runs one item in-process)
-    best_sim = None
-    for (b, spans, policies, pol, _), t in zip(trials, times):
-        if best_sim is None or t < best_sim * (1 - 1e-3) or (
-                t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],)):
-            best_sim = t
-            chosen = (b, spans, policies, pol)
-    return chosen, best_sim, len(trials), used
+    used = 1
+
+    def settle(ks: list) -> None:  # simulate trials[k] for k in ks, ``workers`` side by side
+        nonlocal used
+        for k, t in zip(ks, forked_map(simulated, [trials[k] for k in ks], workers,
+                                       f"simulating {len(trials)} candidate plans")):
+            took[k] = t
+        used = max(used, min(workers, len(ks)) if len(ks) > 1 else 1)
+
+    def pick(chosen):  # the fastest simulated trial, in order (the DP's plan wins ties) and its ms
+        best_sim = None
+        for k, (b, spans, policies, pol, _) in enumerate(trials):
+            t = took.get(k)
+            if t is not None and (best_sim is None or t < best_sim * (1 - 1e-3) or (
+                    t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],))):
+                best_sim = t
+                chosen = (b, spans, policies, pol)
+        return chosen, best_sim
+    # first the DP's own plan (its warmup policies, the only trials a tie can keep) and as many more as run side by
+    # side; then the others whose floor (sim_floor.latency_floor: no simulation is faster) is below the best so far,
+    # which only falls from there, so a skipped one could not have won (8 x 8: the two of micro-batch 4, 0.38 s each)
+    own = sum((b, spans) == chosen[:2] for b, spans, *_ in trials)  # (listed first)
+    settle([k for k in range(min(len(trials), max(own, workers))) if k not in took])
+    rest = [k for k in range(len(trials)) if k not in took]
+    cms: dict = {}  # micro-batch size -> CostModel, as simulate() makes it
+
+    def floor(k: int) -> float:  # (less 1e-9 of it: its sums run in another order than the simulator's)
+        b = trials[k][0]
+        if b not in cms:
+            cms[b] = CostModel(profile, cluster, b)
+        return latency_floor(trials[k][-1], cms[b], overlap) * (1 - 1e-9)
+    while rest:
+        below = pick(chosen)[1] * (1 - 1e-3)  # what a trial must simulate below to win
+        rest = [k for k in rest if floor(k) < below]
+        batch = rest[:1] if workers == 1 else rest  # one at a time in-process: the best falls as they go
+        settle(batch)
+        rest = rest[len(batch):]
+    chosen, best_sim = pick(chosen)
+    return chosen, best_sim, len(trials), len(took), used

@@ -196,8 +196,39 @@ def test_the_simulator_judges_only_warmup_policies_near_the_better_one(monkeypat
     args = (prof, c, 64, [(100.0, 8, split)], "refined", False, "dapple", None, 4.0, 6)
     assert planning._choose(*args)[2] == 2
     monkeypatch.setattr(planning, "VERIFY_WITHIN", 0.01)
-    chosen, _, n, _ = planning._choose(*args)
+    chosen, _, n, _, _ = planning._choose(*args)
     assert n == 1 and chosen[3] == "B"
+
+
+def test_the_simulator_skips_only_candidates_that_cannot_win(monkeypatch):
+    """The final choice does not simulate a candidate whose floor (sim_floor.latency_floor) is above the best
+    simulated before it: over random candidate lists (splits of 8 layers on 2 x 2 devices, micro-batches 2 to 16,
+    all modelled within VERIFY_WITHIN), one at a time and two workers side by side, the same plan, warmup policy and
+    simulated ms as with every candidate simulated, and some candidates are skipped."""
+    from dapple.planner import parallel, planning
+
+    rng = random.Random(11)
+    layouts = [((0, 0, 1, 1),), ((0, 0), (1, 1)), ((0, 1), (0, 1)), ((0,), (0,), (1, 1)), ((0,), (0,), (1,), (1,))]
+    skipped = 0
+    for i in range(12):
+        prof = random_profile(rng, 8)
+        c = cluster(2, 2, intra=5e10, inter=rng.choice([1e9, 3e9]), intra_lat=5e-6, inter_lat=3e-5)
+        cands = []
+        for k in range(6):
+            lays = rng.choice(layouts)
+            cuts = [0, *sorted(rng.sample(range(1, 8), len(lays) - 1)), 8]
+            spans = tuple((cuts[s], cuts[s + 1], lay) for s, lay in enumerate(lays))
+            cands.append((100.0 + k, rng.choice([b for b in (2, 4, 8, 16) if b >= max(map(len, lays))]),
+                          (spans, ("even",) * len(lays))))
+        workers = 2 if i % 4 == 0 and parallel.can_fork() else 1
+        args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6, None, workers)
+        chosen, ms, listed, simulated, _ = planning._choose(*args)
+        with monkeypatch.context() as m:
+            m.setattr(planning, "latency_floor", lambda *a: 0.0)
+            every = planning._choose(*args)
+        assert (chosen, ms, listed) == every[:3] and every[3] == listed
+        skipped += listed - simulated
+    assert skipped >= 30  # (78 here)
 
 
 def test_plan_fields():
