@@ -22,7 +22,7 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
     - after that backward come the backwards of the stages above, one after another, and (not ``overlap``) its
       stage's AllReduce, which starts once every replica is done.
     Transfers take no time here and nothing else waits, so every simulated plan takes at least this long
-    (tests/planner/test_simulator.py); ``planning._choose`` skips the simulation of a candidate whose floor is
+    (tests/planner/test_sim_floor.py); ``choice.choose`` skips the simulation of a candidate whose floor is
     already above the best simulated."""
     M = plan.num_micro_batches
     slices = []  # per stage, per replica: (F, B) ms of its slice

@@ -109,19 +109,19 @@ def test_auto_forks_a_full_search_only_where_it_takes_long(monkeypatch):
 def test_auto_forks_the_simulations_where_they_take_long(monkeypatch):
     """plan()'s final choice simulates its first candidate in-process; the rest go to workers ("auto") only if
     they would take parallel.FORK_WORTH seconds at that pace: the same choice and times either way."""
-    from dapple.planner import planning
+    from dapple.planner import choice
 
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
     cands = [(100.0, 8, split), (101.0, 4, split), (102.0, 2, split)]
     args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6, None, 1)
-    alone = planning._choose(*args)
+    alone = choice.choose(*args)
     assert alone[2] == 6 and alone[4] == 1
     monkeypatch.setattr(parallel, "FORK_WORTH", float("inf"))
-    assert planning._choose(*args, 2) == alone  # quick: in-process
+    assert choice.choose(*args, 2) == alone  # quick: in-process
     monkeypatch.setattr(parallel, "FORK_WORTH", 0.0)
-    forked = planning._choose(*args, 2)  # the same choice, but it may simulate more (it skips a round at a time)
+    forked = choice.choose(*args, 2)  # the same choice, but it may simulate more (it skips a round at a time)
     assert forked[:3] + forked[4:] == alone[:3] + (2,) and forked[3] >= alone[3]
 
 

@@ -172,31 +172,31 @@ def test_the_simulator_also_judges_the_best_plan_of_other_micro_batch_sizes():
 
 def test_the_simulator_judges_only_candidates_near_the_dp_plan(monkeypatch):
     """plan(verify=) simulates the candidates modelled within VERIFY_WITHIN of the DP's plan, and no other."""
-    from dapple.planner import planning
+    from dapple.planner import choice
 
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
-    edge = 100.0 * (1 + planning.VERIFY_WITHIN)
+    edge = 100.0 * (1 + choice.VERIFY_WITHIN)
     cands = [(100.0, 8, split), (edge - 1e-6, 4, split), (edge + 1e-6, 2, split)]
     args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6)
-    assert planning._choose(*args)[2] == 4  # two candidates x warmup policies A and B: the third is 10% off
-    monkeypatch.setattr(planning, "VERIFY_WITHIN", 1.0)
-    assert planning._choose(*args)[2] == 6
+    assert choice.choose(*args)[2] == 4  # two candidates x warmup policies A and B: the third is 10% off
+    monkeypatch.setattr(choice, "VERIFY_WITHIN", 1.0)
+    assert choice.choose(*args)[2] == 6
 
 
 def test_the_simulator_judges_only_warmup_policies_near_the_better_one(monkeypatch):
     """Of one plan's warmup policies, plan(verify=) simulates those the refined model puts within VERIFY_WITHIN of
     the better one: here B (172.1 ms modelled) and A (176.3 ms, 2.5% above) at 10%, B alone at 1%."""
-    from dapple.planner import planning
+    from dapple.planner import choice
 
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
     args = (prof, c, 64, [(100.0, 8, split)], "refined", False, "dapple", None, 4.0, 6)
-    assert planning._choose(*args)[2] == 2
-    monkeypatch.setattr(planning, "VERIFY_WITHIN", 0.01)
-    chosen, _, n, _, _ = planning._choose(*args)
+    assert choice.choose(*args)[2] == 2
+    monkeypatch.setattr(choice, "VERIFY_WITHIN", 0.01)
+    chosen, _, n, _, _ = choice.choose(*args)
     assert n == 1 and chosen[3] == "B"
 
 
@@ -205,7 +205,7 @@ def test_the_simulator_skips_only_candidates_that_cannot_win(monkeypatch):
     simulated before it: over random candidate lists (splits of 8 layers on 2 x 2 devices, micro-batches 2 to 16,
     all modelled within VERIFY_WITHIN), one at a time and two workers side by side, the same plan, warmup policy and
     simulated ms as with every candidate simulated, and some candidates are skipped."""
-    from dapple.planner import parallel, planning
+    from dapple.planner import choice, parallel
 
     rng = random.Random(11)
     layouts = [((0, 0, 1, 1),), ((0, 0), (1, 1)), ((0, 1), (0, 1)), ((0,), (0,), (1, 1)), ((0,), (0,), (1,), (1,))]
@@ -222,10 +222,10 @@ def test_the_simulator_skips_only_candidates_that_cannot_win(monkeypatch):
                           (spans, ("even",) * len(lays))))
         workers = 2 if i % 4 == 0 and parallel.can_fork() else 1
         args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6, None, workers)
-        chosen, ms, listed, simulated, _ = planning._choose(*args)
+        chosen, ms, listed, simulated, _ = choice.choose(*args)
         with monkeypatch.context() as m:
-            m.setattr(planning, "latency_floor", lambda *a: 0.0)
-            every = planning._choose(*args)
+            m.setattr(choice, "latency_floor", lambda *a: 0.0)
+            every = choice.choose(*args)
         assert (chosen, ms, listed) == every[:3] and every[3] == listed
         skipped += listed - simulated
     assert skipped >= 30  # (78 here)
