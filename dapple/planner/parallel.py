@@ -144,18 +144,22 @@ def _stop(pool: ProcessPoolExecutor) -> None:
 
 # what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)
 KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound"),
-        "bound_tables": ("best", "root_bound")}
+        "bound_tables": ("best", "root_bound"), "refine_seeds": ("best", "_seeds")}
 
 
-def in_workers(dps: Sequence["_DP"], workers: int, step: str) -> None:
-    """``dp.seed()``, ``dp.bound_tables()`` or ``dp.run()`` (``step``) for every search in ``dps``, ``workers`` at a
-    time, in order (the most promising first), with what KEPT names copied back. Every search keeps the incumbent
-    it was given (they share none while running: the plan does not depend on timing or on the number of
-    workers)."""
+def in_workers(dps: Sequence["_DP"], workers: int, step: str,
+               accept: Callable[["_DP", tuple], bool] | None = None) -> None:
+    """``dp.seed()``, ``dp.refine_seeds()``, ``dp.bound_tables()`` or ``dp.run()`` (``step``) for every search in
+    ``dps``, ``workers`` at a time, in order (the most promising first), with what KEPT names copied back, where
+    ``accept(dp, what it kept)``, asked in order, does not say False (the search then stays as it was). Every
+    search keeps the incumbent it was given (they share none while running: the plan does not depend on timing or
+    on the number of workers)."""
     def call(dp):
         getattr(dp, step)()
         return tuple(getattr(dp, name) for name in KEPT[step])
     for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}")):
+        if accept is not None and not accept(dp, kept):
+            continue
         dp.set_best(*kept[0])
         for name, value in zip(KEPT[step][1:], kept[1:]):
             setattr(dp, name, value)

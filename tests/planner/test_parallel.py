@@ -125,6 +125,34 @@ def test_auto_forks_the_simulations_where_they_take_long(monkeypatch):
     assert forked[:3] + forked[4:] == alone[:3] + (2,) and forked[3] >= alone[3]
 
 
+@forks
+def test_sizes_refined_side_by_side_keep_what_one_at_a_time_would():
+    """refine_promising with workers refines every size within REFINE_WITHIN of the best seed at once and keeps
+    what the rule one at a time would: micro-batch 4 (104, within 5% of 100 but not of 96) keeps its seed."""
+    from dapple.planner import planning
+
+    class Size:
+        def __init__(self, b, seed, refined):
+            self.b, self.best, self.refined, self._seeds = b, (seed, None), refined, ["seed"]
+
+        def refine_seeds(self):
+            self.best, self._seeds = (self.refined, "refined"), []
+
+        def set_best(self, latency, found):
+            self.best = (latency, found)
+
+    def refined(workers, spec):
+        sizes = [Size(*x) for x in spec]
+        planning.refine_promising(sizes, workers)
+        return [(s.b, s.best, s._seeds) for s in sizes]
+    spec = [(4, 104.0, 103.0), (8, 100.0, 96.0), (16, 100.5, 100.0)]
+    assert refined(2, spec) == refined(1, spec) == [(4, (104.0, None), ["seed"]), (8, (96.0, "refined"), []),
+                                                    (16, (100.0, "refined"), [])]
+    spec = [(4, 104.0, 103.0), (8, 100.0, 99.5), (32, 110.0, 90.0)]
+    assert refined(2, spec) == refined(1, spec) == [(4, (103.0, "refined"), []), (8, (99.5, "refined"), []),
+                                                    (32, (110.0, None), ["seed"])]
+
+
 def test_available_memory_is_read_from_the_system():
     assert parallel.available_memory() > 0
 
