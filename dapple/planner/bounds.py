@@ -25,6 +25,21 @@ def efficient_replicas(micro: int, most: int) -> list[int]:
     return out
 
 
+def least_work(cm: "CostModel", most: int) -> list[float]:
+    """rho[j]: the least per-micro-batch work (ms x devices) any stage split can give layers [0, j) with at most
+    ``most`` replicas a stage: per layer the least r (F + B) of a slice on r replicas (the fewest replicas of each
+    slice size, :func:`efficient_replicas`: more with the same slice only add work), summed."""
+    per = None  # (N,): per layer, the least so far
+    for r in efficient_replicas(cm.micro, most):
+        f, b, _ = cm._sums(cm.rows(r))
+        work = r * (np.diff(f) + np.diff(b))  # (N,): F + B of each layer on a slice, x r
+        per = work if per is None else np.minimum(per, work)
+    rho = [0.0]
+    for w in per.tolist():
+        rho.append(rho[-1] + w)
+    return rho
+
+
 def allreduce_floor(cm: "CostModel", replicas: int, params: np.ndarray) -> np.ndarray:
     """The least ring AllReduce ms of ``params`` bytes (array) over ``replicas`` devices anywhere on the cluster:
     inside one server or across servers, whichever is cheaper (only across when more than a server's worth)."""

@@ -6,6 +6,7 @@ import bisect
 import time
 from typing import TYPE_CHECKING
 
+from .bounds import least_work
 from .cost import CostModel
 from .memo import SearchResult, _gc_paused, _Memo, _Prefix
 from .pruning import BUCKETS_AFTER, INF, TIGHTEN_AFTER, _Pruning
@@ -55,12 +56,7 @@ class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
         self._canon: dict = {}  # (free devices, new stage's layout) -> (state key id, server relabelling)
         self._stage_costs: dict = {}  # (j, m, spans servers) -> stage_costs
         self._tails: dict = {}  # rest layout -> [tail(a, layout) for a in 0..N] (filled on use)
-        # rho[j]: least per-micro-batch work (ms x devices) any stage split can give layers [0, j)
-        rho = [0.0]
-        for layer in range(self.N):
-            rho.append(rho[-1] + min(r * sum(self.cm.compute(layer, layer + 1, r))
-                                     for r in range(1, min(self.b, self.G) + 1)))
-        self.rho = rho
+        self.rho = least_work(self.cm, min(self.b, self.G))
         self.fill = 1.0 if self.refined else 0.0
         # refined: a stage's chain ends with the longer of the way down and its AllReduce; overlapped, the AllReduce
         # ends E >= AR after its last backward starts (CostModel.overlapped_ending), so at least AR - B after it ends
