@@ -195,11 +195,14 @@ class _Pruning:
         u = us[more if more < last else last]
         return head + [u if u > x else x]
 
-    def period_rest(self, j: int, R: int, ts: list, hi: float = 0.0, lo: float = 0.0) -> float:
+    def period_rest(self, j: int, R: int, ts: list, hi: float = 0.0, lo: float = 0.0, add: float = 0.0,
+                    stop: float = -INF) -> float:
         """L - (one micro-batch's round trip so far) >= this for any split of [j, N) on R devices into c + 1
         stages (the last bucket: at least ``counts``), after stages whose largest U is ts[c] (bounds.period_bound;
         :meth:`period_ts` gives ts) and a new stage of max(F, B) ``hi`` and min(F, B) ``lo`` (``_DP.reach``: its
-        U in bucket c is hi + new_share[c] lo): the least over the buckets some split falls in."""
+        U in bucket c is hi + new_share[c] lo): the least over the buckets some split falls in. Or, once ``add`` +
+        a bucket's value is below ``stop``, that value (a caller who only asks whether ``add`` + this reaches
+        ``stop`` gets the same answer sooner)."""
         taus, pr = self.pv
         m1, shares = self.M - 1, self.new_share
         best = INF
@@ -215,4 +218,6 @@ class _Pruning:
                 a = s
             if a < best:
                 best = a
+                if add + a < stop:
+                    return a
         return best

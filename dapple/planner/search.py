@@ -125,7 +125,8 @@ class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
                     continue
                 links = max(pre.server_max, pre.dev)
                 if self.pv is not None and pre.W + pre.Bsum + self.period_rest(
-                        j, R, self.period_ts(pre, 0, min(R, N - j), links)) >= self.cut:
+                        j, R, self.period_ts(pre, 0, min(R, N - j), links), add=pre.W + pre.Bsum,
+                        stop=self.cut) >= self.cut:
                     continue
                 if self.max_stages is not None and pre.depth + 2 > self.max_stages:
                     continue

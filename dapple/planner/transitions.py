@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import inf as INF, nextafter
+
 from .comm import NO_USERS, add_users, feeds, queues
 from .memo import _Prefix
 from .stage_costs import same_costs
@@ -51,7 +53,8 @@ class _Transitions:
         """``low`` raised to the period bound of a new stage [j, j2) (F ``f``, B ``bb``) after ``W`` and ``Bsum``
         and before the rest [j2, N) on ``n_rest`` devices (period_rest, ``ts`` from period_ts)."""
         hi, lo = (f, bb) if f > bb else (bb, f)
-        x = W + Bsum + f + bb + self.period_rest(j2, n_rest, ts, hi, lo)
+        before = W + Bsum + f + bb
+        x = before + self.period_rest(j2, n_rest, ts, hi, lo, before, nextafter(low, INF))  # (at most low: low)
         return x if x > low else low
 
     def expand(self, states, pre: _Prefix, j: int, m: int, option: tuple, prev, lo: int, gate: dict) -> None:
