@@ -119,12 +119,15 @@ def choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, 
     settle([k for k in range(min(len(trials), max(own, workers))) if k not in took])
     rest = [k for k in range(len(trials)) if k not in took]
     cms: dict = {}  # micro-batch size -> CostModel, as simulate() makes it
+    floors: dict = {}  # trial index -> its floor (one at a time, the rest are filtered again after each)
 
     def floor(k: int) -> float:  # (less 1e-9 of it: its sums run in another order than the simulator's)
-        b = trials[k][0]
-        if b not in cms:
-            cms[b] = CostModel(profile, cluster, b)
-        return latency_floor(trials[k][-1], cms[b], overlap) * (1 - 1e-9)
+        if k not in floors:
+            b = trials[k][0]
+            if b not in cms:
+                cms[b] = CostModel(profile, cluster, b)
+            floors[k] = latency_floor(trials[k][-1], cms[b], overlap) * (1 - 1e-9)
+        return floors[k]
     while rest:
         below = pick(chosen)[1] * (1 - 1e-3)  # what a trial must simulate below to win
         rest = [k for k in rest if floor(k) < below]
