@@ -107,6 +107,8 @@ def main() -> None:
               f"dapple / plain = {med['dapple'] / med['plain']:.3f}")
         print(f"  profile: sum of layers' F+B x M = {summed:.2f} ms = {summed / med['plain']:.3f} x plain; "
               f"plan estimate {est:.2f} ms = {est / med['dapple']:.3f} x dapple's measured step")
+    if torch.distributed.is_initialized():  # dapple.pipeline made the group; ending it flushes NCCL cleanly
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
