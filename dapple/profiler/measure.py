@@ -60,7 +60,7 @@ class LayerTimer:
                  state: set[int], device: torch.device):
         self.lm, self.values, self.targets, self.state = lm, values, targets, state
         self.loss_fn = loss_fn if lm.is_last else None
-        self.sync = synchronizer(device)
+        self.sync, self.device = synchronizer(device), device
         self.grads: list[Tensor] | None = None
         self.result: LayerMeasurement | None = None
 
@@ -113,13 +113,14 @@ class LayerTimer:
         after layer, the stream stays busy while Python queues the next, as in a training step. Read the events
         with :meth:`keep` once the stream is synchronised."""
         args = self._ready()
+        stream = torch.cuda.current_stream(self.device)  # where the layer's kernels go (not the current device's)
         marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
-        marks[0].record()
+        marks[0].record(stream)
         out, roots = self._forward(args)
-        marks[1].record()
+        marks[1].record(stream)
         if roots:
             torch.autograd.backward(roots, self.grads)
-        marks[2].record()
+        marks[2].record(stream)
         return marks
 
     def keep(self, marks: tuple) -> None:
