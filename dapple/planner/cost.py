@@ -46,6 +46,9 @@ class CostModel:
         self.param_bytes = list(params)
         self._pre_params = _prefix(params)
         self._prefix: dict[int, tuple[list[float], list[float], list[float]]] = {}
+        # what a stage op pays once for being called, forward and backward (Profile.call_ms): _sums holds the layers'
+        # times without it, compute_rows adds it to each stage
+        self.call_f, self.call_b = (float(v) for v in getattr(profile, "call_ms", (0.0, 0.0)))
         self._comm: dict = {}  # (src, dst) -> comm_pair, filled on use
         self._comm_canon: dict[tuple, CommPair] = {}  # the same for servers relabelled 0, 1, ...
         self._routes: dict[tuple, list] = {}  # (senders, receivers) -> slices.routes of a micro-batch
@@ -59,16 +62,22 @@ class CostModel:
         return -(-self.micro // replicas)
 
     def _sums(self, rows: int) -> tuple[list[float], list[float], list[float]]:
+        """Prefix sums over layers of forward ms, backward ms and saved bytes of a ``rows``-row slice; the times
+        without the call cost (Profile.call_ms), which a layer timed alone paid and a stage pays once."""
         hit = self._prefix.get(rows)
         if hit is None:
             c = self.profile.costs(rows)
-            hit = self._prefix[rows] = (_prefix(c.forward_ms), _prefix(c.backward_ms), _prefix(c.saved_bytes))
+            fw, bw = c.forward_ms, c.backward_ms
+            if self.call_f or self.call_b:  # (at least 0: a layer cheaper than an empty one adds nothing)
+                fw = [max(0.0, v - self.call_f) for v in fw]
+                bw = [max(0.0, v - self.call_b) for v in bw]
+            hit = self._prefix[rows] = (_prefix(fw), _prefix(bw), _prefix(c.saved_bytes))
         return hit
 
     def compute_rows(self, a: int, c: int, rows: int) -> tuple[float, float]:
-        """(forward ms, backward ms) of layers [a, c) on a slice of ``rows`` rows."""
+        """(forward ms, backward ms) of layers [a, c) on a slice of ``rows`` rows, run as one op (a < c)."""
         f, b, _ = self._sums(rows)
-        return f[c] - f[a], b[c] - b[a]
+        return f[c] - f[a] + self.call_f, b[c] - b[a] + self.call_b
 
     def compute(self, a: int, c: int, replicas: int) -> tuple[float, float]:
         """(F_s, B_s): forward and backward ms of layers [a, c) on the slowest of ``replicas`` replicas."""
@@ -255,10 +264,10 @@ class CostModel:
 
     def bucket_ready(self, a: int, c: int, rows: int) -> list[tuple[float, float]]:
         """Per bucket of :meth:`buckets`: (ms from the start of the last backward of a ``rows``-row slice until
-        it has produced the bucket's gradients, bytes). That backward runs layers c-1 .. a; a bucket is done
-        after its lowest layer."""
+        it has produced the bucket's gradients, bytes). That backward runs layers c-1 .. a (after the call's own
+        cost); a bucket is done after its lowest layer."""
         bsum = self._sums(rows)[1]
-        return [(bsum[c] - bsum[low], nbytes) for low, nbytes in self.buckets(a, c)]
+        return [(bsum[c] - bsum[low] + self.call_b, nbytes) for low, nbytes in self.buckets(a, c)]
 
     def overlapped_ending(self, a: int, c: int, layout: Layout, rows: int | None = None) -> float:
         """Ms from the start of the stage's last backward to the end of its AllReduce, when each bucket is

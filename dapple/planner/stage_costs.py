@@ -100,12 +100,13 @@ class _StageCosts:
             cm, N, mem, M = self.cm, self.N, self.mem, self.M
             fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the stage's slice
             f0, b0, s0 = fpre[j], bpre[j], spre[j]
+            cf, cb = cm.call_f, cm.call_b  # (CostModel.compute_rows: the stage's call, once)
             end, cut = j + 1, self.cut
-            while end <= N and M * ((fpre[end] - f0) + (bpre[end] - b0)) < cut:
+            while end <= N and M * ((fpre[end] - f0 + cf) + (bpre[end] - b0 + cb)) < cut:
                 end += 1
             pad = [0.0] * (j + 1)
-            fs = pad + [fpre[c] - f0 for c in range(j + 1, end)]
-            bs = pad + [bpre[c] - b0 for c in range(j + 1, end)]
+            fs = pad + [fpre[c] - f0 + cf for c in range(j + 1, end)]
+            bs = pad + [bpre[c] - b0 + cb for c in range(j + 1, end)]
             ars = pad + cm.allreduce_ends(j, end, m, multi)
             static = cm.static_bytes
             ds = [0] * (j + 1) + [max_in_flight(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]

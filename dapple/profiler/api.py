@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from .._checks import is_int
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .exported import retarget_devices
 from .layers import LayerGraph, arity, trace_layers
-from .measure import LayerMeasurement, LayerTimer, time_rounds
+from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds
 from .profile import LayerProfile, Profile
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
@@ -43,8 +44,11 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     ``"fx"``, ``"export"`` (torch.export from ``example_inputs``, batch dim dynamic, other dims per
     ``dynamic_shapes``) or ``"auto"`` (fx, torch.export where fx fails); see :func:`~dapple.profiler.trace_layers`.
     ``progress``: a progress bar over layers (None: only when stderr is a terminal). ``check_step``: also time
-    whole-model steps in the same rounds, into ``meta["step_ms"]`` and ``meta["layers_over_step"]`` (the sum of
-    the layers' forward + backward over a whole step; 1.0 when the layers add up exactly).
+    whole-model steps in the same rounds, into ``meta["step_ms"]``, ``meta["layers_over_step"]`` (the sum of
+    the layers' forward + backward over a whole step; 1.0 when the layers add up exactly) and
+    ``meta["stage_over_step"]`` (the same for what the cost model charges the model as one stage: the layers less
+    ``call_ms``, and ``call_ms`` once). ``Profile.call_ms``: an empty layer's forward and backward, timed in the
+    same rounds: what each layer's times include for being called at all, which a stage pays once.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -82,10 +86,10 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         layers = [layer_module(lg, k) for k in range(lg.num_layers)]
         state = state_storages([model, lg.gm])
         show = sys.stderr.isatty() if progress is None else progress
-        bar = tqdm(total=len(sizes) * lg.num_layers * (1 + warmup + repeats), unit="layer", leave=False,
+        bar = tqdm(total=len(sizes) * (lg.num_layers + 1) * (1 + warmup + repeats), unit="layer", leave=False,
                    desc=f"profiling {name or type(model).__name__}", disable=not show)
         try:
-            groups, wholes = [], []
+            groups, wholes, calls = [], [], []  # calls: an empty layer per batch size (Profile.call_ms)
             for b in sizes:  # recorded inputs of every batch size stay alive: the rounds interleave them
                 x = tuple(to_model(resize(t, b), dev, dtype) for t in inputs)
                 ys = tuple(to_model(resize(t, b), dev, dtype) for t in target_list)
@@ -95,8 +99,9 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                 timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev)
                           for lm in layers]
                 per_batch.append([t.measure_sizes() for t in timers])
-                bar.update(len(timers))
-                groups.append(timers)
+                calls.append(call_timer(dev, dtype, state))
+                bar.update(len(timers) + 1)
+                groups.append(timers + [calls[-1]])
                 wholes.append((model, x, ys, loss_fn))
                 del values
             steps = time_rounds(groups, warmup, repeats, bar, wholes=wholes if check_step else None, device=dev)
@@ -104,6 +109,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         finally:
             bar.close()
     saved = [_saved_once(lg, measured) for measured in per_batch]
+    call_ms = [round(statistics.median([x for t in calls for x in getattr(t.result, key)]) * 1e3, 6)
+               for key in ("forward_s", "backward_s")]
     seconds = time.perf_counter() - started
 
     params = lg.params_by_layer()
@@ -121,12 +128,17 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "profiling_seconds": round(seconds, 3), "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
+        f0, b0 = call_ms
         meta["step_ms"] = [round(s * 1e3, 6) for s in steps]
         meta["layers_over_step"] = [
             round(sum(layer.forward_ms[i] + layer.backward_ms[i] for layer in result) / (s * 1e3), 4)
             for i, s in enumerate(steps)]
+        # what the cost model charges the whole model as one stage: each layer less the call, the call once
+        meta["stage_over_step"] = [
+            round((f0 + b0 + sum(max(0.0, layer.forward_ms[i] - f0) + max(0.0, layer.backward_ms[i] - b0)
+                                 for layer in result)) / (s * 1e3), 4) for i, s in enumerate(steps)]
     return Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
-                   meta=meta)
+                   meta=meta, call_ms=call_ms)
 
 
 def _saved_once(lg: LayerGraph, measured: list[LayerMeasurement]) -> list[int]:

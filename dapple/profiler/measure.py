@@ -135,6 +135,21 @@ class LayerTimer:
         return self._args()
 
 
+def call_timer(device: torch.device, dtype: torch.dtype, state: set[int]) -> LayerTimer:
+    """A timer of an empty layer (one op on one element): what calling a layer costs by itself, its module and,
+    for its backward, autograd. Timed in the same rounds as the layers (on CUDA queued after them: where the GPU
+    is still busy it costs nothing, where Python is what the GPU waits for it costs what a call costs)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(torch.mul, (x, 1.0)),))
+    gm = fx.GraphModule(torch.nn.Module(), graph, class_name="EmptyLayer")
+    lm = LayerModule(index=-1, gm=gm, inputs=[x], outputs=[], is_last=False)
+    values = {x: torch.ones(1, device=device, dtype=dtype, requires_grad=True)}
+    timer = LayerTimer(lm, values, loss_fn=None, targets=(), state=state, device=device)
+    timer.measure_sizes()
+    return timer
+
+
 def step_seconds(model: torch.nn.Module, inputs: tuple[Tensor, ...], *, loss_fn: Callable | None, targets: Any,
                  sync: Callable[[], None]) -> float:
     """One whole-model training step (forward, loss, backward) in seconds: the yardstick for the layer sum."""

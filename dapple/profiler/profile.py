@@ -68,6 +68,10 @@ class Profile:
     batch_sizes: list[int]
     layers: list[LayerProfile]
     meta: dict = field(default_factory=dict)  # free-form extras (dtype, repeats, torch version, ...)
+    # (forward, backward) ms of calling a layer at all (its module; autograd for the backward), measured on an empty
+    # layer in the same rounds: part of every layer's own times, but a stage running several layers as one op pays
+    # it once (CostModel); [0, 0]: no such part (PipeDream's profiles, documents without the field)
+    call_ms: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +133,10 @@ class Profile:
                              f"got {self.batch_sizes}")
         if not self.layers:
             raise ValueError(f"{where}.layers: expected at least one layer, got none")
+        if (not isinstance(self.call_ms, (list, tuple)) or len(self.call_ms) != 2
+                or not all(is_finite(v) for v in self.call_ms)):
+            raise ValueError(f"{where}.call_ms: expected [forward, backward], two finite numbers >= 0 (ms), got "
+                             f"{self.call_ms!r:.120}")
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerProfile):
                 raise TypeError(f"{where}.layers[{i}]: expected a LayerProfile, got {type(layer).__name__}")
@@ -152,6 +160,8 @@ class Profile:
     def to_dict(self) -> dict:
         doc: dict = {"dapple_profile": VERSION, "model": self.model, "device": self.device,
                      "batch_sizes": list(self.batch_sizes)}
+        if any(self.call_ms):
+            doc["call_ms"] = [round(float(v), 6) for v in self.call_ms]
         if self.meta:
             doc["meta"] = dict(self.meta)
         layers = []
@@ -171,7 +181,8 @@ class Profile:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Profile") -> "Profile":
-        f = _io.Fields(doc, where).known("dapple_profile", "model", "device", "batch_sizes", "layers", "meta")
+        f = _io.Fields(doc, where).known("dapple_profile", "model", "device", "batch_sizes", "layers", "meta",
+                                         "call_ms")
         batch_sizes = f.numbers("batch_sizes", integer=True, minimum=1)
         n = len(batch_sizes)
 
@@ -188,7 +199,7 @@ class Profile:
         meta = f.mapping("meta")
         try:
             return cls(model=f.str("model"), device=f.str("device"), batch_sizes=batch_sizes, layers=layers,
-                       meta=meta)
+                       meta=meta, call_ms=f.numbers("call_ms", 2, default=[0.0, 0.0]))
         except ValueError as e:
             raise _io.DocumentError(str(e).replace("Profile", where, 1)) from e
 
@@ -206,6 +217,9 @@ class Profile:
         for i, layer in enumerate(self.layers):
             lines.append(f"  {i:>3}  {layer.name[:28]:<28} {c.forward_ms[i]:>9.3f} {c.backward_ms[i]:>9.3f} "
                          f"{c.boundary_bytes[i]:>12.0f} {c.saved_bytes[i]:>12.0f} {layer.param_bytes:>12}")
+        if any(self.call_ms):
+            f0, b0 = self.call_ms
+            lines.append(f"  (each layer's times include {f0:.3f} / {b0:.3f} ms of calling it, which a stage pays once)")
         return "\n".join(lines)
 
     @classmethod

@@ -82,6 +82,26 @@ def test_buckets_and_overlapped_ending():
     assert cm.overlapped_ending(0, 4, (0,)) == pytest.approx(cm.compute(0, 4, 1)[1])
 
 
+def test_a_stage_pays_the_call_once():
+    """Profile.call_ms is part of each layer's times (each was timed alone); a stage, run as one op, pays it once:
+    its layers less the call (none below 0), plus the call. The search's own stage lists agree with compute()."""
+    mb = 2**20
+    prof = linear_profile([1.0, 0.1, 2.0], params=[30 * mb, 0, 30 * mb])  # at 8 rows: forward 8, 0.8, 16 ms;
+    prof.call_ms = [1.0, 3.0]  # backward twice that
+    cm = CostModel(prof, cluster(1, 4), micro_batch_size=8)
+    assert cm.compute(0, 3, 1) == pytest.approx((7.0 + 0.0 + 15.0 + 1.0, 13.0 + 0.0 + 29.0 + 3.0))
+    assert cm.compute(1, 2, 1) == pytest.approx((1.0, 3.0))  # cheaper than a call: the call alone
+    assert cm.compute(2, 3, 2) == pytest.approx((8.0, 16.0))  # 4 rows: 8 - 1 + 1, 16 - 3 + 3
+    assert [r for r, _ in cm.bucket_ready(0, 3, 8)] == pytest.approx([3.0 + 29.0, 3.0 + 29.0 + 0.0 + 13.0])
+
+    from dapple.planner.search import _DP
+    dp = _DP(prof, cluster(1, 4), 32, 8, "refined", False, None, 4.0, 1, float("inf"))
+    for j in range(3):
+        fs, bs, _, _ = dp.stage_costs(j, 2, False)
+        for j2 in range(j + 1, len(fs)):
+            assert (fs[j2], bs[j2]) == pytest.approx(cm.compute(j, j2, 2))
+
+
 def test_bad_micro_batch():
     with pytest.raises(ValueError, match="micro_batch_size"):
         CostModel(linear_profile([1.0]), cluster(1, 1), 0)

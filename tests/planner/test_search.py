@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -65,6 +66,23 @@ def test_dp_finds_the_brute_force_optimum_with_overlapped_allreduce():
         checked += 1
         assert dp is not None and dp.latency == pytest.approx(best, rel=1e-9), (c.name, g, b, dp, spans)
     assert checked >= 18
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dp_finds_the_brute_force_optimum_when_a_stage_pays_its_call_once(overlap):
+    """Profile.call_ms (CostModel: each stage's layers less it, plus it once): the search's stage lists and bounds
+    (built from the layers less the call) and the brute force agree; some layers here cost less than a call."""
+    checked = 0
+    for prof, c, g, b in small_instances(13, 30):
+        prof = dataclasses.replace(prof, call_ms=[0.4, 0.9])
+        best, spans, _ = exhaustive_search(prof, c, g, b, model="refined", overlap=overlap)
+        dp = dp_search(prof, c, g, b, model="refined", overlap=overlap, seed=False)
+        if best == float("inf"):
+            assert dp is None
+            continue
+        checked += 1
+        assert dp is not None and dp.latency == pytest.approx(best, rel=1e-9), (c.name, g, b, dp, spans)
+    assert checked >= 20
 
 
 def test_overlapped_search_ranks_prefixes_with_their_allreduce():

@@ -161,6 +161,9 @@ def test_real_profile_yaml_round_trip(tmp_path):
     prof = dapple.profile(LongSkip(), torch.randn(2, 6), F.mse_loss, (1, 2), targets=torch.randn(2, 6),
                           **FAST, check_step=True)
     assert len(prof.meta["step_ms"]) == 2 and all(r > 0 for r in prof.meta["layers_over_step"])
+    # an empty layer timed in the same rounds: what each layer paid for being called, which a stage pays once
+    assert all(t > 0 for t in prof.call_ms)
+    assert all(0 < s <= r for s, r in zip(prof.meta["stage_over_step"], prof.meta["layers_over_step"]))
     prof.save(tmp_path / "p.yaml")
     assert dapple.Profile.load(tmp_path / "p.yaml") == prof
 

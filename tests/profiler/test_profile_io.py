@@ -26,6 +26,15 @@ def test_yaml_round_trip(tmp_path):
     assert "dapple_profile: 1" in (tmp_path / "p.yaml").read_text()
 
 
+def test_call_ms_round_trips_and_is_left_out_when_zero(tmp_path):
+    p = _profile()
+    assert p.call_ms == [0.0, 0.0] and "call_ms" not in p.to_dict()  # documents without it load as before
+    p.call_ms = [0.05, 0.125]
+    p.save(tmp_path / "p.yaml")
+    assert Profile.load(tmp_path / "p.yaml").call_ms == [0.05, 0.125]
+    assert "0.050 / 0.125 ms of calling it" in str(p)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.pop("dapple_profile"), "missing header field 'dapple_profile'"),
     (lambda d: d.update(dapple_profile=7), "dapple_profile is 7"),
@@ -38,6 +47,8 @@ def test_yaml_round_trip(tmp_path):
     (lambda d: d["layers"][1].update(backward_ms=[1.0, float("inf")]), "layers[1] (l1).backward_ms: expected finite "
                                                                         "numbers >= 0, got [1.0, inf]"),
     (lambda d: d.update(batch_size=[4, 8]), "unknown field 'batch_size' (did you mean 'batch_sizes'?)"),
+    (lambda d: d.update(call_ms=[0.1]), "call_ms: expected a list of 2 numbers"),
+    (lambda d: d.update(call_ms=[0.1, -1]), "call_ms[1]: expected number >= 0"),
     (lambda d: d["layers"][1].update(forward=[1.0, 2.0]), "layers[1]: unknown field 'forward' (did you mean "
                                                           "'forward_ms'?)"),
 ])
@@ -59,13 +70,18 @@ def test_bad_yaml_names_file_and_field(tmp_path, edit, message):
     ("param_bytes", float("nan"), "layers[0] (l0).param_bytes: expected a finite number >= 0, got nan"),
     ("param_bytes", True, "layers[0] (l0).param_bytes: expected a finite number >= 0, got True"),
     ("name", 3, "layers[0].name: expected a string (the module path), got 3"),
+    ("call_ms", [0.1, float("nan")], "Profile.call_ms: expected [forward, backward], two finite numbers >= 0"),
+    ("call_ms", 0.1, "Profile.call_ms: expected [forward, backward], two finite numbers >= 0 (ms), got 0.1"),
 ])
 def test_a_cost_that_would_fit_as_free_is_refused(field, value, message):
     """A NaN (or inf) forward time used to fit as 0 ms: the planner took the layer for free."""
-    layer = _profile().layers[0]
-    setattr(layer, field, value)
+    layer, extra = _profile().layers[0], {}
+    if field == "call_ms":
+        extra["call_ms"] = value
+    else:
+        setattr(layer, field, value)
     with pytest.raises((ValueError, TypeError)) as e:
-        Profile(model="toy", device="cpu", batch_sizes=[4, 8], layers=[layer])
+        Profile(model="toy", device="cpu", batch_sizes=[4, 8], layers=[layer], **extra)
     assert message in str(e.value)
 
 
