@@ -26,16 +26,25 @@ def test_dp_finds_the_brute_force_optimum(model, beam):
     The refined model: the DP is exact on every instance here. Formula 2: one instance in about 250 needs two
     prefixes per state (beam 2): the paper's single prefix per (layers, devices) state is a heuristic, since
     a longer plan's L is not a function of the state (formula 2 is not even monotone, see test_latency)."""
+    assert _agrees_with_brute_force(small_instances(7, 45), model=model, beam=beam) >= 35
+
+
+def _agrees_with_brute_force(instances, model: str = "refined", overlap: bool = False, beam: int = 1,
+                             call_ms: list[float] | None = None) -> int:
+    """Checks that the DP alone (no seed plans) finds the brute force's optimum on every instance (with the
+    profiles' call_ms replaced, if given); returns how many instances have a plan at all."""
     checked = 0
-    for prof, c, g, b in small_instances(7, 45):
-        best, spans, _ = exhaustive_search(prof, c, g, b, model=model)
-        dp = dp_search(prof, c, g, b, model=model, beam=beam, seed=False)
+    for prof, c, g, b in instances:
+        if call_ms is not None:
+            prof = dataclasses.replace(prof, call_ms=call_ms)
+        best, spans, _ = exhaustive_search(prof, c, g, b, model=model, overlap=overlap)
+        dp = dp_search(prof, c, g, b, model=model, overlap=overlap, beam=beam, seed=False)
         if best == float("inf"):
             assert dp is None
             continue
         checked += 1
         assert dp is not None and dp.latency == pytest.approx(best, rel=1e-9), (c.name, g, b, dp, spans)
-    assert checked >= 35
+    return checked
 
 
 def test_the_memo_keeps_the_prefix_with_the_lowest_floor():
@@ -56,33 +65,14 @@ def test_the_memo_keeps_the_prefix_with_the_lowest_floor():
 
 def test_dp_finds_the_brute_force_optimum_with_overlapped_allreduce():
     """The same with AllReduce overlapping the last backward (the bounds then use each stage's ending E)."""
-    checked = 0
-    for prof, c, g, b in small_instances(11, 25):
-        best, spans, _ = exhaustive_search(prof, c, g, b, model="refined", overlap=True)
-        dp = dp_search(prof, c, g, b, model="refined", overlap=True, seed=False)
-        if best == float("inf"):
-            assert dp is None
-            continue
-        checked += 1
-        assert dp is not None and dp.latency == pytest.approx(best, rel=1e-9), (c.name, g, b, dp, spans)
-    assert checked >= 18
+    assert _agrees_with_brute_force(small_instances(11, 25), overlap=True) >= 18
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_dp_finds_the_brute_force_optimum_when_a_stage_pays_its_call_once(overlap):
     """Profile.call_ms (CostModel: each stage's layers less it, plus it once): the search's stage lists and bounds
     (built from the layers less the call) and the brute force agree; some layers here cost less than a call."""
-    checked = 0
-    for prof, c, g, b in small_instances(13, 30):
-        prof = dataclasses.replace(prof, call_ms=[0.4, 0.9])
-        best, spans, _ = exhaustive_search(prof, c, g, b, model="refined", overlap=overlap)
-        dp = dp_search(prof, c, g, b, model="refined", overlap=overlap, seed=False)
-        if best == float("inf"):
-            assert dp is None
-            continue
-        checked += 1
-        assert dp is not None and dp.latency == pytest.approx(best, rel=1e-9), (c.name, g, b, dp, spans)
-    assert checked >= 20
+    assert _agrees_with_brute_force(small_instances(13, 30), overlap=overlap, call_ms=[0.4, 0.9]) >= 20
 
 
 def test_overlapped_search_ranks_prefixes_with_their_allreduce():
