@@ -48,7 +48,7 @@ class CostModel:
         self._prefix: dict[int, tuple[list[float], list[float], list[float]]] = {}
         # what a stage op pays once for being called, forward and backward (Profile.call_ms): _sums holds the layers'
         # times without it, compute_rows adds it to each stage
-        self.call_f, self.call_b = (float(v) for v in getattr(profile, "call_ms", (0.0, 0.0)))
+        self.call_f, self.call_b = (float(v) for v in profile.call_ms)
         self._comm: dict = {}  # (src, dst) -> comm_pair, filled on use
         self._comm_canon: dict[tuple, CommPair] = {}  # the same for servers relabelled 0, 1, ...
         self._routes: dict[tuple, list] = {}  # (senders, receivers) -> slices.routes of a micro-batch
@@ -66,12 +66,8 @@ class CostModel:
         without the call cost (Profile.call_ms), which a layer timed alone paid and a stage pays once."""
         hit = self._prefix.get(rows)
         if hit is None:
-            c = self.profile.costs(rows)
-            fw, bw = c.forward_ms, c.backward_ms
-            if self.call_f or self.call_b:  # (at least 0: a layer cheaper than an empty one adds nothing)
-                fw = [max(0.0, v - self.call_f) for v in fw]
-                bw = [max(0.0, v - self.call_b) for v in bw]
-            hit = self._prefix[rows] = (_prefix(fw), _prefix(bw), _prefix(c.saved_bytes))
+            fw, bw = self.profile.net_ms(rows)
+            hit = self._prefix[rows] = (_prefix(fw), _prefix(bw), _prefix(self.profile.costs(rows).saved_bytes))
         return hit
 
     def compute_rows(self, a: int, c: int, rows: int) -> tuple[float, float]:

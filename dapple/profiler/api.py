@@ -127,18 +127,17 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "profiling_seconds": round(seconds, 3), "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
+    prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
+                   meta=meta, call_ms=call_ms)
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
-        f0, b0 = call_ms
         meta["step_ms"] = [round(s * 1e3, 6) for s in steps]
         meta["layers_over_step"] = [
             round(sum(layer.forward_ms[i] + layer.backward_ms[i] for layer in result) / (s * 1e3), 4)
             for i, s in enumerate(steps)]
         # what the cost model charges the whole model as one stage: each layer less the call, the call once
-        meta["stage_over_step"] = [
-            round((f0 + b0 + sum(max(0.0, layer.forward_ms[i] - f0) + max(0.0, layer.backward_ms[i] - b0)
-                                 for layer in result)) / (s * 1e3), 4) for i, s in enumerate(steps)]
-    return Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
-                   meta=meta, call_ms=call_ms)
+        meta["stage_over_step"] = [round((sum(call_ms) + sum(map(sum, prof.net_ms(b)))) / (s * 1e3), 4)
+                                   for b, s in zip(sizes, steps)]
+    return prof
 
 
 def _saved_once(lg: LayerGraph, measured: list[LayerMeasurement]) -> list[int]:

@@ -109,6 +109,15 @@ class Profile:
                 param_bytes=[layer.param_bytes for layer in self.layers])
         return hit
 
+    def net_ms(self, batch: float) -> tuple[list[float], list[float]]:
+        """Per layer, the forward and backward ms at ``batch`` less :attr:`call_ms` (none below 0): what the layer
+        adds to a stage, which pays ``call_ms`` once (the layers' own lists when there is no call cost)."""
+        c = self.costs(batch)
+        f0, b0 = self.call_ms
+        if not (f0 or b0):
+            return c.forward_ms, c.backward_ms
+        return [max(0.0, v - f0) for v in c.forward_ms], [max(0.0, v - b0) for v in c.backward_ms]
+
     def forward_ms(self, layer: int, batch: float) -> float:
         return self.costs(batch).forward_ms[layer]
 

@@ -35,6 +35,13 @@ def test_call_ms_round_trips_and_is_left_out_when_zero(tmp_path):
     assert "0.050 / 0.125 ms of calling it" in str(p)
 
 
+def test_net_ms_takes_the_call_off_each_layer_and_none_below_zero():
+    p = _profile()  # at batch 4: forward 1, 2, 3 ms; backward 2 ms each
+    assert p.net_ms(4) == (p.costs(4).forward_ms, p.costs(4).backward_ms)  # no call cost: the layers' own
+    p.call_ms = [1.5, 0.5]
+    assert p.net_ms(4) == ([0.0, 0.5, 1.5], [1.5, 1.5, 1.5])
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.pop("dapple_profile"), "missing header field 'dapple_profile'"),
     (lambda d: d.update(dapple_profile=7), "dapple_profile is 7"),
