@@ -86,3 +86,36 @@ def load_cluster(spec: str):
         raise SystemExit(f"dapple: --cluster {spec!r}: expected a preset A, B or C (paper Table 3) or a cluster "
                          f"YAML file (dapple probe writes one); no such file")
     return Cluster.load(spec)
+
+
+def plan_inputs(plan, plan_path: str, profile: str | None, profile_batch: int | None, cluster: str | None,
+                command: str):
+    """The (Profile, Cluster) to play ``plan`` on: the ones given (``--profile``, ``--cluster``), else the ones
+    ``dapple plan`` recorded in the plan's meta (``profile_file`` and ``profile_batch``; ``cluster_spec``, the
+    whole Cluster document, which ``dapple.plan`` and ``pipedream_plan`` record)."""
+    from . import Cluster
+
+    meta = plan.meta
+    if profile is None:
+        profile = meta.get("profile_file")
+        if not profile:
+            raise SystemExit(f"dapple {command}: {plan_path} does not record the profile it was made for "
+                             f"(meta.profile_file, which `dapple plan` writes); give --profile")
+        if not Path(profile).is_file():
+            raise SystemExit(f"dapple {command}: {plan_path} was made from the profile {profile}, which is not "
+                             f"there (moved, or planned on another machine?); give --profile")
+        if profile_batch is None:
+            profile_batch = meta.get("profile_batch")
+        print(f"profile {profile} (from {plan_path})")
+    if cluster is not None:
+        return load_profile(profile, profile_batch), load_cluster(cluster)
+    spec = meta.get("cluster_spec")
+    if not isinstance(spec, dict):
+        raise SystemExit(f"dapple {command}: {plan_path} does not record the cluster it was planned for "
+                         f"(meta.cluster_spec, which dapple.plan writes); give --cluster")
+    try:
+        found = Cluster.from_dict(spec, where=f"{plan_path} meta.cluster_spec")
+    except ValueError as e:  # (a DocumentError too)
+        raise SystemExit(f"dapple {command}: {e}; give --cluster") from None
+    print(f"cluster {found.name or ''} {found.servers} x {found.devices_per_server} (from {plan_path})")
+    return load_profile(profile, profile_batch), found

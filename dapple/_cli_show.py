@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._cli_inputs import load_cluster, load_profile
+from ._cli_inputs import plan_inputs
 
 
 def _add_show(sub: "argparse._SubParsersAction") -> None:
@@ -12,9 +12,11 @@ def _add_show(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("path", help="a dapple YAML document, or a Chrome-trace .json written by a traced pipeline")
     p.add_argument("--png", default=None, metavar="PNG",
                    help="draw the timeline (ranks x time) here: a trace's measured one, or a plan's simulated one")
-    p.add_argument("--profile", default=None, help="plan --png: the profile it was made for (YAML or PipeDream .txt)")
+    p.add_argument("--profile", default=None,
+                   help="plan --png: the profile to play it on (default: the one recorded in the plan)")
     p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
-    p.add_argument("--cluster", default=None, help="plan --png: preset A, B or C, or a cluster YAML")
+    p.add_argument("--cluster", default=None,
+                   help="plan --png: preset A, B or C, or a cluster YAML (default: the plan's own)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="plan --png: AllReduce overlapped with the last backward (default: as the plan was made)")
     p.add_argument("--json", default=None, metavar="JSON", help="plan: also write the simulated Chrome trace here")
@@ -52,10 +54,7 @@ def _show_simulated(plan, args: argparse.Namespace) -> int:
     from .planner.gantt import device_labels
     from .planner.timeline import from_simulation, save_chrome_trace
 
-    if not args.profile or not args.cluster:
-        raise SystemExit(f"dapple show: drawing the simulated schedule of {args.path} needs the --profile it was "
-                         f"made for and the --cluster it runs on")
-    prof, cluster = load_profile(args.profile, args.profile_batch), load_cluster(args.cluster)
+    prof, cluster = plan_inputs(plan, args.path, args.profile, args.profile_batch, args.cluster, "show")
     if args.png:
         sim = draw_plan(plan, prof, cluster, args.png, overlap=args.overlap)
         print(f"{sim}\nwrote {args.png}")

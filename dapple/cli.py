@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
-from ._cli_inputs import load_cluster, load_example, load_profile  # noqa: F401 (load_example: public here)
+from ._cli_inputs import load_cluster, load_example, load_profile, plan_inputs  # noqa: F401 (load_example: public)
 from ._cli_show import _add_show
 
 Adder = Callable[["argparse._SubParsersAction"], None]
@@ -86,7 +87,10 @@ def _run_plan(args: argparse.Namespace) -> int:
                   overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule, search=args.search,
                   time_limit=args.time_limit, gap=args.gap, workers=args.workers)
     print(result)
-    if args.output:
+    if args.output:  # where the profile is, for `dapple simulate plan.yaml` (the cluster: meta.cluster_spec)
+        result.meta["profile_file"] = str(Path(args.profile).resolve())
+        if args.profile_batch is not None:
+            result.meta["profile_batch"] = args.profile_batch
         result.save(args.output)
         print(f"wrote {args.output}")
     return 0
@@ -111,9 +115,11 @@ _workers = _or_auto(int, "a number of processes")  # --workers
 def _add_simulate(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("simulate", help="play a plan's iteration in the event simulator; compare with the estimate")
     p.add_argument("plan", help="a plan YAML")
-    p.add_argument("--profile", required=True, help="the profile the plan was made for (YAML or PipeDream .txt)")
+    p.add_argument("--profile", default=None, help="the profile to play it on (YAML or PipeDream .txt; default: the "
+                                                    "one `dapple plan -o` recorded in the plan)")
     p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
-    p.add_argument("--cluster", required=True, help="preset A, B or C or a cluster YAML")
+    p.add_argument("--cluster", default=None, help="preset A, B or C or a cluster YAML (default: the cluster the "
+                                                    "plan was made for, recorded in it)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap AllReduce with the last backward (DDP-style); default: as the plan was made")
     p.add_argument("--schedule", choices=("dapple", "gpipe"), default=None, help="default: the plan's")
@@ -127,8 +133,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from .planner import evaluate, simulate
 
     plan = Plan.load(args.plan)
-    prof = load_profile(args.profile, args.profile_batch)
-    cluster = load_cluster(args.cluster)
+    prof, cluster = plan_inputs(plan, args.plan, args.profile, args.profile_batch, args.cluster, "simulate")
     schedule = args.schedule or plan.schedule
     sim = simulate(plan, prof, cluster, overlap=args.overlap, schedule=schedule, link_sharing=args.link_sharing)
     print(sim)

@@ -52,6 +52,69 @@ def test_simulate_follows_the_overlap_the_plan_was_made_with(tmp_path, capsys):
     assert simulate(plan, prof, Cluster.preset("A"), overlap=False).overlap is False
 
 
+def simulated_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("simulated dapple iteration"))
+
+
+def test_simulate_plays_the_plan_on_the_profile_and_cluster_it_records(tmp_path, capsys):
+    """`dapple simulate plan.yaml` alone (the issue's command): the plan records its profile file and batch
+    (`dapple plan -o`) and its whole cluster (dapple.plan), here one that no preset names."""
+    profile = str(pipedream_path("bert_48"))
+    slow = Cluster.preset("A").to_dict() | {"inter_bandwidth": 1e9, "name": "slow"}
+    cluster_file, out = tmp_path / "slow.yaml", tmp_path / "sub" / "plan.yaml"
+    Cluster.from_dict(slow).save(cluster_file)
+    out.parent.mkdir()
+    assert main(["plan", profile, "--profile-batch", "2", "--cluster", str(cluster_file), "--global-batch", "64",
+                 "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.meta["cluster_spec"] == Cluster.load(cluster_file).to_dict()
+    assert plan.meta["profile_file"] == str(pipedream_path("bert_48").resolve()) and plan.meta["profile_batch"] == 2
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--profile", profile, "--profile-batch", "2", "--cluster", str(cluster_file)]) == 0
+    given = simulated_line(capsys.readouterr().out)
+    assert main(["simulate", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert simulated_line(text) == given and f"profile {plan.meta['profile_file']} (from {out})" in text
+    assert "cluster slow 2 x 8 (from" in text
+    assert main(["simulate", str(out), "--cluster", "A"]) == 0  # a flag overrides what the plan records
+    assert simulated_line(capsys.readouterr().out) != given  # 25 Gbps instead of 8 Gbps between the servers
+
+
+def test_simulate_says_which_input_the_plan_does_not_record(tmp_path):
+    profile = str(pipedream_path("bert_48"))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", profile, "--profile-batch", "2", "--cluster", "A", "--global-batch", "64",
+                 "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    bare = Plan.from_dict(plan.to_dict())
+    del bare.meta["profile_file"]
+    bare.save(tmp_path / "bare.yaml")  # as dapple.plan(...).save() writes it: the API knows no profile file
+    with pytest.raises(SystemExit, match=r"bare.yaml does not record the profile it was made for .* give --profile"):
+        main(["simulate", str(tmp_path / "bare.yaml")])
+    assert main(["simulate", str(tmp_path / "bare.yaml"), "--profile", profile, "--profile-batch", "2"]) == 0
+    moved = Plan.from_dict(plan.to_dict())
+    moved.meta["profile_file"] = str(tmp_path / "gone.txt")
+    moved.save(tmp_path / "moved.yaml")
+    with pytest.raises(SystemExit, match=r"made from the profile .*gone.txt, which is not there .* give --profile"):
+        main(["simulate", str(tmp_path / "moved.yaml")])
+    old = Plan.from_dict(plan.to_dict())
+    del old.meta["cluster_spec"]  # a plan written before plans recorded their cluster
+    old.save(tmp_path / "old.yaml")
+    with pytest.raises(SystemExit, match=r"old.yaml does not record the cluster it was planned for .* --cluster"):
+        main(["simulate", str(tmp_path / "old.yaml")])
+    broken = Plan.from_dict(plan.to_dict())
+    broken.meta["cluster_spec"]["servers"] = 0
+    broken.save(tmp_path / "broken.yaml")
+    with pytest.raises(SystemExit, match=r"broken.yaml meta.cluster_spec.*servers.*0.*give --cluster"):
+        main(["simulate", str(tmp_path / "broken.yaml")])
+    other = Profile.from_pipedream(profile, 2)
+    other.layers[5].name = "renamed"  # the same count of layers, another model
+    other.save(tmp_path / "other.yaml")
+    with pytest.raises(SystemExit, match=r"plan.layer_names differs from the profile of bert_48's layers at index 5: "
+                                         r"the plan has 'node6:.*', the profile of bert_48 has 'renamed'"):
+        main(["simulate", str(out), "--profile", str(tmp_path / "other.yaml")])
+
+
 def tiny_plan_args(tmp_path) -> tuple[list, object]:
     """`dapple plan` of a 3-layer profile on preset A, and the plan file it writes."""
     from tests.planner.helpers import linear_profile
@@ -90,10 +153,7 @@ def test_show_plan_draws_the_simulated_schedule(tmp_path, capsys):
     assert main(["plan", profile, "--profile-batch", "2", "--cluster", "A", "--global-batch", "64",
                  "-o", str(out)]) == 0
     png, js = tmp_path / "sim.png", tmp_path / "sim.json"
-    with pytest.raises(SystemExit, match="needs the --profile"):
-        main(["show", str(out), "--png", str(png)])
-    assert main(["show", str(out), "--png", str(png), "--json", str(js), "--profile", profile,
-                 "--profile-batch", "2", "--cluster", "A"]) == 0
+    assert main(["show", str(out), "--png", str(png), "--json", str(js)]) == 0  # the plan's recorded inputs
     assert png.read_bytes()[:4] == b"\x89PNG" and "simulated dapple iteration" in capsys.readouterr().out
     from dapple.planner.timeline import load_chrome_trace
     events = load_chrome_trace(js)

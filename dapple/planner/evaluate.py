@@ -129,6 +129,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     """
     profile_and_cluster("evaluate", profile, cluster)
     if isinstance(stages, Plan):
+        stages.check_layers(profile.layer_names, f"the profile of {profile.model}")
         global_batch_size = global_batch_size or stages.global_batch_size
         micro_batch_size = micro_batch_size or stages.micro_batch_size
         schedule = schedule or stages.schedule

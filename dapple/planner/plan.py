@@ -175,6 +175,20 @@ class Plan:
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
+    def check_layers(self, names: Sequence[str], what: str = "the model") -> None:
+        """Raise ValueError unless the plan was made for these layers (``names``: ``what``'s, in order): the same
+        count, and the same names where the plan records them (``layer_names``)."""
+        if self.num_layers != len(names):
+            raise ValueError(f"plan covers {self.num_layers} layers but {what} has {len(names)}: "
+                             f"{list(names)!r:.200}")
+        if self.layer_names is None:
+            return
+        for i, (a, b) in enumerate(zip(self.layer_names, names)):
+            if a != b:
+                raise ValueError(f"plan.layer_names differs from {what}'s layers at index {i}: the plan has {a!r}, "
+                                 f"{what} has {b!r} (was the plan made for another model, or with other "
+                                 f"leaf_modules?)")
+
     def _check_batches(self, where: str) -> None:
         g, b = self.global_batch_size, self.micro_batch_size
         positive_int(f"{where}.global_batch_size", g)

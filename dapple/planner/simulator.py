@@ -103,6 +103,7 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
         raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")
     schedule = schedule or plan.schedule
     check_fit(plan.stages, profile.num_layers, cluster.num_devices, "simulate")
+    plan.check_layers(profile.layer_names, f"the profile of {profile.model}")
     cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
     return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
 

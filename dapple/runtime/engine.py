@@ -28,7 +28,7 @@ from .shapes import BoundaryShapes, Spec, input_key
 from .split import StageGraph, resolve_output, split_stages, state_names
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder
 from .tracing import _write as _write_trace
-from .validate import as_tuple, check_batch, check_layers, check_plan, check_same_inputs
+from .validate import as_tuple, check_batch, check_plan, check_same_inputs
 
 
 class _MicroBatch:
@@ -62,7 +62,7 @@ class Pipeline:
         check_plan(plan, self.ctx.world_size)
         lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
                           example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
-        check_layers(plan, lg.names)
+        plan.check_layers(lg.names)
         self.plan, self.loss_fn = plan, loss_fn
         graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
         # deferred BatchNorm: each stage's slot in the vector of the loss AllReduce (every rank knows them all)

@@ -26,19 +26,6 @@ def check_plan(plan: Any, world_size: int) -> None:
     validate_warmup(plan.warmup, plan.num_micro_batches)
 
 
-def check_layers(plan: Plan, names: Sequence[str]) -> None:
-    """The plan was made for this model: same layers (the profiler's grouping), same count."""
-    if plan.num_layers != len(names):
-        raise ValueError(f"plan covers {plan.num_layers} layers but the model has {len(names)}: {list(names)}")
-    if plan.layer_names is None:
-        return
-    for i, (a, b) in enumerate(zip(plan.layer_names, names)):
-        if a != b:
-            raise ValueError(f"plan.layer_names differs from the model's layers at index {i}: the plan has {a!r}, "
-                             f"the model has {b!r} (was the plan made for another model, or with other "
-                             f"leaf_modules?)")
-
-
 def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
     """A tensor or a tuple/list of tensors, as a tuple."""
     xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)

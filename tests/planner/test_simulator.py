@@ -167,6 +167,24 @@ def test_overlap_defaults_to_the_plans_own():
     assert simulate(Plan(32, 8, [Stage((0, 4), [0, 1, 2, 3])]), prof, c).overlap is False  # no meta: not overlapped
 
 
+def test_a_plan_is_played_only_on_the_layers_it_was_made_for():
+    """simulate and evaluate check the plan's layer_names against the profile's (the same count of layers of
+    another model would give numbers for nothing), and a plan records its whole cluster."""
+    prof = linear_profile([1.0] * 4)
+    c = cluster(1, 4)
+    made = dapple.plan(prof, c, 32)
+    assert made.meta["cluster_spec"] == c.to_dict()
+    assert dapple.Cluster.from_dict(made.meta["cluster_spec"]) == c
+    other = linear_profile([1.0] * 4)
+    other.layers[2].name = "attn"
+    for play in (lambda: simulate(made, other, c), lambda: evaluate(other, c, made)):
+        with pytest.raises(ValueError, match=r"plan.layer_names differs from the profile of linear's layers at "
+                                             r"index 2: the plan has 'layer2', the profile of linear has 'attn'"):
+            play()
+    unnamed = Plan(32, made.micro_batch_size, made.stages, warmup_policy=made.warmup_policy)
+    assert simulate(unnamed, other, c).latency_ms == simulate(made, prof, c).latency_ms  # no names: not checked
+
+
 def test_a_deadlocking_order_is_reported():
     plan = _straight(2, 4)
     plan.stages[1].warmup = 3  # K_1 > K_0: stage 0 waits for a gradient stage 1 never sends

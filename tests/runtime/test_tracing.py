@@ -155,7 +155,7 @@ def test_show_rejects_png_for_yaml_and_bad_json(tmp_path):
     plan = tmp_path / "p.yaml"
     plan.write_text("dapple_plan: 1\nglobal_batch_size: 4\nmicro_batch_size: 2\nstages:\n"
                     "  - {layers: [0, 1], devices: [0]}\n")
-    with pytest.raises(SystemExit, match="needs the --profile it was made for and the --cluster"):
+    with pytest.raises(SystemExit, match="p.yaml does not record the profile it was made for .* give --profile"):
         cli(["show", str(plan), "--png", str(tmp_path / "x.png")])  # a plan is drawn from its simulation
     cluster = tmp_path / "c.yaml"
     cluster.write_text("dapple_cluster: 1\nservers: 1\ndevices_per_server: 2\nintra_bandwidth: 1e9\n"
