@@ -70,7 +70,8 @@ def test_simulate_plays_the_plan_on_the_profile_and_cluster_it_records(tmp_path,
     assert plan.meta["cluster_spec"] == Cluster.load(cluster_file).to_dict()
     assert plan.meta["profile_file"] == str(pipedream_path("bert_48").resolve()) and plan.meta["profile_batch"] == 2
     capsys.readouterr()
-    assert main(["simulate", str(out), "--profile", profile, "--profile-batch", "2", "--cluster", str(cluster_file)]) == 0
+    assert main(["simulate", str(out), "--profile", profile, "--profile-batch", "2",
+                 "--cluster", str(cluster_file)]) == 0
     given = simulated_line(capsys.readouterr().out)
     assert main(["simulate", str(out)]) == 0
     text = capsys.readouterr().out
