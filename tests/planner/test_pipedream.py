@@ -94,6 +94,7 @@ def test_plans_are_valid_and_round_trip(name, tmp_path):
     plan = pipedream_plan(prof, PAPER, global_batch_size=1024 if name == "vgg19" else 128)
     assert plan.num_devices == 16 and plan.layer_names == prof.layer_names and plan.num_layers == prof.num_layers
     assert plan.meta["pipedream"]["moved_layers"] == []  # these graphs' stages are contiguous in node order
+    assert plan.meta["cluster_spec"] == PAPER.to_dict()  # what `dapple simulate plan.yaml` plays it on
     assert plan.meta["planning_s"] < 10
     plan.save(tmp_path / "plan.yaml")
     assert Plan.load(tmp_path / "plan.yaml") == plan
