@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ from .shapes import BoundaryShapes, Spec, input_key
 from .split import StageGraph, resolve_output, split_stages, state_names
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder
 from .tracing import _write as _write_trace
-from .validate import as_tuple, check_batch, check_plan, check_same_inputs
+from .validate import as_tuple, check_batch, check_plan, check_same_inputs, layout_mismatch
 
 
 class _MicroBatch:
@@ -60,6 +61,10 @@ class Pipeline:
         self.timeout = timeout
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        mismatch = layout_mismatch(plan, int(local) if local and local.isdigit() else None)
+        if mismatch and self.ctx.rank == 0:
+            warnings.warn(f"dapple.pipeline: {mismatch}", stacklevel=3)
         lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
                           example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
         plan.check_layers(lg.names)

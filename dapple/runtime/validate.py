@@ -26,6 +26,22 @@ def check_plan(plan: Any, world_size: int) -> None:
     validate_warmup(plan.warmup, plan.num_micro_batches)
 
 
+def layout_mismatch(plan: Plan, local_world_size: int | None) -> str | None:
+    """Why the plan's placement will not hold on this job, or None: it was made for servers of
+    ``devices_per_server`` devices (``meta["cluster_spec"]``, which dapple.plan records) and this job runs
+    ``local_world_size`` ranks per node (torchrun's LOCAL_WORLD_SIZE; None: not known). Ranks then map to other
+    servers than planned: the run stays correct, but the stages' transfers and AllReduces cross other links."""
+    spec = plan.meta.get("cluster_spec")
+    if not isinstance(spec, dict) or local_world_size is None:
+        return None
+    per = spec.get("devices_per_server")
+    if not isinstance(per, int) or per == local_world_size or plan.num_devices <= min(per, local_world_size):
+        return None  # (every rank on one server either way)
+    return (f"plan was made for servers of {per} devices ({spec.get('servers')} x {per}, meta.cluster_spec) but "
+            f"this job runs {local_world_size} ranks per node (LOCAL_WORLD_SIZE): its stages sit on other servers "
+            f"than planned and its estimate does not hold; plan for devices_per_server={local_world_size}")
+
+
 def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
     """A tensor or a tuple/list of tensors, as a tuple."""
     xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)

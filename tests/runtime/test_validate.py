@@ -178,3 +178,35 @@ def test_a_failing_loss_fn_is_reported_with_where_and_what_it_was_given():
     pipe = dapple.pipeline(model, _plan(model, [((0, 5), [0])], 8, 2), lambda out, y: out.sum(1))
     with pytest.raises(TypeError, match=r"rank 0 \(stage 0\), step 1, micro-batch 0: loss_fn must return a scalar"):
         pipe.train_step(x, y)
+
+
+def test_a_plan_for_other_servers_than_the_job_has_is_named():
+    """A plan made for 2 x 2 run with 4 ranks per node (or 1): correct, but not the placement it was made for."""
+    from dapple.runtime.validate import layout_mismatch
+    from tests.planner.helpers import cluster, linear_profile
+
+    made = dapple.plan(linear_profile([1.0, 2.0, 1.0, 2.0], params=1e6, boundary=1e5), cluster(2, 2), 16)
+    assert made.meta["cluster_spec"]["devices_per_server"] == 2
+    assert layout_mismatch(made, 2) is None and layout_mismatch(made, None) is None
+    for local in (1, 4):
+        assert layout_mismatch(made, local) == (
+            f"plan was made for servers of 2 devices (2 x 2, meta.cluster_spec) but this job runs {local} ranks per "
+            f"node (LOCAL_WORLD_SIZE): its stages sit on other servers than planned and its estimate does not hold; "
+            f"plan for devices_per_server={local}")
+    one = dapple.plan(linear_profile([1.0, 2.0]), cluster(1, 2), 16)  # every rank on one server either way
+    assert layout_mismatch(one, 4) is None
+    assert layout_mismatch(Plan(16, 4, [Stage((0, 2), [0, 1])]), 4) is None  # no cluster recorded: nothing to say
+
+
+def test_pipeline_warns_on_rank_0_that_the_placement_will_not_hold(monkeypatch):
+    """The engine asks layout_mismatch with torchrun's LOCAL_WORLD_SIZE and warns what it says (a one-rank world
+    here, so the answer is stood in for: one rank is on one server whatever the plan says)."""
+    from dapple.runtime import engine
+
+    asked = []
+    monkeypatch.setattr(engine, "layout_mismatch", lambda plan, local: asked.append(local) or "made for 3 x 5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "7")
+    model = Chain()
+    with pytest.warns(UserWarning, match=r"^dapple.pipeline: made for 3 x 5$"):
+        dapple.pipeline(model, _plan(model, [((0, 5), [0])], 8, 2), F.cross_entropy)
+    assert asked == [7]
