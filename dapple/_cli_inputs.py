@@ -101,9 +101,12 @@ def plan_inputs(plan, plan_path: str, profile: str | None, profile_batch: int | 
         if not profile:
             raise SystemExit(f"dapple {command}: {plan_path} does not record the profile it was made for "
                              f"(meta.profile_file, which `dapple plan` writes); give --profile")
+        beside = Path(plan_path).parent / Path(profile).name  # the two moved together (copied to another machine)
         if not Path(profile).is_file():
-            raise SystemExit(f"dapple {command}: {plan_path} was made from the profile {profile}, which is not "
-                             f"there (moved, or planned on another machine?); give --profile")
+            if not beside.is_file():
+                raise SystemExit(f"dapple {command}: {plan_path} was made from the profile {profile}, which is not "
+                                 f"there nor beside the plan ({beside}); give --profile")
+            profile = str(beside)
         if profile_batch is None:
             profile_batch = meta.get("profile_batch")
         print(f"profile {profile} (from {plan_path})")

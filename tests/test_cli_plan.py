@@ -81,6 +81,22 @@ def test_simulate_plays_the_plan_on_the_profile_and_cluster_it_records(tmp_path,
     assert simulated_line(capsys.readouterr().out) != given  # 25 Gbps instead of 8 Gbps between the servers
 
 
+def test_a_plan_moved_with_its_profile_finds_it_beside_itself(tmp_path, capsys):
+    """Plan and profile copied together elsewhere (another machine): the recorded path is gone, the file beside
+    the plan is used."""
+    from tests.planner.helpers import linear_profile
+
+    made, there = tmp_path / "made", tmp_path / "there"
+    made.mkdir()
+    linear_profile([1.0, 2.0, 1.0]).save(made / "p.yaml")
+    assert main(["plan", str(made / "p.yaml"), "--cluster", "A", "--global-batch", "16", "-o",
+                 str(made / "plan.yaml")]) == 0
+    made.rename(there)
+    capsys.readouterr()
+    assert main(["simulate", str(there / "plan.yaml")]) == 0
+    assert f"profile {there / 'p.yaml'} (from {there / 'plan.yaml'})" in capsys.readouterr().out
+
+
 def test_simulate_says_which_input_the_plan_does_not_record(tmp_path):
     profile = str(pipedream_path("bert_48"))
     out = tmp_path / "plan.yaml"
@@ -96,7 +112,8 @@ def test_simulate_says_which_input_the_plan_does_not_record(tmp_path):
     moved = Plan.from_dict(plan.to_dict())
     moved.meta["profile_file"] = str(tmp_path / "gone.txt")
     moved.save(tmp_path / "moved.yaml")
-    with pytest.raises(SystemExit, match=r"made from the profile .*gone.txt, which is not there .* give --profile"):
+    with pytest.raises(SystemExit, match=r"made from the profile .*gone.txt, which is not there nor beside the plan "
+                                         r"\(.*gone.txt\); give --profile"):
         main(["simulate", str(tmp_path / "moved.yaml")])
     old = Plan.from_dict(plan.to_dict())
     del old.meta["cluster_spec"]  # a plan written before plans recorded their cluster
