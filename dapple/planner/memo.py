@@ -12,7 +12,7 @@ from .cost import Layout
 from .placement import placements
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prefix:
     """Stages planned so far (layers [0, j)), in canonical server labels, with their interleaved costs (the
     communication stage after the last one is not included: it depends on the next stage)."""
