@@ -91,8 +91,8 @@ def load_cluster(spec: str):
 def plan_inputs(plan, plan_path: str, profile: str | None, profile_batch: int | None, cluster: str | None,
                 command: str):
     """The (Profile, Cluster) to play ``plan`` on: the ones given (``--profile``, ``--cluster``), else the ones
-    ``dapple plan`` recorded in the plan's meta (``profile_file`` and ``profile_batch``; ``cluster_spec``, the
-    whole Cluster document, which ``dapple.plan`` and ``pipedream_plan`` record)."""
+    the plan records in its meta (``dapple.plan`` and ``pipedream_plan``: ``cluster_spec``, the whole Cluster
+    document; ``profile_file`` and ``profile_batch``, ``Profile.source()``, for a profile loaded or saved)."""
     from . import Cluster
 
     meta = plan.meta
@@ -100,7 +100,8 @@ def plan_inputs(plan, plan_path: str, profile: str | None, profile_batch: int | 
         profile = meta.get("profile_file")
         if not profile:
             raise SystemExit(f"dapple {command}: {plan_path} does not record the profile it was made for "
-                             f"(meta.profile_file, which `dapple plan` writes); give --profile")
+                             f"(meta.profile_file: a plan of a profile made in memory, not loaded or saved); give "
+                             f"--profile")
         beside = Path(plan_path).parent / Path(profile).name  # the two moved together (copied to another machine)
         if not Path(profile).is_file():
             if not beside.is_file():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Callable, Sequence
 
 from ._cli_inputs import load_cluster, load_example, load_profile, plan_inputs  # noqa: F401 (load_example: public)
@@ -87,10 +86,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                   overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule, search=args.search,
                   time_limit=args.time_limit, gap=args.gap, workers=args.workers)
     print(result)
-    if args.output:  # where the profile is, for `dapple simulate plan.yaml` (the cluster: meta.cluster_spec)
-        result.meta["profile_file"] = str(Path(args.profile).resolve())
-        if args.profile_batch is not None:
-            result.meta["profile_batch"] = args.profile_batch
+    if args.output:
         result.save(args.output)
         print(f"wrote {args.output}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import dapple
 from dapple import Cluster, Plan, Profile, simulate
 from dapple.cli import main
 
@@ -81,6 +82,25 @@ def test_simulate_plays_the_plan_on_the_profile_and_cluster_it_records(tmp_path,
     assert simulated_line(capsys.readouterr().out) != given  # 25 Gbps instead of 8 Gbps between the servers
 
 
+def test_a_notebook_plan_of_a_loaded_profile_simulates_from_the_command_line(tmp_path, capsys):
+    """dapple.plan records where its profile was loaded from or saved to (Profile.path): a plan made in a notebook
+    and saved there needs no flags either."""
+    from tests.planner.helpers import linear_profile
+
+    prof = linear_profile([1.0, 2.0, 1.0])
+    assert prof.source() == {}
+    prof.save(tmp_path / "p.yaml")  # saving gives it a file
+    assert prof.source() == {"profile_file": str((tmp_path / "p.yaml").resolve())}
+    made = dapple.plan(prof, Cluster.preset("A"), 16)
+    assert made.meta["profile_file"] == str((tmp_path / "p.yaml").resolve()) and "profile_batch" not in made.meta
+    made.save(tmp_path / "plan.yaml")
+    capsys.readouterr()
+    assert main(["simulate", str(tmp_path / "plan.yaml")]) == 0
+    assert "simulated dapple iteration" in capsys.readouterr().out
+    loaded = Profile.load(tmp_path / "p.yaml")  # loading too
+    assert loaded.path == made.meta["profile_file"] and loaded == prof
+
+
 def test_a_plan_moved_with_its_profile_finds_it_beside_itself(tmp_path, capsys):
     """Plan and profile copied together elsewhere (another machine): the recorded path is gone, the file beside
     the plan is used."""
@@ -103,10 +123,11 @@ def test_simulate_says_which_input_the_plan_does_not_record(tmp_path):
     assert main(["plan", profile, "--profile-batch", "2", "--cluster", "A", "--global-batch", "64",
                  "-o", str(out)]) == 0
     plan = Plan.load(out)
-    bare = Plan.from_dict(plan.to_dict())
-    del bare.meta["profile_file"]
-    bare.save(tmp_path / "bare.yaml")  # as dapple.plan(...).save() writes it: the API knows no profile file
-    with pytest.raises(SystemExit, match=r"bare.yaml does not record the profile it was made for .* give --profile"):
+    in_memory = Profile.from_dict(Profile.from_pipedream(profile, 2).to_dict())  # no file: nothing to record
+    assert in_memory.path is None and in_memory.source() == {}
+    dapple.plan(in_memory, Cluster.preset("A"), 64, 8).save(tmp_path / "bare.yaml")
+    with pytest.raises(SystemExit, match=r"bare.yaml does not record the profile it was made for \(meta.profile_file: "
+                                         r"a plan of a profile made in memory, not loaded or saved\); give --profile"):
         main(["simulate", str(tmp_path / "bare.yaml")])
     assert main(["simulate", str(tmp_path / "bare.yaml"), "--profile", profile, "--profile-batch", "2"]) == 0
     moved = Plan.from_dict(plan.to_dict())

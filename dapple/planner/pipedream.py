@@ -225,7 +225,7 @@ def pipedream_plan(prof: Profile, cluster: Cluster, global_batch_size: int, micr
                 "stages": [{**rec, "layers": list(rg), "replicas": r} for rec, rg, (_, _, r) in
                            zip(level1, ranges, segments)],
                 "levels": levels_meta, "moved_layers": moved},
-            "cluster_spec": cluster.to_dict()}
+            "cluster_spec": cluster.to_dict(), **prof.source()}
     return Plan(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, stages=stages,
                 schedule="dapple", layer_names=prof.layer_names, meta=meta)
 

@@ -211,7 +211,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             "micro_batch_sizes_tried": sorted(tried), "dp_states": found.states,
             "dp_transitions": found.transitions, "search": search, "search_complete": complete,
             "time_limit_s": time_limit, "workers": max(workers, sim_workers),
-            "cluster_spec": cluster.to_dict()}  # the whole Cluster document: `dapple simulate plan.yaml` needs no more
+            # the whole Cluster document and where the profile is: `dapple simulate plan.yaml` needs no more
+            "cluster_spec": cluster.to_dict(), **profile.source()}
     if gap:
         meta["gap"] = gap
     # what the search proves: no modelled L below this (a finished full search: its best plan's)

@@ -12,6 +12,7 @@ from .. import _io
 from .._checks import is_finite, is_int
 
 VERSION = 1
+PIPEDREAM_FORMAT = "pipedream graph.txt"  # meta["format"] of a profile read from PipeDream's graph.txt
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Profile:
     # it once (CostModel); [0, 0]: no such part (PipeDream's profiles, documents without the field)
     call_ms: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # the file it was loaded from or saved to (absolute; None: made in memory): a plan records it, so that
+    # `dapple simulate plan.yaml` finds it (not part of the document)
+    path: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -187,6 +191,17 @@ class Profile:
 
     def save(self, path: _io.PathLike) -> None:
         _io.dump(self.to_dict(), path)
+        self.path = str(Path(path).resolve())
+
+    def source(self) -> dict:
+        """Where a plan finds this profile again: ``profile_file`` (:attr:`path`) and, for a PipeDream graph.txt,
+        ``profile_batch`` (the batch it was measured at); empty for a profile made in memory."""
+        if self.path is None:
+            return {}
+        out: dict = {"profile_file": self.path}
+        if self.meta.get("format") == PIPEDREAM_FORMAT:
+            out["profile_batch"] = self.batch_sizes[0]
+        return out
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Profile") -> "Profile":
@@ -214,7 +229,9 @@ class Profile:
 
     @classmethod
     def load(cls, path: _io.PathLike) -> "Profile":
-        return cls.from_dict(_io.load(path, "dapple_profile", VERSION), where=str(path))
+        prof = cls.from_dict(_io.load(path, "dapple_profile", VERSION), where=str(path))
+        prof.path = str(Path(path).resolve())
+        return prof
 
     def __str__(self) -> str:
         b = self.batch_sizes[-1]
@@ -234,7 +251,9 @@ class Profile:
     @classmethod
     def from_pipedream(cls, path: _io.PathLike, batch_size: int) -> "Profile":
         """Read a PipeDream ``graph.txt`` profile measured at ``batch_size`` (nodes ordered topologically)."""
-        return _from_pipedream(Path(path), batch_size)
+        prof = _from_pipedream(Path(path), batch_size)
+        prof.path = str(Path(path).resolve())
+        return prof
 
 
 
@@ -302,4 +321,4 @@ def _from_pipedream(path: Path, batch_size: int) -> Profile:
             boundary_bytes=[int(boundary)], saved_bytes=[int(s["activation_size"])],
             param_bytes=int(s["parameter_size"]), inputs=sorted(preds[i])))
     return Profile(model=path.stem, device="pipedream", batch_sizes=[batch_size], layers=layers,
-                   meta={"source": str(path), "format": "pipedream graph.txt"})
+                   meta={"source": str(path), "format": PIPEDREAM_FORMAT})

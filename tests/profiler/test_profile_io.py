@@ -26,6 +26,20 @@ def test_yaml_round_trip(tmp_path):
     assert "dapple_profile: 1" in (tmp_path / "p.yaml").read_text()
 
 
+def test_a_profile_knows_the_file_it_was_loaded_from_or_saved_to(tmp_path, monkeypatch):
+    """Profile.path (absolute, not in the document): what a plan records so that `dapple simulate` finds it."""
+    p = _profile()
+    assert p.path is None and p.source() == {}
+    monkeypatch.chdir(tmp_path)
+    p.save("p.yaml")  # a relative path, recorded absolute
+    assert p.path == str(tmp_path / "p.yaml") and p.source() == {"profile_file": p.path}
+    assert "path" not in (tmp_path / "p.yaml").read_text()
+    assert Profile.load("p.yaml").path == p.path
+    assert Profile.from_dict(p.to_dict()).path is None
+    vgg = Profile.from_pipedream(pipedream_path("vgg19"), 32)  # its batch size is not in the file: recorded too
+    assert vgg.source() == {"profile_file": str(pipedream_path("vgg19").resolve()), "profile_batch": 32}
+
+
 def test_call_ms_round_trips_and_is_left_out_when_zero(tmp_path):
     p = _profile()
     assert p.call_ms == [0.0, 0.0] and "call_ms" not in p.to_dict()  # documents without it load as before
