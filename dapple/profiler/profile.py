@@ -12,7 +12,6 @@ from .. import _io
 from .._checks import is_finite, is_int
 
 VERSION = 1
-PIPEDREAM_FORMAT = "pipedream graph.txt"  # meta["format"] of a profile read from PipeDream's graph.txt
 
 
 @dataclass
@@ -194,14 +193,14 @@ class Profile:
         self.path = str(Path(path).resolve())
 
     def source(self) -> dict:
-        """Where a plan finds this profile again: ``profile_file`` (:attr:`path`) and, for a PipeDream graph.txt,
-        ``profile_batch`` (the batch it was measured at); empty for a profile made in memory."""
+        """Where a plan finds this profile again: ``profile_file`` (:attr:`path`) and, for a PipeDream graph.txt
+        (read by :meth:`from_pipedream`, not saved since), ``profile_batch`` (the batch it was measured at, which the
+        file does not say); empty for a profile made in memory."""
         if self.path is None:
             return {}
-        out: dict = {"profile_file": self.path}
-        if self.meta.get("format") == PIPEDREAM_FORMAT:
-            out["profile_batch"] = self.batch_sizes[0]
-        return out
+        if self.path.endswith(".txt"):  # (the dapple CLI reads a .txt profile as PipeDream's)
+            return {"profile_file": self.path, "profile_batch": self.batch_sizes[0]}
+        return {"profile_file": self.path}
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Profile") -> "Profile":
@@ -321,4 +320,4 @@ def _from_pipedream(path: Path, batch_size: int) -> Profile:
             boundary_bytes=[int(boundary)], saved_bytes=[int(s["activation_size"])],
             param_bytes=int(s["parameter_size"]), inputs=sorted(preds[i])))
     return Profile(model=path.stem, device="pipedream", batch_sizes=[batch_size], layers=layers,
-                   meta={"source": str(path), "format": PIPEDREAM_FORMAT})
+                   meta={"source": str(path), "format": "pipedream graph.txt"})

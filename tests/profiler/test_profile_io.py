@@ -38,6 +38,8 @@ def test_a_profile_knows_the_file_it_was_loaded_from_or_saved_to(tmp_path, monke
     assert Profile.from_dict(p.to_dict()).path is None
     vgg = Profile.from_pipedream(pipedream_path("vgg19"), 32)  # its batch size is not in the file: recorded too
     assert vgg.source() == {"profile_file": str(pipedream_path("vgg19").resolve()), "profile_batch": 32}
+    vgg.save(tmp_path / "vgg19.yaml")  # now a dapple profile: no batch to give
+    assert vgg.source() == {"profile_file": str(tmp_path / "vgg19.yaml")}
 
 
 def test_call_ms_round_trips_and_is_left_out_when_zero(tmp_path):
