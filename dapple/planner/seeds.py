@@ -1,4 +1,5 @@
-"""Seed plans for the DP's bound: S stages of about G/S replicas on consecutive devices, cut to balance, refined."""
+"""Seed plans for the DP's bound: S stages of about G/S replicas on consecutive devices or scattered over the last
+servers, cut to balance, refined."""
 
 from __future__ import annotations
 
@@ -93,16 +94,46 @@ def replica_patterns(devices: int, per_server: int) -> Iterator[list[int]]:
             yield halves + [per_server] * (servers - k)
 
 
+def scatter_layouts(servers: int, per_server: int) -> Iterator[list[Layout]]:
+    """Scatter First seeds: one stage per server on the first servers, then the last k (2, 4, 8, ...) shared by
+    stages that each take q devices on every one of them, q = [d, ..., d] or halved at the ends [d/2, d, ..., d/2]
+    for d a proper divisor of ``per_server``. The transfers between them stay inside servers and their AllReduce
+    rings cross all k. On the 8x8 case of benchmarks/planning_time.py the best plans end so (4, 8, 8, 8, 4 replicas
+    over the last 4 servers); the consecutive seeds' incumbent was 0.75% above the optimum, these seeds' 0.2%, and
+    plan() takes 0.90x as long (RESULTS.md, "Planning time")."""
+    qs = []
+    for d in range(1, per_server):
+        if per_server % d == 0:
+            qs.append([d] * (per_server // d))
+            if d % 2 == 0:
+                qs.append([d // 2] + [d] * (per_server // d - 1) + [d // 2])
+    k = 2
+    while k <= servers:
+        front = [(s,) * per_server for s in range(servers - k)]
+        for q in qs:
+            yield front + [tuple(s for s in range(servers - k, servers) for _ in range(x)) for x in q]
+        k *= 2
+
+
+def seed_layouts(devices: int, per_server: int, most: int, micro: int) -> Iterator[list[Layout]]:
+    """The seeds' stage layouts of at most ``most`` stages of at most ``micro`` replicas (one per micro-batch row):
+    every replica pattern (:func:`replica_patterns`) on consecutive devices, then :func:`scatter_layouts`."""
+    for reps in replica_patterns(devices, per_server):
+        if len(reps) <= most and max(reps) <= micro:  # (before the layouts: 128 x 8 has 1024-stage patterns)
+            yield consecutive_layouts(reps, per_server)
+    if devices % per_server == 0:
+        for lays in scatter_layouts(devices // per_server, per_server):
+            if len(lays) <= most and max(map(len, lays)) <= micro:
+                yield lays
+
+
 def even_seeds(cm: "CostModel", rho: Sequence[float], devices: int, per_server: int,
                max_stages: int | None = None) -> Iterator[tuple]:
-    """For every replica pattern (:func:`replica_patterns`) of at most ``max_stages`` stages, on consecutive
-    devices, cut by work share and by balanced stage time; yields spans ((a, c, layout), ...)."""
-    N, b = cm.num_layers, cm.micro
-    most = N if max_stages is None else min(N, max_stages)
-    for reps in replica_patterns(devices, per_server):
-        if len(reps) > most or max(reps) > b:
-            continue
-        lays = consecutive_layouts(reps, per_server)
+    """For every layout pattern (:func:`seed_layouts`) of at most ``max_stages`` stages, cut by work share and by
+    balanced stage time; yields spans ((a, c, layout), ...)."""
+    N = cm.num_layers
+    for lays in seed_layouts(devices, per_server, N if max_stages is None else min(N, max_stages), cm.micro):
+        reps = [len(lay) for lay in lays]
         seen = set()
         for cuts in (work_cuts(rho, reps), balanced_cuts(cm, reps)):
             if cuts is None or tuple(cuts) in seen:
