@@ -100,7 +100,7 @@ def scatter_layouts(servers: int, per_server: int) -> Iterator[list[Layout]]:
     for d a proper divisor of ``per_server``. The transfers between them stay inside servers and their AllReduce
     rings cross all k. On the 8x8 case of benchmarks/planning_time.py the best plans end so (4, 8, 8, 8, 4 replicas
     over the last 4 servers); the consecutive seeds' incumbent was 0.75% above the optimum, these seeds' 0.2%, and
-    plan() takes 0.90x as long (RESULTS.md, "Planning time")."""
+    plan() takes 0.93x as long (RESULTS.md, "Planning time")."""
     qs = []
     for d in range(1, per_server):
         if per_server % d == 0:
