@@ -151,8 +151,9 @@ def _add_demo(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--n-layer", type=int, default=d.n_layer, help=f"GPT blocks (default {d.n_layer})")
     p.add_argument("--n-embd", type=int, default=d.n_embd, help=f"GPT width (default {d.n_embd})")
     p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
-                   help="device memory per process: this share of the parameters with Adam state, plus room for "
-                        f"activations (default {d.memory_fraction}: the model does not fit one process)")
+                   help="device memory per process: this share of what one process needs for the whole model "
+                        "(parameters with Adam state and one row's activations; below 1 the model is split into "
+                        f"stages; default {d.memory_fraction})")
     p.add_argument("--trace", default=None, metavar="JSON", help="write a Chrome trace of the last step here")
     p.set_defaults(run=_run_demo)
 

@@ -21,7 +21,9 @@ class DemoConfig:
     n_embd: int = 64
     n_head: int = 4
     lr: float = 3e-3
-    memory_fraction: float = 0.6  # device memory per rank: this share of the parameters' Adam state (x4) + activations
+    # device memory per rank: this share of what one rank needs to hold the whole model (its parameters with Adam
+    # state, x4, and one row's activations): below 1 the model must be split into stages
+    memory_fraction: float = 0.6
     trace: str | None = None  # write a Chrome trace of the last step here
     seed: int = 0
 
@@ -75,16 +77,20 @@ def run(cfg: DemoConfig) -> dict:
     prof = dapple.profile(model, x, lm_loss, batch_sizes=(2, 8), targets=y, progress=False, name="demo-gpt",
                           **rounds)
     static = 4 * prof.param_bytes()  # fp32 weights, gradients and Adam's two moments
-    activations = sum(prof.costs(cfg.global_batch / cfg.nproc).saved_bytes)  # a process's share of a batch
+    row = sum(prof.costs(1).saved_bytes)  # the activations one row (sample) saves for the backward
     print(f"      {prof.num_layers} layers, {prof.param_bytes() / 1e6:.2f} MB of parameters, "
           f"profiled in {prof.meta['profiling_seconds']:.1f} s")
     print(f"[2/4] measuring the links between {cfg.nproc} local processes ...", flush=True)
-    memory = cfg.memory_fraction * static + activations
+    # the least one process needs to hold the whole model is static + row (micro-batches of one row): a share of it
+    # leaves a single stage no room, however micro-batched, so the plan is a pipeline (one process: no cap)
+    memory = cfg.memory_fraction * (static + row) if cfg.nproc > 1 else None
     cluster = dapple.Cluster.local(cfg.nproc, device_memory=memory)  # measures the links when nproc > 1
     print(f"      {cluster}")
-    print(f"      device memory capped at {memory / 1e6:.2f} MB per process: {cfg.memory_fraction:g} x the "
-          f"{static / 1e6:.2f} MB of parameters with their Adam state, + {activations / 1e6:.2f} MB of activations "
-          f"(1/{cfg.nproc} of the batch); the planner splits the model, or micro-batches it, to fit")
+    if memory is not None:
+        print(f"      device memory capped at {memory / 1e6:.2f} MB per process: {cfg.memory_fraction:g} x the "
+              f"{(static + row) / 1e6:.2f} MB one process needs for the whole model ({static / 1e6:.2f} MB of "
+              f"parameters with their Adam state, {row / 1e6:.2f} MB of activations per row), so the planner "
+              f"splits it into stages")
     print("[3/4] planning ...", flush=True)
     plan = dapple.plan(prof, cluster, cfg.global_batch, overlap=True)
     print(plan)

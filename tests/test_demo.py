@@ -18,6 +18,15 @@ def test_demo_plans_a_split_and_the_loss_falls(tmp_path):
     assert (tmp_path / "demo.json").stat().st_size > 1000
 
 
+@pytest.mark.slow
+def test_demo_on_one_process_plans_the_whole_model_uncapped(capsys):
+    """With several processes the cap leaves no single stage room (the default run plans 4 stages on 4); one
+    process has nothing to split across, so its memory is not capped and the run still trains."""
+    out = run(DemoConfig(nproc=1, steps=3, global_batch=4, seq=8, n_layer=1, n_embd=16))
+    assert out["plan"].num_stages == 1 and len(out["losses"]) == 3
+    assert "capped" not in capsys.readouterr().out
+
+
 def test_demo_batches_follow_the_toy_language_and_match_across_calls():
     cfg = DemoConfig(vocab=16, seq=5, global_batch=4)
     x, y = make_batch(cfg, 3)
