@@ -61,6 +61,9 @@ def run(cfg: DemoConfig) -> dict:
         raise ValueError(f"nproc: expected 1 .. global batch ({cfg.global_batch}) processes, got {cfg.nproc}")
     if cfg.steps < 1:
         raise ValueError(f"steps: expected at least 1, got {cfg.steps}")
+    if not 0 < cfg.memory_fraction < float("inf"):
+        raise ValueError(f"memory_fraction: expected a positive share of what one process needs for the whole model "
+                         f"(below 1: a pipeline), got {cfg.memory_fraction}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and cfg.nproc > gpus and os.environ.get(SHARE_GPUS) != "1":
         raise ValueError(f"nproc: {cfg.nproc} processes, but this machine has {gpus} GPU(s); pass --nproc {gpus}, "
@@ -89,8 +92,8 @@ def run(cfg: DemoConfig) -> dict:
     if memory is not None:
         print(f"      device memory capped at {memory / 1e6:.2f} MB per process: {cfg.memory_fraction:g} x the "
               f"{(static + row) / 1e6:.2f} MB one process needs for the whole model ({static / 1e6:.2f} MB of "
-              f"parameters with their Adam state, {row / 1e6:.2f} MB of activations per row), so the planner "
-              f"splits it into stages")
+              f"parameters with their Adam state, {row / 1e6:.2f} MB of activations per row)"
+              + (", so the planner splits it into stages" if cfg.memory_fraction < 1 else ""))
     print("[3/4] planning ...", flush=True)
     plan = dapple.plan(prof, cluster, cfg.global_batch, overlap=True)
     print(plan)

@@ -38,3 +38,5 @@ def test_demo_batches_follow_the_toy_language_and_match_across_calls():
 def test_demo_rejects_bad_sizes():
     with pytest.raises(ValueError, match=r"nproc: expected 1 .. global batch \(32\) processes, got 0"):
         run(DemoConfig(nproc=0))
+    with pytest.raises(ValueError, match=r"memory_fraction: expected a positive share .* got -0.5"):
+        run(DemoConfig(memory_fraction=-0.5))
