@@ -25,9 +25,9 @@ def step_lengths_ms(events: list) -> dict:
 def diagnose(plan: dapple.Plan, events: list, prof: dapple.Profile, cluster: dapple.Cluster) -> dict:
     """Medians over the traced steps: per-op time / profile, AllReduce / model and replica skew before it,
     P2P delivery vs the cluster fit, runtime time between ops, and the traced step."""
+    from dapple.core.split_concat import slice_bounds
+    from dapple.core.timeline import lane_of
     from dapple.planner.cost import CostModel, layout_of
-    from dapple.planner.slices import slice_bounds
-    from dapple.planner.timeline import lane_of
 
     med = statistics.median
     cm = CostModel(prof, cluster, plan.micro_batch_size)
@@ -83,8 +83,9 @@ def side_by_side(trace_path: Path, plan: dapple.Plan, prof: dapple.Profile, clus
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from dapple.core.timeline import load_chrome_trace
     from dapple.planner.gantt import draw_gantt
-    from dapple.planner.timeline import from_simulation, load_chrome_trace
+    from dapple.planner.simulator import from_simulation
 
     events = load_chrome_trace(trace_path)
     length = step_lengths_ms(events)  # ms

@@ -39,11 +39,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _timing import timed_steps  # noqa: E402  (benchmarks/, next to this script)
+from accuracy_traces import contention, diagnose, side_by_side  # noqa: E402  (benchmarks/, next to this script)
+
 import dapple  # noqa: E402
 from dapple.models import EmulatedLayer  # noqa: E402
 from dapple.planner import Stage  # noqa: E402
-from _timing import timed_steps  # noqa: E402  (benchmarks/, next to this script)
-from accuracy_traces import contention, diagnose, side_by_side  # noqa: E402  (benchmarks/, next to this script)
 
 WORLD = 4
 WIDTH = 128  # boundary width: activations are WIDTH * 4 bytes per row
@@ -254,7 +255,7 @@ def main() -> None:
     for i, (_, plan) in enumerate(plans):
         plan.save(trace_dir / f"plan{i}.yaml")
     measured = dapple.runtime.launch(run, WORLD, plans, args, str(trace_dir))[0]
-    from dapple.planner.timeline import load_chrome_trace
+    from dapple.core.timeline import load_chrome_trace
     rows = []
     for i, (name, plan) in enumerate(plans):
         med = statistics.median(measured[name])

@@ -24,21 +24,22 @@ def _add_show(sub: "argparse._SubParsersAction") -> None:
 
 
 def _run_show(args: argparse.Namespace) -> int:
-    from . import Cluster, Plan, Profile, _io
-    from .planner.cluster import VERSION as CLUSTER_VERSION
-    from .planner.plan import VERSION as PLAN_VERSION
-    from .profiler.profile import VERSION as PROFILE_VERSION
+    from . import Cluster, Plan, Profile
+    from .core import documents
+    from .core.cluster import VERSION as CLUSTER_VERSION
+    from .core.plan import VERSION as PLAN_VERSION
+    from .core.profile import VERSION as PROFILE_VERSION
 
     if str(args.path).endswith(".json"):
         return _show_trace(args.path, args.png)
     kinds = {"dapple_plan": (Plan, PLAN_VERSION), "dapple_profile": (Profile, PROFILE_VERSION),
              "dapple_cluster": (Cluster, CLUSTER_VERSION)}
-    head = _io.read(args.path, "dapple", f"one of the headers {sorted(kinds)}")
+    head = documents.read(args.path, "dapple", f"one of the headers {sorted(kinds)}")
     key = next((k for k in kinds if k in head), None)
     if key is None:
         raise SystemExit(f"dapple show: {args.path} is not a dapple document (expected one of {sorted(kinds)})")
     cls, version = kinds[key]
-    _io.check_header(head, args.path, key, version)
+    documents.check_header(head, args.path, key, version)
     doc = cls.from_dict(head, where=str(args.path))
     print(doc)
     if key == "dapple_plan" and (args.png or args.json):
@@ -50,9 +51,10 @@ def _run_show(args: argparse.Namespace) -> int:
 
 def _show_simulated(plan, args: argparse.Namespace) -> int:
     """Draw (and/or save as a Chrome trace) the simulated schedule of ``plan`` on its profile and cluster."""
+    from .core.timeline import save_chrome_trace
     from .planner import draw_plan, simulate
     from .planner.gantt import device_labels
-    from .planner.timeline import from_simulation, save_chrome_trace
+    from .planner.simulator import from_simulation
 
     prof, cluster = plan_inputs(plan, args.path, args.profile, args.profile_batch, args.cluster, "show")
     if args.png:
@@ -68,8 +70,8 @@ def _show_simulated(plan, args: argparse.Namespace) -> int:
 
 
 def _show_trace(path: str, png: str | None) -> int:
+    from .core.timeline import from_chrome_trace, process_names, read_chrome_trace, summarize
     from .planner.gantt import draw_gantt
-    from .planner.timeline import from_chrome_trace, process_names, read_chrome_trace, summarize
 
     try:
         doc = read_chrome_trace(path)

@@ -179,7 +179,7 @@ def _add_probe(sub: "argparse._SubParsersAction") -> None:
 
 def _run_probe(args: argparse.Namespace) -> int:
     from . import Cluster
-    from .planner.cluster import ram_per_process
+    from .core.cluster import ram_per_process
     from .profiler.bandwidth import DEFAULT_SIZES, measure, probe_local
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: every rank measures

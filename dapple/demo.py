@@ -52,8 +52,9 @@ def make_batch(cfg: DemoConfig, step: int, rows: int | None = None) -> tuple[tor
 def run(cfg: DemoConfig) -> dict:
     """Profile -> Cluster.local (measured) -> plan -> train on ``cfg.nproc`` processes; returns a summary."""
     import dapple
+
+    from .core.dist import SHARE_GPUS
     from .models import lm_loss
-    from ._dist import SHARE_GPUS
     from .runtime import launch
     from .runtime.distributed import default_backend
 
@@ -115,6 +116,7 @@ def _train(cfg_dict: dict, plan_dict: dict) -> dict | None:
     import torch.distributed as dist
 
     import dapple
+
     from .models import lm_loss
 
     torch.set_num_threads(1)

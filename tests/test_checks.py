@@ -1,4 +1,4 @@
-"""dapple._checks: counts are ints that are not bools; numbers are ints or floats that are neither bools nor NaN."""
+"""dapple.core.checks: counts are ints that are not bools; numbers are ints or floats that are neither bools nor NaN."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dapple._checks import is_int, is_real, non_negative_int, number, positive_int
+from dapple.core.checks import is_int, is_real, non_negative_int, number, positive_int
 from dapple.runtime import launch
 
 

@@ -194,7 +194,7 @@ def test_show_plan_draws_the_simulated_schedule(tmp_path, capsys):
     png, js = tmp_path / "sim.png", tmp_path / "sim.json"
     assert main(["show", str(out), "--png", str(png), "--json", str(js)]) == 0  # the plan's recorded inputs
     assert png.read_bytes()[:4] == b"\x89PNG" and "simulated dapple iteration" in capsys.readouterr().out
-    from dapple.planner.timeline import load_chrome_trace
+    from dapple.core.timeline import load_chrome_trace
     events = load_chrome_trace(js)
     plan = Plan.load(out)
     assert {e.rank for e in events} == set(range(plan.num_devices))

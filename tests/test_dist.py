@@ -1,4 +1,4 @@
-"""dapple/_dist.py: which device a process group's tensors live on, the timeout check, bounded waits."""
+"""dapple/core/dist.py: which device a process group's tensors live on, the timeout check, bounded waits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dapple import _dist
+from dapple.core import dist as _dist
 
 
 @pytest.mark.parametrize("config, cuda, want", [

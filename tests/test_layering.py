@@ -1,4 +1,4 @@
-"""DESIGN.md's layering: profiler imports neither planner nor runtime; planner never imports runtime."""
+"""The layering of docs/design.md: core imports no phase; profiler, planner and runtime meet only in core."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dapple"
-FORBIDDEN = {"profiler": ("planner", "runtime"), "planner": ("runtime",)}
+FORBIDDEN = {"core": ("profiler", "planner", "runtime", "cli"), "profiler": ("planner", "runtime", "cli"),
+             "planner": ("profiler", "runtime", "cli"), "runtime": ("planner", "cli")}
+# Cluster.local measures this machine's links with the profiler's probe (imported when it measures, so the document
+# itself needs no torch)
+ALLOWED = {"dapple/core/cluster.py": {"profiler"}}
 
 
 def imported_parts(path: Path, part: str) -> set[str]:
@@ -37,7 +41,8 @@ def imported_parts(path: Path, part: str) -> set[str]:
 def test_sub_packages_depend_only_downward(part):
     offenders = {f"{path.relative_to(PACKAGE.parent)} imports dapple.{other}"
                  for path in sorted((PACKAGE / part).rglob("*.py"))
-                 for other in imported_parts(path, part) & set(FORBIDDEN[part])}
+                 for other in imported_parts(path, part) & set(FORBIDDEN[part])
+                 if other not in ALLOWED.get(str(path.relative_to(PACKAGE.parent)), ())}
     assert not offenders, sorted(offenders)
 
 

@@ -1,8 +1,11 @@
-"""Type checks of the planner's entry points (the counts and numbers are in dapple._checks)."""
+"""Type checks of the planner's entry points (the counts and numbers are in dapple.core.checks)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from ..core.cluster import Cluster
+from ..core.profile import Profile
 
 
 def instance(where: str, name: str, value: Any, cls: type) -> None:
@@ -15,8 +18,5 @@ def instance(where: str, name: str, value: Any, cls: type) -> None:
 
 def profile_and_cluster(where: str, profile: Any, cluster: Any) -> None:
     """:func:`instance` for the (profile, cluster) pair every planner entry point takes."""
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
-
     instance(where, "profile", profile, Profile)
     instance(where, "cluster", cluster, Cluster)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Sequence
 
+from ..core.plan import Plan, Stage
 from . import parallel
 from .cost import CostModel, Layout
 from .evaluate import pipeline_costs
 from .parallel import forked_map
-from .plan import Plan, Stage
 from .sim_floor import latency_floor
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
+    from ..core.cluster import Cluster
 
 VERIFY_WITHIN = 0.1  # plan(verify=): candidates modelled more than this fraction above the DP's plan are not simulated
 SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .slices import Route
+from ..core.split_concat import Route
 
 
 class CommPair:

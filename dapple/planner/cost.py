@@ -6,18 +6,18 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .._checks import number, positive_int
+from ..core.buckets import BUCKET_BYTES, bucket
+from ..core.checks import number, positive_int
+from ..core.split_concat import routes
 from .comm import CommPair
-from .slices import routes
 
 if TYPE_CHECKING:
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
+    from ..core.cluster import Cluster
+    from ..core.profile import Profile
 
 Layout = tuple  # the server of each replica of a stage, in replica order: (0, 0, 1) = 2 replicas on server 0, 1 on 1
 
 CACHED_SERVERS = 16  # CostModel.comm_pair caches its per-cut answers for pairs of stages over at most this many servers
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25: gradients are AllReduced in buckets of this size
 
 
 def layout_of(cluster: "Cluster", devices: Sequence[int]) -> Layout:
@@ -35,7 +35,7 @@ class CostModel:
     """
 
     def __init__(self, profile: "Profile", cluster: "Cluster", micro_batch_size: int,
-                 optimizer_factor: float = 4.0, bucket_bytes: float = DDP_BUCKET_BYTES):
+                 optimizer_factor: float = 4.0, bucket_bytes: float = BUCKET_BYTES):
         positive_int("micro_batch_size", micro_batch_size)
         number("optimizer_factor", optimizer_factor, positive=True)
         number("bucket_bytes", bucket_bytes, positive=True, finite=True)
@@ -243,20 +243,11 @@ class CostModel:
         return [(share * (pre[c] - p0) / bw + steps) * 1e3 if pre[c] - p0 > 0 else 0.0 for c in range(a + 1, end)]
 
     def buckets(self, a: int, c: int) -> list[tuple[int, float]]:
-        """DDP-style gradient buckets of layers [a, c) in backward order: (lowest layer, bytes) each."""
-        out, size, low = [], 0.0, c
-        for layer in range(c - 1, a - 1, -1):
-            p = self.param_bytes[layer]
-            if p <= 0:
-                continue
-            if size > 0 and size + p > self.bucket_bytes:
-                out.append((low, size))
-                size = 0.0
-            size += p
-            low = layer
-        if size > 0:
-            out.append((low, size))
-        return out
+        """Gradient buckets of layers [a, c) in backward order, by the runtime's rule (core.buckets): (lowest
+        layer, bytes) each."""
+        layers = [layer for layer in range(c - 1, a - 1, -1) if self.param_bytes[layer] > 0]
+        groups = bucket([self.param_bytes[layer] for layer in layers], self.bucket_bytes)
+        return [(layers[g[-1]], sum(self.param_bytes[layers[i]] for i in g)) for g in groups]
 
     def bucket_ready(self, a: int, c: int, rows: int) -> list[tuple[float, float]]:
         """Per bucket of :meth:`buckets`: (ms from the start of the last backward of a ``rows``-row slice until

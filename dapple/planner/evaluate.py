@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from .._checks import positive_int
+from ..core.checks import positive_int
+from ..core.plan import Estimate, Plan, Stage, check_fit, check_stages
+from ..core.schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 from .checks import profile_and_cluster
 from .comm import add_users, feeds, queues
 from .cost import CostModel, Layout, layout_of
 from .latency import Latency, paper_latency
 from .memory import check_stage_memory, max_in_flight
-from .plan import Estimate, Plan, Stage, check_fit, check_stages
 from .refined import refined_latency
-from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 
 if TYPE_CHECKING:
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
+    from ..core.cluster import Cluster
+    from ..core.profile import Profile
 
 MODELS = ("paper", "refined")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Iterator
 
+from ..core.schedule import warmup_counts
 from .cost import CostModel, Layout
 from .evaluate import pipeline_costs
-from .schedule import warmup_counts
 
 if TYPE_CHECKING:
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
+    from ..core.cluster import Cluster
+    from ..core.profile import Profile
     from .evaluate import PipelineCosts
 
 

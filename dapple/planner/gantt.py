@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from .timeline import Event, lane_of
+from ..core.timeline import Event, lane_of
+from .simulator import SimResult, from_simulation, simulate
 
 if TYPE_CHECKING:
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
-    from .plan import Plan
-    from .simulator import SimResult
+    from ..core.cluster import Cluster
+    from ..core.plan import Plan
+    from ..core.profile import Profile
 
 COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "send": "#DD8452", "recv": "#C9A227",
            "allreduce": "#C44E52", "idle": "#DDDDDD", "other": "#8172B3"}
@@ -115,9 +115,6 @@ def draw_plan(plan: "Plan", profile: "Profile", cluster: "Cluster", path: str | 
     """Simulate ``plan`` on ``profile`` and ``cluster`` and draw its schedule to a PNG like a measured trace
     (one row per device); returns the simulation (its ``latency_ms``, timeline, ...). ``overlap``: as
     :func:`simulate` (default: as the plan was made)."""
-    from .simulator import simulate
-    from .timeline import from_simulation
-
     sim = simulate(plan, profile, cluster, overlap=overlap)
     if title is None:
         title = (f"{plan.schedule} schedule, simulated: {plan.num_stages} stage{'s' if plan.num_stages != 1 else ''}"

@@ -11,7 +11,7 @@ from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .._checks import is_int
+from ..core.checks import is_int
 
 if TYPE_CHECKING:
     from .search import _DP

@@ -8,13 +8,13 @@ import re
 import time
 from typing import Sequence
 
-from .._checks import is_int, is_real
-from ..profiler.profile import Profile
+from ..core.checks import is_int, is_real
+from ..core.cluster import Cluster
+from ..core.plan import Plan, Stage
+from ..core.profile import Profile
 from .checks import instance
-from .cluster import Cluster
 from .pipedream_dp import SOURCE, _dp_time, analyze_partitioning, compute_partitioning
 from .pipedream_graph import Graph, State, build_states
-from .plan import Plan, Stage
 
 
 def _desc(name: str) -> str:

@@ -6,21 +6,20 @@ import time
 from itertools import takewhile
 from typing import TYPE_CHECKING, Sequence
 
-from .._checks import flag, is_int, is_real, non_negative_int, number, positive_int
+from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
+from ..core.plan import Plan, Stage
+from ..core.schedule import SCHEDULES, WARMUP_POLICIES
+from . import choice, parallel
 from .checks import profile_and_cluster
+from .choice import choose, devices_of
 from .cost import CostModel
 from .evaluate import MODELS, evaluate, pipeline_costs
-from . import parallel
 from .parallel import in_workers, resolve_workers
-from .plan import Plan, Stage
-from .schedule import SCHEDULES, WARMUP_POLICIES
-from .search import INF, SearchResult, _DP, _gc_paused, can_occupy, most_stages
-from . import choice
-from .choice import choose, devices_of
+from .search import _DP, INF, SearchResult, _gc_paused, can_occupy, most_stages
 
 if TYPE_CHECKING:
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
+    from ..core.cluster import Cluster
+    from ..core.profile import Profile
 
 SEARCHES = ("auto", "full", "compact")
 COMPACT_ABOVE = 4  # search="auto": servers above which the compact search is used

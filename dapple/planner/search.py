@@ -15,8 +15,8 @@ from .stage_costs import _StageCosts
 from .transitions import _Transitions
 
 if TYPE_CHECKING:
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
+    from ..core.cluster import Cluster
+    from ..core.profile import Profile
 
 
 # memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..core.split_concat import slice_bounds
 from .cost import CostModel, layout_of
-from .slices import slice_bounds
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from ..core.plan import Plan
 
 
 def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:

@@ -6,19 +6,21 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .._checks import flag
+from ..core.buckets import BUCKET_BYTES
+from ..core.checks import flag
+from ..core.cluster import LINK_SHARING
+from ..core.plan import Plan, check_fit
+from ..core.schedule import max_in_flight, stage_ops
+from ..core.split_concat import routes, slice_bounds
+from ..core.timeline import Event, lane_of
 from .checks import instance, profile_and_cluster
-from .cluster import LINK_SHARING
 from .comm import route_links
-from .cost import DDP_BUCKET_BYTES, CostModel, layout_of
+from .cost import CostModel, layout_of
 from .network import SharedLinks
-from .plan import Plan, check_fit
-from .schedule import max_in_flight, stage_ops
-from .slices import routes, slice_bounds
 
 if TYPE_CHECKING:
-    from ..profiler.profile import Profile
-    from .cluster import Cluster
+    from ..core.cluster import Cluster
+    from ..core.profile import Profile
 
 
 @dataclass
@@ -60,7 +62,7 @@ class SimResult:
 
     def max_alive(self, device: int) -> int:
         """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held)."""
-        from .schedule import Op
+        from ..core.schedule import Op
         return max_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
                               if o.kind in ("F", "B")])
 
@@ -78,7 +80,7 @@ class SimResult:
 
 
 def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool | None = None,
-             schedule: str | None = None, bucket_bytes: float = DDP_BUCKET_BYTES,
+             schedule: str | None = None, bucket_bytes: float = BUCKET_BYTES,
              link_sharing: str | None = None) -> SimResult:
     """Play ``plan``'s iteration: each device runs ``stage_ops`` of its stage (the runtime's order) on its
     slice of every micro-batch; split-concat transfers (``slices.routes``) occupy the directed links of
@@ -274,3 +276,35 @@ class _Sim:
         latency = max([o.end_ms for o in self.timeline] + [o.end_ms for o in self.transfers] + [0.0])
         return SimResult(latency, self.timeline, self.transfers, self.schedule, self.overlap, self.M,
                          {d: i for d, (i, _) in self.where.items()}, "held" if self.net is None else "shared")
+
+
+def from_simulation(sim: SimResult) -> list[Event]:
+    """The simulator's timeline as events (times in s from 0), drawn like a measured trace: compute with the
+    idle gaps between ops, transfers as a send on the sender and a receive on the receiver, AllReduce at the
+    end (or, overlapped, bucket by bucket in the transfer lane)."""
+    names = {"F": ("forward", "F"), "B": ("backward", "B")}
+    out: list[Event] = []
+    for o in sim.ops:
+        if o.kind in names:
+            kind, letter = names[o.kind]
+            out.append(Event(o.device, kind, f"{letter}{o.micro_batch}", o.start_ms / 1e3, o.end_ms / 1e3,
+                             o.micro_batch, {"stage": o.stage, "rows": o.rows}))
+        elif o.kind == "AR":
+            lane = "allreduce" if sim.overlap else "compute"
+            out.append(Event(o.device, "allreduce", "AR", o.start_ms / 1e3, o.end_ms / 1e3, None,
+                             {"stage": o.stage, "bytes": o.nbytes, "lane": lane}))
+    for t in sim.transfers:
+        what = "activations" if t.kind == "send_F" else "gradients"
+        args = {"bytes": t.nbytes, "rows": t.rows, "what": what}
+        out.append(Event(t.device, "send", f"send→{t.peer}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
+                         {**args, "peer": t.peer}))
+        out.append(Event(t.peer, "recv", f"recv←{t.device}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
+                         {**args, "peer": t.device}))
+    for d in sorted(sim.stage_of_device):  # the gaps of each device's compute lane, as in measured traces
+        busy = sorted((e for e in out if e.rank == d and lane_of(e) == "compute"), key=lambda e: e.start)
+        t = 0.0
+        for e in busy:
+            if e.start > t + 1e-9:
+                out.append(Event(d, "idle", "idle", t, e.start))
+            t = max(t, e.end)
+    return out

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._checks import is_int
+from ..core.checks import is_int
+from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .exported import retarget_devices
 from .layers import LayerGraph, arity, trace_layers
 from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds
-from .profile import LayerProfile, Profile
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
 from .state import model_dtype, on_device, resolve_device, untouched

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._checks import is_int
-from .._dist import barrier, bounded, free_port, group_device, timeout_seconds, wait_for
+from ..core.checks import is_int
+from ..core.dist import barrier, bounded, free_port, group_device, timeout_seconds, wait_for
 
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 

@@ -7,7 +7,7 @@ from typing import Any, Sequence, Union
 import torch
 from torch import Tensor
 
-from .._checks import is_int
+from ..core.checks import is_int
 
 Batch = Union[Tensor, Sequence[Tensor]]  # one tensor, or a tuple of tensors sharing batch dim 0
 

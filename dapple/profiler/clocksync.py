@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from .._dist import barrier, wait_for
+from ..core.dist import barrier, wait_for
 
 PINGS = 16  # round trips per rank; the offset lies in the intersection of their intervals
 TAG = 31_415  # message tag for the pings (gloo matches by tag, keeping them apart from pipeline transfers)

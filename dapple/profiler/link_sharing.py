@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .._checks import is_int
-from .._dist import barrier, timeout_seconds, wait_for
+from ..core.checks import is_int
+from ..core.dist import barrier, timeout_seconds, wait_for
 from .bandwidth import _device, _sync
 from .clocksync import sync_clock
 

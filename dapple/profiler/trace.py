@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .._dist import first_line
+from ..core.dist import first_line
 
 LeafSpec = Iterable[type | str]  # module classes, or qualified module names ("blocks.3")
 

@@ -15,9 +15,17 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.distributed as dist
 
-from .checkpoint_state import (FORMAT, describe, few, is_stored_tensor, load_targets, optimizer_info, save_state,
-                               stage_tensors)
-from .._dist import PipelineError, bounded, first_line
+from ..core.dist import PipelineError, bounded, first_line
+from .checkpoint_state import (
+    FORMAT,
+    describe,
+    few,
+    is_stored_tensor,
+    load_targets,
+    optimizer_info,
+    save_state,
+    stage_tensors,
+)
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor (~1 s)

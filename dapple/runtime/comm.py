@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .._dist import PipelineError, first_line
+from ..core.dist import PipelineError, first_line
 from .program import Transfer
 
 __all__ = ["P2P", "PipelineError"]

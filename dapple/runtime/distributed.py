@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._dist import bounded, cuda_device, free_port, group_device, group_timeout, timeout_seconds
+from ..core.dist import bounded, cuda_device, free_port, group_device, group_timeout, timeout_seconds
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from ..planner.plan import Plan
-from ..planner.schedule import Op
-from ..planner.slices import slice_bounds
+from ..core.dist import barrier, bounded, first_line, group_timeout, timeout_seconds, wait_for
+from ..core.plan import Plan
+from ..core.schedule import Op
+from ..core.split_concat import slice_bounds
 from ..profiler.exported import retarget_devices
 from ..profiler.layers import arity, trace_layers
 from ..profiler.trace import LeafSpec
-from .._dist import barrier, bounded, first_line, group_timeout, timeout_seconds, wait_for
 from .batchnorm import commit, defer_batch_norms, gather_sums, stats_size
 from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed

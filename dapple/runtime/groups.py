@@ -10,11 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..planner.plan import Plan
-from .._dist import bounded, group_timeout, wait_for
+from ..core.buckets import BUCKET_BYTES, bucket
+from ..core.dist import bounded, group_timeout, wait_for
+from ..core.plan import Plan
 from .split import StageGraph
-
-BUCKET_BYTES = 25 * 2**20  # gradients are flattened into buckets of about this size, one AllReduce each
 
 
 @dataclass
@@ -111,8 +110,8 @@ class GradReducer:
         self._launched: list[tuple | None] = []
         self.rec: Any = None  # a tracing.Recorder while tracing, else None
         self._launch_times: list[tuple[float, str]] = []
-        for _, bucket in self.buckets:
-            for p in bucket:
+        for _, params in self.buckets:
+            for p in params:
                 p.register_post_accumulate_grad_hook(self._ready)
 
     def arm(self) -> None:
@@ -176,15 +175,8 @@ class GradReducer:
 
 
 def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
-    """Consecutive parameters of one dtype and device, each bucket up to ``limit`` bytes (at least one)."""
-    out: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if out and size + nbytes <= limit and out[-1][0].dtype == p.dtype and out[-1][0].device == p.device:
-            out[-1].append(p)
-            size += nbytes
-        else:
-            out.append([p])
-            size = nbytes
-    return out
+    """Consecutive parameters by the bucketing rule (core.buckets), each bucket of one dtype and device (one flat
+    buffer)."""
+    kind = [(p.dtype, p.device) for p in params]
+    groups = bucket([p.numel() * p.element_size() for p in params], limit, lambda i, j: kind[i] == kind[j])
+    return [[params[i] for i in g] for g in groups]

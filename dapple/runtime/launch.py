@@ -6,8 +6,8 @@ import os
 import uuid
 from typing import Any, Callable
 
-from .._checks import is_int
-from .._dist import free_port
+from ..core.checks import is_int
+from ..core.dist import free_port
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, start_timeout: float = 120.0,

@@ -6,9 +6,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
-from ..planner.plan import Plan
-from ..planner.schedule import Op, stage_ops
-from ..planner.slices import Route, routes
+from ..core.plan import Plan
+from ..core.schedule import Op, stage_ops
+from ..core.split_concat import Route, routes
 
 LOOKAHEAD = 1  # receives are posted for the current op and the next one, so transfers overlap compute
 

@@ -8,10 +8,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .._dist import bounded, wait_for
-from ..planner.plan import Plan
+from ..core.dist import bounded, wait_for
+from ..core.plan import Plan
+from ..core.schedule import validate_warmup
 from ..profiler.layers import Arity
-from ..planner.schedule import validate_warmup
 
 
 def check_plan(plan: Any, world_size: int) -> None:

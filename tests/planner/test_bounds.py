@@ -7,11 +7,11 @@ import random
 import numpy as np
 import pytest
 
+from dapple.core.schedule import warmup_counts
 from dapple.planner import bounds
 from dapple.planner.bounds import allreduce_floor, efficient_replicas, rest_bound
 from dapple.planner.cost import CostModel
 from dapple.planner.exhaustive import every_plan, exhaustive_search
-from dapple.planner.schedule import warmup_counts
 from dapple.planner.search import _DP
 
 from .helpers import cluster, random_profile, small_instances

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dapple.core.split_concat import routes
 from dapple.planner.comm import CommPair, add_users, feeds, gradient_ports, queues, route_links
 from dapple.planner.cost import CostModel
-from dapple.planner.slices import routes
 
 from .helpers import cluster, linear_profile
 

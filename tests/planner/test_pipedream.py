@@ -10,9 +10,9 @@ import pytest
 
 import dapple.planner.pipedream as pdm
 from dapple import Cluster, Plan, Profile
+from dapple.core.profile import LayerProfile
 from dapple.planner import pipedream_plan
 from dapple.planner.pipedream_graph import Graph, build_states
-from dapple.profiler.profile import LayerProfile
 from tests.conftest import pipedream_profile
 
 # The paper's experiments: 2 servers x 8 GPUs, PipeDream's `-n 8 2 -b 5e10 3.125e9`, activations counted.

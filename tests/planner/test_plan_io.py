@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from dapple import Cluster, Plan
-from dapple._io import DocumentError
+from dapple.core.documents import DocumentError
 from dapple.planner import Estimate, Stage
 
 

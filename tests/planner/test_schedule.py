@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapple.planner.schedule import Op, max_in_flight, stage_ops, validate_warmup, warmup_counts
+from dapple.core.schedule import Op, max_in_flight, stage_ops, validate_warmup, warmup_counts
 
 
 def test_policies():

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 import dapple
+from dapple.core.schedule import warmup_counts
 from dapple.planner import evaluate, simulate
 from dapple.planner.exhaustive import exhaustive_search
-from dapple.planner.schedule import warmup_counts
-from dapple.planner.search import INF, _DP, dp_search
+from dapple.planner.search import _DP, INF, dp_search
 
 from .helpers import cluster, linear_profile, random_profile, small_instances
 

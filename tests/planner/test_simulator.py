@@ -131,7 +131,7 @@ def test_at_most_k_i_alive_and_timeline_is_consistent():
             assert len(ops) == 2 * M
             assert all(a.end_ms <= b.start_ms + 1e-9 for a, b in zip(ops, ops[1:]))  # one op at a time
     # every split-concat route carries each micro-batch once each way
-    from dapple.planner.slices import routes
+    from dapple.core.split_concat import routes
     n_routes = len(routes(8, 3, 2)) + len(routes(8, 2, 3))
     assert len(sim.transfers) == 2 * M * n_routes
     assert {t.kind for t in sim.transfers} == {"send_F", "send_B"}

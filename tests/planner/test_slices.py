@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapple.planner.slices import Route, routes, slice_bounds
+from dapple.core.split_concat import Route, routes, slice_bounds
 
 
 def test_slices_like_tensor_split():

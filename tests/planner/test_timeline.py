@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from dapple.planner.gantt import draw_gantt
-from dapple.planner.timeline import (
+from dapple.core.timeline import (
     Event,
     lane_of,
     load_chrome_trace,
@@ -15,6 +14,7 @@ from dapple.planner.timeline import (
     summarize,
     to_chrome_trace,
 )
+from dapple.planner.gantt import draw_gantt
 
 
 def _events():
@@ -96,7 +96,7 @@ def test_summarize_counts_the_compute_lane_within_steps():
 def test_simulated_timeline_as_events():
     from dapple import Cluster
     from dapple.planner import Plan, Stage, simulate
-    from dapple.planner.timeline import from_simulation
+    from dapple.planner.simulator import from_simulation
 
     from .helpers import linear_profile
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dapple import Profile
-from dapple._io import DocumentError
+from dapple.core.documents import DocumentError
+from dapple.core.profile import interpolate
 from dapple.profiler import LayerProfile
-from dapple.profiler.profile import interpolate
 
 from ..conftest import PIPEDREAM_MODELS, pipedream_path
 

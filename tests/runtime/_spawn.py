@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from dapple._dist import free_port
+from dapple.core.dist import free_port
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dapple.cli import main as cli
-from dapple.planner.timeline import Event, from_chrome_trace, lane_of
+from dapple.core.timeline import Event, from_chrome_trace, lane_of
 from dapple.profiler.clocksync import correction
 from dapple.runtime.tracing import Recorder, merge
 from tests.runtime import trace_workers

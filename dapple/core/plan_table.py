@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -21,7 +21,6 @@ def _layer_span(plan: "Plan", lo: int, hi: int) -> str:
 
 
 def format_plan(plan: "Plan") -> str:
-    from .plan import device_ranges
 
     est = plan.estimate
     details = est.details if est is not None else {}
@@ -87,3 +86,16 @@ def format_plan(plan: "Plan") -> str:
 def _limit(seconds: object) -> str:
     """" (60 s)" for a plan's ``meta["time_limit_s"]``, "" when it has none."""
     return f" ({seconds:g} s)" if isinstance(seconds, (int, float)) else ""
+
+
+def device_ranges(devices: Sequence[int]) -> str:
+    """Compact device list: [0, 1, 2, 3, 7] -> "0-3,7"."""
+    ds = sorted(devices)
+    parts, i = [], 0
+    while i < len(ds):
+        j = i
+        while j + 1 < len(ds) and ds[j + 1] == ds[j] + 1:
+            j += 1
+        parts.append(f"{ds[i]}" if i == j else f"{ds[i]}-{ds[j]}")
+        i = j + 1
+    return ",".join(parts)

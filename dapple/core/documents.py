@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from ._checks import is_int, is_real
+from .checks import is_int, is_real
 
 PathLike = str | os.PathLike
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
-
-if TYPE_CHECKING:
-    from .simulator import SimResult
+from typing import Iterable
 
 KINDS = ("forward", "backward", "send", "recv", "allreduce", "idle", "other")
 # Lanes (one Chrome-trace thread each, one band per rank in a Gantt chart): send/recv go to "p2p", everything
@@ -154,34 +151,3 @@ def summarize(events: Iterable[Event]) -> dict[int, dict[str, float]]:
         d["busy"] = (d["forward_ms"] + d["backward_ms"]) / d["span_ms"] if d["span_ms"] > 0 else 0.0
     return dict(sorted(per.items()))
 
-
-def from_simulation(sim: "SimResult") -> list[Event]:
-    """The simulator's timeline as events (times in s from 0), drawn like a measured trace: compute with the
-    idle gaps between ops, transfers as a send on the sender and a receive on the receiver, AllReduce at the
-    end (or, overlapped, bucket by bucket in the transfer lane)."""
-    names = {"F": ("forward", "F"), "B": ("backward", "B")}
-    out: list[Event] = []
-    for o in sim.ops:
-        if o.kind in names:
-            kind, letter = names[o.kind]
-            out.append(Event(o.device, kind, f"{letter}{o.micro_batch}", o.start_ms / 1e3, o.end_ms / 1e3,
-                             o.micro_batch, {"stage": o.stage, "rows": o.rows}))
-        elif o.kind == "AR":
-            lane = "allreduce" if sim.overlap else "compute"
-            out.append(Event(o.device, "allreduce", "AR", o.start_ms / 1e3, o.end_ms / 1e3, None,
-                             {"stage": o.stage, "bytes": o.nbytes, "lane": lane}))
-    for t in sim.transfers:
-        what = "activations" if t.kind == "send_F" else "gradients"
-        args = {"bytes": t.nbytes, "rows": t.rows, "what": what}
-        out.append(Event(t.device, "send", f"send→{t.peer}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
-                         {**args, "peer": t.peer}))
-        out.append(Event(t.peer, "recv", f"recv←{t.device}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
-                         {**args, "peer": t.device}))
-    for d in sorted(sim.stage_of_device):  # the gaps of each device's compute lane, as in measured traces
-        busy = sorted((e for e in out if e.rank == d and lane_of(e) == "compute"), key=lambda e: e.start)
-        t = 0.0
-        for e in busy:
-            if e.start > t + 1e-9:
-                out.append(Event(d, "idle", "idle", t, e.start))
-            t = max(t, e.end)
-    return out

@@ -8,8 +8,8 @@ from typing import Iterable
 
 import networkx as nx
 
-from .. import _io
-from .._checks import is_finite, is_int, is_real, number, positive_int
+from . import documents
+from .checks import is_finite, is_int, is_real, number, positive_int
 
 VERSION = 1
 
@@ -216,12 +216,12 @@ class Cluster:
             del d[key]
         return d
 
-    def save(self, path: _io.PathLike) -> None:
-        _io.dump(self.to_dict(), path)
+    def save(self, path: documents.PathLike) -> None:
+        documents.dump(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Cluster") -> "Cluster":
-        f = _io.Fields(doc, where).known("dapple_cluster", *(x.name for x in fields(cls)))
+        f = documents.Fields(doc, where).known("dapple_cluster", *(x.name for x in fields(cls)))
         try:
             return cls(servers=f.number("servers", integer=True, minimum=1),
                        devices_per_server=f.number("devices_per_server", integer=True, minimum=1),
@@ -235,14 +235,14 @@ class Cluster:
                           if doc.get(k) is not None},
                        intra_allreduce_by_size=doc.get("intra_allreduce_by_size"),
                        link_sharing=str(doc.get("link_sharing", "held")))
-        except _io.DocumentError:
+        except documents.DocumentError:
             raise
         except ValueError as e:
-            raise _io.DocumentError(f"{where}: {e}") from e
+            raise documents.DocumentError(f"{where}: {e}") from e
 
     @classmethod
-    def load(cls, path: _io.PathLike) -> "Cluster":
-        return cls.from_dict(_io.load(path, "dapple_cluster", VERSION), where=str(path))
+    def load(cls, path: documents.PathLike) -> "Cluster":
+        return cls.from_dict(documents.load(path, "dapple_cluster", VERSION), where=str(path))
 
     def __str__(self) -> str:
         gb = 1e9

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from .._checks import is_int, positive_int
+from .checks import is_int, positive_int
 
 SCHEDULES = ("dapple", "gpipe")
 WARMUP_POLICIES = ("A", "B")

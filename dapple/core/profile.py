@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .. import _io
-from .._checks import is_finite, is_int
+from . import documents
+from .checks import is_finite, is_int
 
 VERSION = 1
 
@@ -188,8 +188,8 @@ class Profile:
         doc["layers"] = layers
         return doc
 
-    def save(self, path: _io.PathLike) -> None:
-        _io.dump(self.to_dict(), path)
+    def save(self, path: documents.PathLike) -> None:
+        documents.dump(self.to_dict(), path)
         self.path = str(Path(path).resolve())
 
     def source(self) -> dict:
@@ -204,12 +204,12 @@ class Profile:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Profile") -> "Profile":
-        f = _io.Fields(doc, where).known("dapple_profile", "model", "device", "batch_sizes", "layers", "meta",
+        f = documents.Fields(doc, where).known("dapple_profile", "model", "device", "batch_sizes", "layers", "meta",
                                          "call_ms")
         batch_sizes = f.numbers("batch_sizes", integer=True, minimum=1)
         n = len(batch_sizes)
 
-        def layer(g: _io.Fields) -> LayerProfile:
+        def layer(g: documents.Fields) -> LayerProfile:
             g.known("name", "forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "param_bytes", "inputs")
             inputs = g.numbers("inputs", integer=True, default=[]) if "inputs" in g.data else None
             return LayerProfile(name=g.str("name"), forward_ms=g.numbers("forward_ms", n),
@@ -224,11 +224,11 @@ class Profile:
             return cls(model=f.str("model"), device=f.str("device"), batch_sizes=batch_sizes, layers=layers,
                        meta=meta, call_ms=f.numbers("call_ms", 2, default=[0.0, 0.0]))
         except ValueError as e:
-            raise _io.DocumentError(str(e).replace("Profile", where, 1)) from e
+            raise documents.DocumentError(str(e).replace("Profile", where, 1)) from e
 
     @classmethod
-    def load(cls, path: _io.PathLike) -> "Profile":
-        prof = cls.from_dict(_io.load(path, "dapple_profile", VERSION), where=str(path))
+    def load(cls, path: documents.PathLike) -> "Profile":
+        prof = cls.from_dict(documents.load(path, "dapple_profile", VERSION), where=str(path))
         prof.path = str(Path(path).resolve())
         return prof
 
@@ -248,7 +248,7 @@ class Profile:
         return "\n".join(lines)
 
     @classmethod
-    def from_pipedream(cls, path: _io.PathLike, batch_size: int) -> "Profile":
+    def from_pipedream(cls, path: documents.PathLike, batch_size: int) -> "Profile":
         """Read a PipeDream ``graph.txt`` profile measured at ``batch_size`` (nodes ordered topologically)."""
         prof = _from_pipedream(Path(path), batch_size)
         prof.path = str(Path(path).resolve())
@@ -267,7 +267,7 @@ def _from_pipedream(path: Path, batch_size: int) -> Profile:
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
-        raise _io.DocumentError(f"{path}: cannot read PipeDream profile: {e}") from e
+        raise documents.DocumentError(f"{path}: cannot read PipeDream profile: {e}") from e
     nodes: dict[str, tuple[str, dict[str, float]]] = {}
     edges: list[tuple[str, str]] = []
     for lineno, line in enumerate(lines, 1):
@@ -284,29 +284,29 @@ def _from_pipedream(path: Path, batch_size: int) -> Profile:
                     else:
                         stats[key] = float(value)
                 except ValueError:
-                    raise _io.DocumentError(f"{path}:{lineno}: {key}={value!r} is not a number") from None
+                    raise documents.DocumentError(f"{path}:{lineno}: {key}={value!r} is not a number") from None
             for key in ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size"):
                 if key not in stats:
-                    raise _io.DocumentError(f"{path}:{lineno}: node {m.group(1)} lacks {key}")
+                    raise documents.DocumentError(f"{path}:{lineno}: node {m.group(1)} lacks {key}")
             nodes[m.group(1)] = (m.group(2).strip(), stats)
         elif m := _EDGE.match(line):
             edges.append((m.group(1), m.group(2)))
         else:
-            raise _io.DocumentError(f"{path}:{lineno}: expected 'nodeN -- name -- stats' or '\\tnodeA -- nodeB', "
+            raise documents.DocumentError(f"{path}:{lineno}: expected 'nodeN -- name -- stats' or '\\tnodeA -- nodeB', "
                                     f"got {line!r:.100}")
     if not nodes:
-        raise _io.DocumentError(f"{path}: no nodes found; is this a PipeDream graph.txt?")
+        raise documents.DocumentError(f"{path}: no nodes found; is this a PipeDream graph.txt?")
     for a, b in edges:
         for x in (a, b):
             if x not in nodes:
-                raise _io.DocumentError(f"{path}: edge {a} -- {b} names unknown node {x}")
+                raise documents.DocumentError(f"{path}: edge {a} -- {b} names unknown node {x}")
     order = sorted(nodes, key=lambda s: int(s[4:]))  # PipeDream numbers nodes in a topological order
     index = {n: i for i, n in enumerate(order)}
     preds: list[set[int]] = [set() for _ in order]
     last_use = list(range(len(order)))  # index of the last consumer of each node's output
     for a, b in edges:
         if index[a] >= index[b]:
-            raise _io.DocumentError(f"{path}: edge {a} -- {b} goes backwards in node order; not a topological order")
+            raise documents.DocumentError(f"{path}: edge {a} -- {b} goes backwards in node order; not a topological order")
         preds[index[b]].add(index[a])
         last_use[index[a]] = max(last_use[index[a]], index[b])
     act = [nodes[n][1]["activation_size"] for n in order]

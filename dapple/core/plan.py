@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .. import _io
-from .._checks import is_int, positive_int
+from . import documents
+from .checks import is_int, positive_int
+from .plan_table import format_plan
 from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 
 VERSION = 1
@@ -48,7 +49,7 @@ class Estimate:
         return d
 
     @classmethod
-    def from_dict(cls, f: _io.Fields) -> "Estimate":
+    def from_dict(cls, f: documents.Fields) -> "Estimate":
         f.known("latency_ms", "warmup_ms", "steady_ms", "ending_ms", "pivot_stage", "details")
         return cls(latency_ms=f.number("latency_ms"), warmup_ms=f.number("warmup_ms"),
                    steady_ms=f.number("steady_ms", minimum=None), ending_ms=f.number("ending_ms", minimum=None),
@@ -211,15 +212,15 @@ class Plan:
             doc["meta"] = dict(self.meta)
         return doc
 
-    def save(self, path: _io.PathLike) -> None:
-        _io.dump(self.to_dict(), path)
+    def save(self, path: documents.PathLike) -> None:
+        documents.dump(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Plan") -> "Plan":
-        f = _io.Fields(doc, where).known("dapple_plan", "global_batch_size", "micro_batch_size", "schedule",
+        f = documents.Fields(doc, where).known("dapple_plan", "global_batch_size", "micro_batch_size", "schedule",
                                          "warmup_policy", "stages", "layer_names", "estimate", "meta")
 
-        def stage(g: _io.Fields) -> Stage:
+        def stage(g: documents.Fields) -> Stage:
             g.known("layers", "devices", "warmup")
             layers = g.numbers("layers", length=2, integer=True)
             warmup = g.number("warmup", integer=True, minimum=1) if g.data.get("warmup") is not None else None
@@ -227,7 +228,7 @@ class Plan:
 
         names = f.data.get("layer_names")
         if names is not None and (not isinstance(names, list) or not all(isinstance(x, str) for x in names)):
-            raise _io.DocumentError(f"{where}.layer_names: expected a list of strings, got {names!r:.100}")
+            raise documents.DocumentError(f"{where}.layer_names: expected a list of strings, got {names!r:.100}")
         estimate = Estimate.from_dict(f.sub("estimate")) if f.data.get("estimate") is not None else None
         try:
             return cls(global_batch_size=f.number("global_batch_size", integer=True, minimum=1),
@@ -235,29 +236,16 @@ class Plan:
                        stages=f.each("stages", stage), schedule=f.str("schedule", default="dapple"),
                        warmup_policy=str(f.data.get("warmup_policy", "A")), layer_names=names, estimate=estimate,
                        meta=f.mapping("meta"))
-        except _io.DocumentError:
+        except documents.DocumentError:
             raise
         except ValueError as e:
-            raise _io.DocumentError(str(e).replace("Plan", where, 1)) from e
+            raise documents.DocumentError(str(e).replace("Plan", where, 1)) from e
 
     @classmethod
-    def load(cls, path: _io.PathLike) -> "Plan":
-        return cls.from_dict(_io.load(path, "dapple_plan", VERSION), where=str(path))
+    def load(cls, path: documents.PathLike) -> "Plan":
+        return cls.from_dict(documents.load(path, "dapple_plan", VERSION), where=str(path))
 
     # ---- display -------------------------------------------------------------------------------
     def __str__(self) -> str:
-        from .display import format_plan
         return format_plan(self)
 
-
-def device_ranges(devices: Sequence[int]) -> str:
-    """Compact device list: [0, 1, 2, 3, 7] -> "0-3,7"."""
-    ds = sorted(devices)
-    parts, i = [], 0
-    while i < len(ds):
-        j = i
-        while j + 1 < len(ds) and ds[j + 1] == ds[j] + 1:
-            j += 1
-        parts.append(f"{ds[i]}" if i == j else f"{ds[i]}-{ds[j]}")
-        i = j + 1
-    return ",".join(parts)

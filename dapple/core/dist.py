@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ._checks import is_finite
+from .checks import is_finite
 
 MIN_TIMEOUT = 1e-3  # seconds: waits take whole milliseconds, and gloo reads 0 ms as "no timeout" (measured)
 WATCHDOG_GRACE = 30.0  # seconds NCCL's watchdog waits beyond twice dapple's timeout (group_timeout)
