@@ -27,7 +27,7 @@ def diagnose(plan: dapple.Plan, events: list, prof: dapple.Profile, cluster: dap
     P2P delivery vs the cluster fit, runtime time between ops, and the traced step."""
     from dapple.core.split_concat import slice_bounds
     from dapple.core.timeline import lane_of
-    from dapple.planner.cost import CostModel, layout_of
+    from dapple.planner.model.cost import CostModel, layout_of
 
     med = statistics.median
     cm = CostModel(prof, cluster, plan.micro_batch_size)
@@ -84,8 +84,8 @@ def side_by_side(trace_path: Path, plan: dapple.Plan, prof: dapple.Profile, clus
     import numpy as np
 
     from dapple.core.timeline import load_chrome_trace
-    from dapple.planner.gantt import draw_gantt
-    from dapple.planner.simulator import from_simulation
+    from dapple.planner.simulator.events import from_simulation
+    from dapple.planner.simulator.gantt import draw_gantt
 
     events = load_chrome_trace(trace_path)
     length = step_lengths_ms(events)  # ms

@@ -19,7 +19,7 @@ PIPEDREAM_MODELS = {  # file -> batch size it was profiled at (paper Table 2)
 
 
 def _export_ok() -> bool:
-    from dapple.profiler.export import EXPORT_MIN_TORCH, _torch_version
+    from dapple.profiler.export_trace import EXPORT_MIN_TORCH, _torch_version
 
     return _torch_version() >= EXPORT_MIN_TORCH
 

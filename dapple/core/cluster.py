@@ -163,7 +163,7 @@ class Cluster:
         if measure is None:
             measure = (bandwidth is None or latency is None) and world_size > 1
         if measure:
-            from ..profiler.bandwidth import probe_local  # torch is imported only when measuring
+            from ..profiler.probe.links import probe_local  # torch is imported only when measuring
 
             cluster = cls.from_probe(probe_local(max(2, world_size)), device_memory=float(device_memory))
             cluster.name = "local"
@@ -180,7 +180,7 @@ class Cluster:
 
     @classmethod
     def from_probe(cls, fits: dict, device_memory: float = 16e9) -> "Cluster":
-        """A Cluster from :func:`dapple.profiler.bandwidth.measure`'s fits (latency s, bandwidth B/s)."""
+        """A Cluster from :func:`dapple.profiler.probe.links.measure`'s fits (latency s, bandwidth B/s)."""
         intra = fits.get("intra") or fits.get("inter")
         inter = fits.get("inter") or intra
         if intra is None:

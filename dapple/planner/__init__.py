@@ -3,11 +3,11 @@
 from ..core.cluster import Cluster
 from ..core.plan import Estimate, Plan, Stage
 from ..core.schedule import Op, stage_ops, warmup_counts
-from .evaluate import evaluate
-from .gantt import draw_plan
-from .pipedream import pipedream_plan
+from .baselines.pipedream import pipedream_plan
+from .model.evaluate import evaluate
 from .planning import plan
-from .simulator import SimResult, simulate
+from .simulator.events import SimResult, simulate
+from .simulator.gantt import draw_plan
 
 __all__ = ["Cluster", "Estimate", "Op", "Plan", "SimResult", "Stage", "draw_plan", "evaluate", "pipedream_plan",
            "plan", "simulate", "stage_ops", "warmup_counts"]

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Sequence
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
 from ..core.plan import Plan, Stage
 from ..core.schedule import SCHEDULES, WARMUP_POLICIES
-from . import choice, parallel
 from .checks import profile_and_cluster
-from .choice import choose, devices_of
-from .cost import CostModel
-from .evaluate import MODELS, evaluate, pipeline_costs
-from .parallel import in_workers, resolve_workers
-from .search import _DP, INF, SearchResult, _gc_paused, can_occupy, most_stages
+from .model.cost import CostModel
+from .model.evaluate import MODELS, evaluate, pipeline_costs
+from .search import choice, forking
+from .search.choice import choose, devices_of
+from .search.dp import _DP, INF, SearchResult, _gc_paused, can_occupy, most_stages
+from .search.forking import in_workers, resolve_workers
 
 if TYPE_CHECKING:
     from ..core.cluster import Cluster
@@ -46,7 +46,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     Searches stage splits, replication and Fresh/Append/Scatter placement by the DP of formulas 4-5
     (:func:`dp_search`) for each micro-batch size (the divisors of the global batch, or ``micro_batch_size``
     / ``micro_batch_sizes``). ``model``: "refined" (default: the model that tracks the event simulator, see
-    :mod:`dapple.planner.refined`) or "paper" (formula 2 as printed); ``overlap``: the runtime overlaps
+    :mod:`dapple.planner.model.refined`) or "paper" (formula 2 as printed); ``overlap``: the runtime overlaps
     gradient AllReduce with the last backward (DDP-style; dapple's runtime does, so pass True for a job it runs:
     the default, False, is formula 2's assumption). ``max_stages`` limits the pipeline depth. The
     warmup policy (A or B) is the better one under the refined model unless given (A on ties: it holds fewer
@@ -75,9 +75,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     ``workers``: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
     any number); "auto" (default): one per core for the compact search (a large cluster: seconds per size,
     benchmarks/planning_time.py: 8x8 on 2 cores); the full search runs in-process (a fork costs more than a small
-    search) unless its seeds took parallel.FORK_WORTH = 0.1 s (resnet50 on 2x8: 9.1 -> 5.4 s on 2 cores), and
+    search) unless its seeds took forking.FORK_WORTH = 0.1 s (resnet50 on 2x8: 9.1 -> 5.4 s on 2 cores), and
     its candidates' simulations likewise unless they would take that long (bert_48 at 128 on 2x8: 0.63 -> 0.55 s).
-    Workers that use no CPU for parallel.WORKER_STUCK = 30 s with work pending are stuck (forking a multi-threaded
+    Workers that use no CPU for forking.WORKER_STUCK = 30 s with work pending are stuck (forking a multi-threaded
     process can deadlock): they are ended and plan() raises RuntimeError (as for a worker that dies).
     Raises ValueError when no plan fits in device memory.
     """
@@ -141,7 +141,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     t_seed = time.perf_counter()
     in_workers(dps, workers, "seed")
     seeding = time.perf_counter() - t_seed
-    if workers < spare and seeding > parallel.FORK_WORTH:
+    if workers < spare and seeding > forking.FORK_WORTH:
         workers = spare  # auto, a full search whose seeds took long: so will its searches (the plan is the same)
     refine_promising(dps, workers)
     seeds = [(dp.best[0], dp.b, dp.best[1]) for dp in dps if dp.best[1] is not None]

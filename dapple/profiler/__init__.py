@@ -1,7 +1,7 @@
 """The profiler: torch.fx tracing, layer grouping, per-layer times and sizes (a Profile)."""
 
 from ..core.profile import LayerCosts, LayerProfile, Profile
+from .fx_trace import TraceError
 from .layers import LayerGraph, trace_layers
-from .trace import TraceError
 
 __all__ = ["LayerCosts", "LayerGraph", "LayerProfile", "Profile", "TraceError", "trace_layers"]

@@ -14,13 +14,13 @@ from tqdm.auto import tqdm
 from ..core.checks import is_int
 from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
-from .exported import retarget_devices
+from .export_graph import retarget_devices
+from .fx_trace import LeafSpec
 from .layers import LayerGraph, arity, trace_layers
 from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
 from .state import model_dtype, on_device, resolve_device, untouched
-from .trace import LeafSpec
 
 
 def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,

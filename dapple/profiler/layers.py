@@ -8,9 +8,9 @@ from typing import Any, Iterable
 import torch.fx as fx
 from torch import nn
 
-from .export import trace_graph
-from .exported import check_cuts, localise_sizes
-from .trace import LeafSpec
+from .export_graph import check_cuts, localise_sizes
+from .export_trace import trace_graph
+from .fx_trace import LeafSpec
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 

@@ -17,16 +17,16 @@ from ..core.dist import barrier, bounded, first_line, group_timeout, timeout_sec
 from ..core.plan import Plan
 from ..core.schedule import Op
 from ..core.split_concat import slice_bounds
-from ..profiler.exported import retarget_devices
+from ..profiler.export_graph import retarget_devices
+from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import arity, trace_layers
-from ..profiler.trace import LeafSpec
 from .batchnorm import commit, defer_batch_norms, gather_sums, stats_size
-from .comm import P2P, PipelineError
 from .distributed import DistContext, init_distributed
 from .groups import GradGroup, GradReducer, canonical_names, make_grad_groups
+from .p2p import P2P, PipelineError
 from .program import LOOKAHEAD, Instr, Layout, Transfer, cut_routes, op_receives, rank_program
 from .shapes import BoundaryShapes, Spec, input_key
-from .split import StageGraph, resolve_output, split_stages, state_names
+from .stages import StageGraph, resolve_output, split_stages, state_names
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder
 from .tracing import _write as _write_trace
 from .validate import as_tuple, check_batch, check_plan, check_same_inputs, layout_mismatch

@@ -13,7 +13,7 @@ from torch import nn
 from ..core.buckets import BUCKET_BYTES, bucket
 from ..core.dist import bounded, group_timeout, wait_for
 from ..core.plan import Plan
-from .split import StageGraph
+from .stages import StageGraph
 
 
 @dataclass

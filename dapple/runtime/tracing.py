@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..core.timeline import Event, save_chrome_trace
-from ..profiler.clocksync import ClockSync, constant_offset, correction, gather_json, sync_clock
+from ..profiler.probe.clocks import ClockSync, constant_offset, correction, gather_json, sync_clock
 from .program import Transfer
 
 if TYPE_CHECKING:

@@ -286,7 +286,7 @@ def test_tuple_targets_are_unpacked_like_the_runtime_does():
 
 def test_the_export_tracer_names_the_torch_it_needs(monkeypatch):
     """Before torch 2.9, ep.module() drops the input guards and Dim.AUTO is missing: refused, not half-working."""
-    from dapple.profiler import export
+    from dapple.profiler import export_trace as export
 
     monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
     assert export._torch_version() == (2, 4)

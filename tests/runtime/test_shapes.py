@@ -9,7 +9,7 @@ from torch import nn
 from dapple.models import GPT
 from dapple.profiler import trace_layers
 from dapple.runtime.shapes import BoundaryShapes, Spec, input_key
-from dapple.runtime.split import split_stages
+from dapple.runtime.stages import split_stages
 
 
 def _shapes(model, cuts):

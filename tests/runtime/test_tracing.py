@@ -14,7 +14,7 @@ import pytest
 
 from dapple.cli import main as cli
 from dapple.core.timeline import Event, from_chrome_trace, lane_of
-from dapple.profiler.clocksync import correction
+from dapple.profiler.probe.clocks import correction
 from dapple.runtime.tracing import Recorder, merge
 from tests.runtime import trace_workers
 from tests.runtime._spawn import run_ranks

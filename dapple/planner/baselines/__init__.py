@@ -1,0 +1,1 @@
+"""Plans to compare against: PipeDream's planner and an exhaustive search of small instances."""

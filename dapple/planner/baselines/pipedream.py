@@ -1,0 +1,263 @@
+"""PipeDream's hierarchical planner (optimizer_graph_hierarchical.py), re-implemented as a baseline Plan."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from typing import Sequence
+
+from ...core.checks import is_int, is_real
+from ...core.cluster import Cluster
+from ...core.plan import Plan, Stage
+from ...core.profile import Profile
+from ..checks import instance
+from .pipedream_dp import SOURCE, _dp_time, analyze_partitioning, compute_partitioning
+from .pipedream_graph import Graph, State, build_states
+
+
+def _desc(name: str) -> str:
+    """PipeDream's node_desc: our from_pipedream names layers 'nodeN:<desc>'."""
+    return re.sub(r"^node\d+:", "", name)
+
+
+def _inputs(prof: Profile) -> list[list[int]]:
+    return [(layer.inputs if layer.inputs is not None else ([i - 1] if i else [])) for i, layer in
+            enumerate(prof.layers)]
+
+
+def _activation_sizes(prof: Profile, batch: float) -> list[float]:
+    """Each layer's output bytes (PipeDream's activation_size), recovered from boundary_bytes: boundary[i] =
+    sum of out[k], k <= i, still read after i; a layer nobody reads falls back to its saved_bytes."""
+    c, inputs, n = prof.costs(batch), _inputs(prof), prof.num_layers
+    last_use = list(range(n))
+    for i, ins in enumerate(inputs):
+        for k in ins:
+            last_use[k] = max(last_use[k], i)
+    dying: list[list[int]] = [[] for _ in range(n)]  # outputs whose last reader is layer i
+    for k in range(n):
+        if last_use[k] > k:
+            dying[last_use[k]].append(k)
+    out = [0.0] * n
+    for i in range(n):
+        if last_use[i] > i:
+            prev = c.boundary_bytes[i - 1] if i else 0.0
+            out[i] = max(0.0, c.boundary_bytes[i] - prev + sum(out[k] for k in dying[i]))
+        else:
+            out[i] = c.saved_bytes[i]
+    return out
+
+
+def cluster_levels(cluster: Cluster) -> list[tuple[int, float]]:
+    """PipeDream's levels for a Cluster, innermost first (-n 8 2 -b intra inter); levels of 1 are dropped."""
+    levels = [(n, float(bw)) for n, bw in ((cluster.devices_per_server, cluster.intra_bandwidth),
+                                           (cluster.servers, cluster.inter_bandwidth)) if n > 1]
+    return levels or [(1, float(cluster.intra_bandwidth))]
+
+
+def _check_levels(cluster: Cluster, levels) -> list[tuple[int, float]]:
+    try:
+        lv = [(m, float(bw)) for m, bw in levels]
+    except (TypeError, ValueError):
+        lv = []
+    if not lv or any(not is_int(m, 1) or not bw > 0 for m, bw in lv):
+        raise ValueError(f"pipedream_plan: levels must be (machines >= 1, bandwidth in B/s > 0) pairs, innermost "
+                         f"first (PipeDream's -n 8 2 -b 5e10 3.125e9 is [(8, 5e10), (2, 3.125e9)]), got {levels!r}")
+    if math.prod(m for m, _ in lv) > cluster.num_devices:
+        raise ValueError(f"pipedream_plan: levels {lv} need {math.prod(m for m, _ in lv)} devices but the cluster "
+                         f"has {cluster.num_devices}")
+    return lv
+
+
+def pipedream_plan(prof: Profile, cluster: Cluster, global_batch_size: int, micro_batch_size: int | None = None,
+                   activation_transfer: bool = True, *, levels: Sequence[tuple[int, float]] | None = None,
+                   minibatch_size: int | None = None, activation_compression_ratio: float = 1.0,
+                   straight_pipeline: bool = False, use_fewer_machines: bool = False,
+                   memory_constraint: bool = False, num_machines_in_first_level: int | None = None,
+                   tie_break: str | int = "first", max_states: int = 512) -> Plan:
+    """PipeDream's hierarchical planner as a baseline :class:`Plan` (same profile, same cluster).
+
+    Levels as PipeDream's ``-n 8 2 -b 5e10 3.125e9``: level 1 the devices of a server over
+    ``cluster.intra_bandwidth``, level 2 the servers over ``cluster.inter_bandwidth`` (or ``levels``, innermost
+    first). ``activation_transfer`` counts activation transfers (PipeDream's ``--activation_compression_ratio``,
+    given by ``activation_compression_ratio``); the other keywords are PipeDream's flags (``memory_constraint``
+    is ``--use_memory_constraint -s cluster.device_memory``). PipeDream's stages (antichain-state ranges with a
+    replication factor per level, multiplied) go on consecutive device ids in stage order, as PipeDream's
+    runtime ranks them, and onto the profile's layers: a stage owns the layers before its last cut that no
+    earlier stage owns; ``Input`` sources join stage 0 (see ``meta["pipedream"]["moved_layers"]`` for a graph
+    whose stages interleave in the layer order).
+
+    PipeDream has no micro-batches: it plans the per-layer costs of one minibatch, ``minibatch_size`` (default:
+    the profile's largest batch size, i.e. the batch a PipeDream graph.txt was profiled at). The Plan's
+    ``micro_batch_size`` defaults to that minibatch when it divides the global batch and gives every replica of
+    the widest stage a row; otherwise to the smallest divisor of the global batch that does (preferring
+    multiples of the minibatch). PipeDream's estimate and raw solution are in ``plan.meta["pipedream"]``
+    (milliseconds); ``plan.estimate`` is left empty for dapple's own latency model to fill.
+
+    ``tie_break``: PipeDream keeps the first of equally good splits in the iteration order of a Python set
+    (memory addresses); "first" scans split points in ascending order, "last" descending, an int shuffles
+    them with that seed.
+    """
+    t0 = time.perf_counter()
+    instance("pipedream_plan", "prof", prof, Profile)
+    instance("pipedream_plan", "cluster", cluster, Cluster)
+    for key, v in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
+                   ("minibatch_size", minibatch_size), ("num_machines_in_first_level", num_machines_in_first_level),
+                   ("max_states", max_states)):
+        if (v is not None or key == "global_batch_size") and not is_int(v, 1):
+            raise ValueError(f"pipedream_plan: {key} must be a positive integer, got {v!r}")
+    if micro_batch_size is not None and global_batch_size % micro_batch_size:
+        raise ValueError(f"pipedream_plan: global_batch_size {global_batch_size} is not divisible by "
+                         f"micro_batch_size {micro_batch_size}")
+    if not (tie_break in ("first", "last") or is_int(tie_break)):
+        raise ValueError(f"pipedream_plan: tie_break must be 'first', 'last' or an integer seed, got {tie_break!r}")
+    if not (is_real(activation_compression_ratio) and activation_compression_ratio > 0):
+        raise ValueError(f"pipedream_plan: activation_compression_ratio must be a number > 0, got "
+                         f"{activation_compression_ratio!r}")
+    lv = cluster_levels(cluster) if levels is None else _check_levels(cluster, levels)
+    if num_machines_in_first_level is not None and num_machines_in_first_level > lv[0][0]:
+        raise ValueError(f"pipedream_plan: num_machines_in_first_level {num_machines_in_first_level} exceeds the "
+                         f"{lv[0][0]} machines of level 1")
+    batch = minibatch_size or prof.batch_sizes[-1]
+    ratio = float(activation_compression_ratio) if activation_transfer else None
+    opts = dict(straight_pipeline=straight_pipeline, use_memory_constraint=memory_constraint,
+                memory_size=cluster.device_memory, use_fewer_machines=use_fewer_machines,
+                activation_compression_ratio=ratio)
+
+    # main(): the graph with Input sources zeroed and removed and __getitem__ sinks removed, its states
+    c, n, inputs = prof.costs(batch), prof.num_layers, _inputs(prof)
+    act = _activation_sizes(prof, batch)
+    compute_ms = [f + b for f, b in zip(c.forward_ms, c.backward_ms)]
+    params = [float(p) for p in c.param_bytes]
+    gr = Graph([_desc(x) for x in prof.layer_names], [(k, i) for i in range(n) for k in inputs[i]])
+    input_nodes = [s for s in gr.sources() if gr.descs[s].startswith("Input")]
+    for s in input_nodes:
+        compute_ms[s] = act[s] = params[s] = 0.0
+        gr.remove_node(s)
+    for s in gr.sinks():
+        if gr.descs[s].startswith("__getitem__"):
+            gr.remove_node(s)
+    if not gr.nodes:
+        raise ValueError(f"pipedream_plan: nothing to plan in {prof.model}: every layer is an Input source")
+    states, preds = build_states(gr, compute_ms, act, params, max_states)
+    S = len(states)
+    if tie_break == "last":
+        preds = [p[::-1] for p in preds]
+    elif not isinstance(tie_break, str):
+        rng = random.Random(tie_break)
+        preds = [rng.sample(p, len(p)) for p in preds]
+
+    # compute_times[i][j] etc.: states i..j (row i > 0 subtracts state i-1), None below the diagonal
+    def table(v: list[float]) -> list[list[float | None]]:
+        return [[(v[j] - (v[i - 1] if i else 0.0)) if j >= i else None for j in range(S)] for i in range(S + 1)]
+
+    compute_times = table([s.compute_time for s in states])
+    activation_sizes = table([s.activation_size for s in states])
+    parameter_sizes = table([s.parameter_size for s in states])
+    out_acts = [s.output_activation_size for s in states]
+    all_As, level_times, within = [], [], 1
+    for lvl, (machines, bw) in enumerate(lv):
+        A = compute_partitioning(compute_times, activation_sizes, parameter_sizes, out_acts, preds, machines,
+                                 within, num_machines_in_first_level, bw, final_level=lvl == len(lv) - 1, opts=opts)
+        level_times.append([row[:] for row in compute_times])  # what this level planned with
+        within = machines
+        for i in range(S + 1):  # this level's times substituted upward
+            for j in range(S):
+                compute_times[i][j] = A[i][j][-1][0]
+        all_As.append(A)
+
+    # main(): expand the splits top-down; a stage's replication factors multiply over the levels
+    segments, levels_meta = [(0, S, 1)], []
+    for lvl in reversed(range(len(lv))):
+        machines, bw = lv[lvl]
+        new, rec = [], []
+        for start, end, mult in segments:
+            splits, factors = analyze_partitioning(all_As[lvl], start, end, machines)
+            bounds = [start] + splits + [end]
+            for s, e, r in zip(bounds, bounds[1:], factors):
+                new.append((s, e, mult * r))
+                # the stage's value in this level's DP: a segment's first stage is an initial data-parallel
+                # entry (AllReduce term divided by the machines within a machine), later ones are not
+                inner = (lv[lvl - 1][0] if lvl else 1) if s == start else 1
+                xfer = 0.0 if ratio is None else 1e3 * 2.0 / (bw * r * ratio)
+                rec.append({"states": [s, e], "replicas": r,
+                            "time_ms": 1e3 * _dp_time(level_times[lvl][s][e - 1], parameter_sizes[s][e - 1], r, bw,
+                                                      inner),
+                            "compute_ms": 1e3 * compute_times_raw(states, s, e),
+                            "input_transfer_ms": xfer * out_acts[s - 1] if s else 0.0,
+                            "output_transfer_ms": xfer * out_acts[e - 1] if e < S else 0.0})
+        segments = new
+        levels_meta.append({"level": lvl + 1, "machines": machines, "bandwidth": bw, "stages": rec})
+    levels_meta.reverse()
+
+    # main(): a stage owns the nodes before its last cut that no earlier stage owns; Input sources -> stage 0
+    stage_of: list[int | None] = [None] * n
+    for sid, (_, e, _) in enumerate(segments):
+        mask = states[e - 1].predecessors
+        for v in range(n):
+            if stage_of[v] is None and (mask >> v) & 1:
+                stage_of[v] = sid
+    for s in input_nodes:
+        stage_of[s] = 0
+    for v in range(n):  # removed __getitem__ sinks: their producer's stage
+        if stage_of[v] is None:
+            stage_of[v] = max([x for x in (stage_of[k] for k in inputs[v]) if x is not None], default=0)
+    ranges, moved = layer_ranges(stage_of, len(segments))
+
+    stages, dev = [], 0  # consecutive device ids in stage order
+    for (lo, hi), (_, _, r) in zip(ranges, segments):
+        stages.append(Stage((lo, hi), list(range(dev, dev + r))))
+        dev += r
+    widest = max(s.replicas for s in stages)
+    if micro_batch_size is None:
+        micro_batch_size = _default_micro(global_batch_size, batch, widest)
+    elif micro_batch_size < widest:
+        raise ValueError(f"pipedream_plan: micro_batch_size {micro_batch_size} is smaller than the {widest} replicas "
+                         f"of PipeDream's widest stage (each replica needs at least one row)")
+    level1 = levels_meta[0]["stages"]
+    meta = {"planner": "pipedream", "source": SOURCE, "model": prof.model, "cluster": cluster.name or str(cluster),
+            "levels": [[m, bw] for m, bw in lv], "activation_transfer": bool(activation_transfer),
+            "tie_break": tie_break, "minibatch_size": batch, "planning_s": round(time.perf_counter() - t0, 6),
+            "pipedream": {
+                "pipeline_time_ms": 1e3 * all_As[-1][0][S - 1][lv[-1][0] - 1][0],
+                "data_parallel_time_ms": 1e3 * _data_parallel_time(states, lv), "num_states": S,
+                "stages": [{**rec, "layers": list(rg), "replicas": r} for rec, rg, (_, _, r) in
+                           zip(level1, ranges, segments)],
+                "levels": levels_meta, "moved_layers": moved},
+            "cluster_spec": cluster.to_dict(), **prof.source()}
+    return Plan(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, stages=stages,
+                schedule="dapple", layer_names=prof.layer_names, meta=meta)
+
+
+def compute_times_raw(states: list[State], s: int, e: int) -> float:
+    """Seconds of forward + backward of states [s, e) (analyze_partitioning's per-stage compute time)."""
+    return states[e - 1].compute_time - (states[s - 1].compute_time if s else 0.0)
+
+
+def layer_ranges(stage_of: list[int], num_stages: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Contiguous [start, end) per stage from a stage id per layer; where the stages interleave in the layer
+    order (a DAG), each stage keeps its number of layers and the layers that changed stage are returned."""
+    ranges, lo = [], 0
+    for s in range(num_stages):
+        cnt = stage_of.count(s)
+        ranges.append((lo, lo + cnt))
+        lo += cnt
+    return ranges, [v for v, s in enumerate(stage_of) if not ranges[s][0] <= v < ranges[s][1]]
+
+
+def _default_micro(global_batch: int, minibatch: int, widest: int) -> int:
+    divisors = [d for d in range(widest, global_batch + 1) if global_batch % d == 0]
+    if not divisors:
+        raise ValueError(f"pipedream_plan: PipeDream's widest stage has {widest} replicas, more than the global "
+                         f"batch of {global_batch} rows (each replica needs a row); give a larger global_batch_size")
+    return next((d for d in divisors if d % minibatch == 0), divisors[0])
+
+
+def _data_parallel_time(states: list[State], lv: list[tuple[int, float]]) -> float:
+    """main()'s data_parallel_total_time: every level purely data-parallel."""
+    total, params, within = states[-1].compute_time, states[-1].parameter_size, 1
+    for machines, bw in lv:
+        total = _dp_time(total, params, machines, bw, within)
+        within = machines
+    return total

@@ -1,0 +1,1 @@
+"""What a plan costs: per-stage compute, split-concat transfers, AllReduce, memory, and the latency models."""

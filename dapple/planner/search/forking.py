@@ -1,0 +1,165 @@
+"""The micro-batch sizes' searches side by side in forked worker processes (pure Python: threads share one GIL)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from ...core.checks import is_int
+
+if TYPE_CHECKING:
+    from .dp import _DP
+
+_RUNNING: tuple = ()  # (task, items) of the running call: a forked worker inherits them (lambdas too), unpickled
+WORKER_MEMORY = 2e9  # bytes a worker may need: workers="auto" starts no more than fit (128 x 8 at 60 s: 1.4 GB)
+_LOCK = threading.Lock()  # one call at a time sets them (plan() from two threads)
+# seconds of in-process work from which workers="auto" forks the steps of a full search as well (dapple.plan: the
+# searches once the seeds took this long, the candidates' simulations once the first took this long / the rest)
+FORK_WORTH = 0.1
+# seconds in which no worker of a step used any CPU, with work still pending, after which the workers count as
+# stuck (a fork of a multi-threaded process, e.g. a notebook's kernel, can deadlock on a lock another thread held):
+# a searching worker uses a core the whole time, however long the search, so only a stuck one is stopped
+WORKER_STUCK = 30.0
+POLL = 1.0  # seconds between looks at the workers' CPU time
+
+
+def available_memory() -> float:
+    """Bytes the system can give without swapping (/proc/meminfo's MemAvailable; inf where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def can_fork() -> bool:
+    """Whether workers can be forked: Linux only (macOS can fork, but its system libraries are not fork-safe,
+    and spawning a worker would import torch again, seconds each)."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def resolve_workers(workers: int | str, searches: int, large: bool) -> int:
+    """How many processes run ``searches`` searches: ``workers``, or for "auto" one per core (os.sched_getaffinity)
+    up to one per search where ``large`` (the compact search of a large cluster: seconds per size) and workers
+    can be forked (not from a daemonic pool worker) and no more than WORKER_MEMORY each fit in the available
+    memory, else 1 (a fork costs more than a small search)."""
+    daemon = multiprocessing.current_process().daemon  # a pool's worker: it may not start processes
+    if workers == "auto":
+        if not large or not can_fork() or daemon:
+            return 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(cores, searches, int(available_memory() // WORKER_MEMORY)))
+    if not is_int(workers, 1):
+        raise ValueError(f"workers: expected a positive int or 'auto', got {workers!r}")
+    if workers > 1 and not can_fork():
+        raise ValueError(f"workers={workers}: the searches run in forked processes, which {sys.platform} does not "
+                         f"offer safely; use workers=1")
+    if workers > 1 and daemon:
+        raise ValueError(f"workers={workers}: this process ({multiprocessing.current_process().name}) is a daemonic "
+                         f"pool worker, which may not start processes; use workers=1")
+    return min(workers, max(searches, 1))
+
+
+def _apply(i: int):
+    """In a worker: the running call's task on its i-th item."""
+    task, items = _RUNNING
+    return task(items[i])
+
+
+def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") -> list:
+    """[task(item) for item in items], ``workers`` processes at a time where workers > 1 (forked: they inherit
+    ``task`` and ``items``; only the results are pickled back), in order. A worker that dies, or workers that use
+    no CPU for WORKER_STUCK seconds while items are pending (stuck), are a RuntimeError naming ``what`` they were
+    doing, not a hang (stuck workers are ended)."""
+    global _RUNNING
+    if workers <= 1 or len(items) <= 1:
+        return [task(item) for item in items]
+    with _LOCK:
+        _RUNNING = (task, list(items))
+        pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=multiprocessing.get_context("fork"))
+        stuck = False
+        try:
+            futures = [pool.submit(_apply, i) for i in range(len(items))]
+            used, since = None, time.monotonic()
+            while True:
+                _, pending = wait(futures, timeout=POLL, return_when=FIRST_EXCEPTION)
+                if not pending or any(f.done() and f.exception() is not None for f in futures):
+                    break
+                cpu, now = _cpu_seconds(pool), time.monotonic()
+                if cpu is None or cpu != used:  # progress (or no way to tell: never stuck)
+                    used, since = cpu, now
+                elif now - since > WORKER_STUCK:
+                    stuck = True
+                    _stop(pool)
+                    raise RuntimeError(f"planner workers used no CPU for {now - since:.0f} s in {what} with "
+                                       f"{workers} workers, {len(pending)} of {len(items)} items left (stuck: "
+                                       f"forking a multi-threaded process can deadlock); retry with workers=1")
+            return [f.result() for f in futures]
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"a planner worker process died (out of memory?) in {what} with {workers} workers; "
+                               f"retry with workers=1") from e
+        finally:
+            pool.shutdown(wait=not stuck, cancel_futures=True)
+            _RUNNING = ()
+
+
+def _cpu_seconds(pool: ProcessPoolExecutor) -> float | None:
+    """CPU seconds the worker processes of ``pool`` used so far (/proc/PID/stat: user + system), None where
+    unknown."""
+    procs = getattr(pool, "_processes", None)
+    if not procs:
+        return None
+    ticks = 0
+    try:
+        for pid in list(procs):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    except (OSError, ValueError, IndexError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Ends the worker processes of ``pool`` (Python 3.14's terminate_workers where there is one)."""
+    stop = getattr(pool, "terminate_workers", None)
+    if stop is not None:
+        stop()
+        return
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(5)
+
+
+# what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)
+KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound"),
+        "bound_tables": ("best", "root_bound"), "refine_seeds": ("best", "_seeds")}
+
+
+def in_workers(dps: Sequence["_DP"], workers: int, step: str,
+               accept: Callable[["_DP", tuple], bool] | None = None) -> None:
+    """``dp.seed()``, ``dp.refine_seeds()``, ``dp.bound_tables()`` or ``dp.run()`` (``step``) for every search in
+    ``dps``, ``workers`` at a time, in order (the most promising first), with what KEPT names copied back, where
+    ``accept(dp, what it kept)``, asked in order, does not say False (the search then stays as it was). Every
+    search keeps the incumbent it was given (they share none while running: the plan does not depend on timing or
+    on the number of workers)."""
+    def call(dp):
+        getattr(dp, step)()
+        return tuple(getattr(dp, name) for name in KEPT[step])
+    for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}")):
+        if accept is not None and not accept(dp, kept):
+            continue
+        dp.set_best(*kept[0])
+        for name, value in zip(KEPT[step][1:], kept[1:]):
+            setattr(dp, name, value)

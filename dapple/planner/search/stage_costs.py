@@ -1,0 +1,120 @@
+"""The search's per-stage costs (memoised over the stage's end) and L of a candidate plan (part of search._DP)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..model.cost import Layout
+from ..model.evaluate import pipeline_costs
+from ..model.memory import max_in_flight
+from ..model.pivot import paper_latency
+from ..model.refined import refined_chains
+from .memo import _Prefix
+from .pruning import INF
+
+
+class _StageCosts:
+    """What ``search._DP`` prices a stage and a plan with (it provides the cost model, M, b and the memos)."""
+
+    def latency(self, F, B, AR, E, C, D, link_period: float, limit: float = INF, W=None,
+                drain: float | None = None, queue=None, feed=None) -> tuple[float, str]:
+        """The plan's L under the search's model and the better warmup policy; any value >= ``limit`` when L is."""
+        M = self.M
+        if not self.refined:
+            return paper_latency(F, B, AR, M).total, self.policy or "A"
+        pols = (self.policy,) if self.policy else ("A", "B")
+        S = len(D)
+        Ks = []
+        for pol in pols:  # warmup_counts, inlined: K_i = min(S-i or 2(S-i)-1, D_i, M, K_{i-1}), at least 1
+            K, prev = [], M
+            for i in range(S):
+                k = S - i if pol == "A" else 2 * (S - i) - 1
+                d = D[i] if D[i] > 1 else 1
+                k = min(k, d, prev)
+                K.append(k if k > 1 else 1)
+                prev = K[-1]
+            Ks.append(K)
+        if len(Ks) == 2 and Ks[0] == Ks[1]:
+            Ks.pop()
+        # the second policy matters only if it is faster: its chains stop once one reaches the first's L
+        lats = refined_chains(F, B, AR, E if self.overlap else None, Ks, M, link_period, C, limit, W, drain, queue,
+                              race=True, feed=feed)
+        if len(lats) == 2 and lats[1][0] < lats[0][0] - 1e-9:
+            return lats[1][0], pols[1]
+        return lats[0][0], pols[0]
+
+    def plan_latency(self, F: list, B: list, AR: list, E: list, C: list, D: list, Cw: list, job: tuple,
+                     limit: float = INF) -> tuple[float, str]:
+        """:meth:`latency` of prefix + new stage (their interleaved F, B, AR, E, chain, D and window) + the rest as
+        one stage, which expand() prices lazily: ``job`` = (the transfer to the rest's F and B, the rest's F, B,
+        AR, ending, the transfer's chain and window, the rest's D, the link period, the drain period, the
+        queues and comm.feeds (refined; None: no server link shared, or formula 2))."""
+        busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, queue, feed = job
+        return self.latency(F + [busy2, t_f], B + [busy2, t_b], AR + [0.0, t_ar], E + [busy2, t_e],
+                            C + [chain2, t_b], D + [t_d], period, limit, Cw + [window2, t_b], drain, queue, feed)
+
+    def prefix_latency(self, pre: _Prefix) -> float:
+        """Formula 5's L of a memoised prefix (priced on first use: only ties on the floor need it)."""
+        if pre.latency is None:
+            pre.latency = self.plan_latency(pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, pre.job)[0]
+        return pre.latency
+
+    def evaluate_spans(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, str] | None:
+        """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
+        if any(len(lay) > self.b for _, _, lay in spans):
+            return None
+        try:
+            pc, D = pipeline_costs(self.cm, spans, self.M, "A", endings=self.overlap)
+        except ValueError:
+            return None
+        return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period, W=pc.window, drain=pc.drain_period,
+                            queue=pc.queue, feed=pc.feed)
+
+    def tails(self, lay: Layout) -> list:
+        """``[tail(a, lay) for a in range(N)]``, each filled on first use (the search reads it by index)."""
+        hit = self._tails.get(lay)
+        if hit is None:
+            hit = self._tails[lay] = [None] * self.N
+        return hit
+
+    def tail(self, a: int, lay: Layout) -> tuple:
+        """(F, B, AllReduce, ending, slices that fit) of the rest [a, N) as one stage on ``lay`` (memoised)."""
+        row = self.tails(lay)
+        hit = row[a]
+        if hit is None:
+            cm = self.cm
+            f, bb = cm.compute(a, self.N, len(lay))
+            d = max_in_flight(cm.static_bytes(a, self.N), cm.saved_bytes(a, self.N, len(lay)), self.mem)
+            e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
+            hit = row[a] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
+        return hit
+
+    def stage_costs(self, j: int, m: int, multi: bool) -> tuple:
+        """Per end j2 (lists indexed by j2) of a stage [j, j2) on m replicas (spanning servers or not): F, B,
+        AllReduce and how many slices fit in memory (memoised: the search asks the same stage many times). The
+        lists stop at the first j2 with M (F+B) >= the cut when first asked: the cut only falls, and no later
+        question reaches past it (reach() breaks there)."""
+        key = (j, m, multi)
+        hit = self._stage_costs.get(key)
+        if hit is None:
+            cm, N, mem, M = self.cm, self.N, self.mem, self.M
+            fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the stage's slice
+            f0, b0, s0 = fpre[j], bpre[j], spre[j]
+            cf, cb = cm.call_f, cm.call_b  # (CostModel.compute_rows: the stage's call, once)
+            end, cut = j + 1, self.cut
+            while end <= N and M * ((fpre[end] - f0 + cf) + (bpre[end] - b0 + cb)) < cut:
+                end += 1
+            pad = [0.0] * (j + 1)
+            fs = pad + [fpre[c] - f0 + cf for c in range(j + 1, end)]
+            bs = pad + [bpre[c] - b0 + cb for c in range(j + 1, end)]
+            ars = pad + cm.allreduce_ends(j, end, m, multi)
+            static = cm.static_bytes
+            ds = [0] * (j + 1) + [max_in_flight(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
+            hit = self._stage_costs[key] = (fs, bs, ars, ds)
+        return hit
+
+
+def same_costs(pre: _Prefix, costs: tuple) -> bool:
+    """Whether a memoised prefix and a candidate's ``costs`` (_DP.plan_latency's arguments but the limit) price
+    the same: equal interleaved costs, periods, queues and feeds (so the same L, to the bit)."""
+    return (pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, pre.job) == costs

@@ -1,0 +1,310 @@
+"""Event simulator of one training iteration: the runtime's per-stage op order, links as resources, AllReduce."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ...core.buckets import BUCKET_BYTES
+from ...core.checks import flag
+from ...core.cluster import LINK_SHARING
+from ...core.plan import Plan, check_fit
+from ...core.schedule import max_in_flight, stage_ops
+from ...core.split_concat import routes, slice_bounds
+from ...core.timeline import Event, lane_of
+from ..checks import instance, profile_and_cluster
+from ..model.cost import CostModel, layout_of
+from ..model.transfers import route_links
+from .links import SharedLinks
+
+if TYPE_CHECKING:
+    from ...core.cluster import Cluster
+    from ...core.profile import Profile
+
+
+@dataclass
+class TimelineOp:
+    """One interval on a device: a forward/backward ("F"/"B"), an AllReduce bucket ("AR"), or a transfer
+    ("send_F" activations / "send_B" gradients, on the sender's timeline, ``peer`` = the receiving device)."""
+
+    device: int
+    stage: int
+    kind: str
+    micro_batch: int | None
+    start_ms: float
+    end_ms: float
+    peer: int | None = None
+    rows: int = 0
+    nbytes: float = 0.0
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` found: the iteration latency and every interval, ready for a Gantt chart."""
+
+    latency_ms: float
+    ops: list[TimelineOp]  # compute and AllReduce, per device
+    transfers: list[TimelineOp]  # split-concat transfers (on the sender's timeline)
+    schedule: str
+    overlap: bool
+    num_micro_batches: int
+    stage_of_device: dict[int, int] = field(default_factory=dict)
+    link_sharing: str = "held"  # transfers hold their links whole, or share them ("shared")
+
+    def device_timeline(self, device: int) -> list[TimelineOp]:
+        """Compute and AllReduce intervals of one device, in time order."""
+        return sorted((o for o in self.ops if o.device == device), key=lambda o: (o.start_ms, o.end_ms))
+
+    def max_alive(self, device: int) -> int:
+        """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held)."""
+        from ...core.schedule import Op
+        return max_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
+                              if o.kind in ("F", "B")])
+
+    def busy_fraction(self) -> float:
+        """Share of device time spent in forward/backward compute."""
+        busy = sum(o.duration_ms for o in self.ops if o.kind in ("F", "B"))
+        return busy / (self.latency_ms * max(1, len(self.stage_of_device))) if self.latency_ms > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (f"simulated {self.schedule} iteration: {self.latency_ms:.3f} ms over {len(self.stage_of_device)} "
+                f"device(s), {self.num_micro_batches} micro-batches, bubble fraction "
+                f"{1 - self.busy_fraction():.1%}"
+                f"{', AllReduce overlapped with the last backward' if self.overlap else ''}"
+                f"{', transfers sharing links' if self.link_sharing == 'shared' else ''}")
+
+
+def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool | None = None,
+             schedule: str | None = None, bucket_bytes: float = BUCKET_BYTES,
+             link_sharing: str | None = None) -> SimResult:
+    """Play ``plan``'s iteration: each device runs ``stage_ops`` of its stage (the runtime's order) on its
+    slice of every micro-batch; split-concat transfers (``slices.routes``) occupy the directed links of
+    ``Cluster.graph()`` they cross (sender/receiver device links, server up/downlinks) for their whole
+    duration, one transfer per link at a time, started in order of readiness as soon as all their links
+    are free, and overlap with compute; each replicated stage AllReduces its
+    gradients after its last backward (``overlap``: bucket by bucket as the last backward produces them,
+    like DDP; default: as the plan was made, ``plan.meta["overlap"]``, else False). AllReduce does not contend
+    with transfers. Works for any Plan (DAPPLE's, PipeDream's, ...).
+    ``link_sharing`` (default: ``cluster.link_sharing``) ``"shared"``: a transfer starts once the earlier
+    one between the same two devices in its direction is done (the runtime's forward and backward process
+    groups each keep their sends in order) and shares each link max-min fairly with the others in flight
+    (:class:`network.SharedLinks`: concurrent sends to different peers, as NCCL and gloo run them) instead
+    of holding its links whole.
+    """
+    instance("simulate", "plan", plan, Plan)
+    profile_and_cluster("simulate", profile, cluster)
+    overlap = bool(plan.meta.get("overlap", False)) if overlap is None else overlap
+    flag("overlap", overlap)
+    link_sharing = cluster.link_sharing if link_sharing is None else link_sharing
+    if link_sharing not in LINK_SHARING:
+        raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")
+    schedule = schedule or plan.schedule
+    check_fit(plan.stages, profile.num_layers, cluster.num_devices, "simulate")
+    plan.check_layers(profile.layer_names, f"the profile of {profile.model}")
+    cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
+    return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
+
+
+class _Sim:
+    def __init__(self, plan: "Plan", cm: CostModel, cluster: "Cluster", schedule: str, overlap: bool,
+                 shared: bool = False):
+        self.plan, self.cm, self.cluster, self.schedule, self.overlap = plan, cm, cluster, schedule, overlap
+        self.net = SharedLinks() if shared else None
+        self.streams: set = set()  # (sender, receiver, kind) with a transfer in flight (shared links)
+        self.M, self.S, b = plan.num_micro_batches, plan.num_stages, plan.micro_batch_size
+        self.rows = [[e - s for s, e in slice_bounds(b, st.replicas)] for st in plan.stages]
+        # routes between stage i and i+1: (sender replica, receiver replica, rows)
+        self.routes = [routes(b, plan.stages[i].replicas, plan.stages[i + 1].replicas) for i in range(self.S - 1)]
+        self.need_f = [[0] * st.replicas for st in plan.stages]  # incoming activation transfers per replica
+        self.need_b = [[0] * st.replicas for st in plan.stages]  # incoming gradient transfers per replica
+        for i, rs in enumerate(self.routes):
+            for r in rs:
+                self.need_f[i + 1][r.dst] += 1
+                self.need_b[i][r.src] += 1
+        self.ops = {d: stage_ops(schedule, self.M, st.warmup) for st in plan.stages for d in st.devices}
+        self.where = {d: (i, k) for i, st in enumerate(plan.stages) for k, d in enumerate(st.devices)}
+        self.ptr = {d: 0 for d in self.ops}
+        self.busy = {d: False for d in self.ops}
+        self.arrived: dict[tuple, int] = {}  # (device, kind, micro_batch) -> transfers arrived
+        self.link_busy: set = set()
+        self.waiting: list = []  # ready transfers waiting for a busy link
+        self.blocked = 0  # waiting[:blocked] found their links busy at the last dispatch (held links)
+        self.freed = False  # a held link freed since then: they are looked at again
+        self.events: list = []
+        self.seq = 0
+        self.timeline: list[TimelineOp] = []
+        self.transfers: list[TimelineOp] = []
+        self.last_b_start: dict[int, float] = {}
+        self.done_at: dict[int, float] = {}
+
+    def push(self, t: float, kind: str, payload: tuple) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    def duration(self, d: int, kind: str) -> float:
+        i, k = self.where[d]
+        a, c = self.plan.stages[i].layers
+        f, b = self.cm.compute_rows(a, c, self.rows[i][k])
+        return f if kind == "F" else b
+
+    def ready(self, d: int) -> bool:
+        i, k = self.where[d]
+        op = self.ops[d][self.ptr[d]]
+        if op.kind == "F":
+            return i == 0 or self.arrived.get((d, "F", op.micro_batch), 0) >= self.need_f[i][k]
+        return i == self.S - 1 or self.arrived.get((d, "B", op.micro_batch), 0) >= self.need_b[i][k]
+
+    def try_start(self, d: int, t: float) -> None:
+        if self.busy[d] or self.ptr[d] >= len(self.ops[d]) or not self.ready(d):
+            return
+        op = self.ops[d][self.ptr[d]]
+        i, k = self.where[d]
+        end = t + self.duration(d, op.kind)
+        self.busy[d] = True
+        if op.kind == "B" and self.ptr[d] == len(self.ops[d]) - 1:
+            self.last_b_start[d] = t
+        self.timeline.append(TimelineOp(d, i, op.kind, op.micro_batch, t, end, rows=self.rows[i][k]))
+        self.push(end, "op", (d,))
+
+    def send(self, src: int, dst: int, kind: str, mb: int, layer: int, rows: int) -> None:
+        si, ti = self.cluster.server_of(src), self.cluster.server_of(dst)
+        self.seq += 1
+        self.waiting.append((self.seq, src, dst, kind, mb, layer, rows, route_links(src, dst, si, ti), si, ti))
+
+    def dispatch(self, t: float) -> None:
+        """Start every waiting transfer whose links are all free, in order of readiness (a transfer that
+        waits for a busy link holds nothing meanwhile); shared links: every one whose pair has none in flight."""
+        # held links: one blocked at the last dispatch stays blocked until a link frees
+        skip = self.blocked if self.net is None and not self.freed else 0
+        still = self.waiting[:skip]
+        for item in self.waiting[skip:]:
+            seq, src, dst, kind, mb, layer, rows, links, si, ti = item
+            if self.net is not None:  # shared links: on its way at once, after the pair's earlier transfers
+                if (src, dst, kind) in self.streams:
+                    still.append(item)
+                    continue
+                self.streams.add((src, dst, kind))
+                self.net.add(t, seq, self.cm.route_ms(layer, rows, si, ti), links, (t, item))
+                continue
+            if not self.link_busy.isdisjoint(links):
+                still.append(item)
+                continue
+            self.link_busy.update(links)
+            end = t + self.cm.route_ms(layer, rows, si, ti)
+            self.record(item, t, end)
+            self.push(end, "xfer", (dst, kind, mb, links))
+        self.waiting = still
+        self.blocked, self.freed = len(still), False
+
+    def record(self, item: tuple, start: float, end: float) -> None:
+        _, src, dst, kind, mb, layer, rows, _, _, _ = item
+        nbytes = self.cm.profile.costs(rows).boundary_bytes[layer]
+        self.transfers.append(TimelineOp(src, self.where[src][0], "send_" + kind, mb, start, end, dst, rows, nbytes))
+
+    def finish(self, d: int, t: float) -> None:
+        op = self.ops[d][self.ptr[d]]
+        self.ptr[d] += 1
+        self.busy[d] = False
+        i, k = self.where[d]
+        st = self.plan.stages
+        if op.kind == "F" and i < self.S - 1:
+            for r in self.routes[i]:
+                if r.src == k:
+                    self.send(d, st[i + 1].devices[r.dst], "F", op.micro_batch, st[i].layers[1] - 1, r.rows)
+        if op.kind == "B" and i > 0:
+            for r in self.routes[i - 1]:
+                if r.dst == k:
+                    self.send(d, st[i - 1].devices[r.src], "B", op.micro_batch, st[i - 1].layers[1] - 1, r.rows)
+        if self.ptr[d] == len(self.ops[d]):
+            self.done_at[d] = t
+        self.try_start(d, t)
+        self.dispatch(t)
+
+    def allreduce(self) -> None:
+        for i, st in enumerate(self.plan.stages):
+            if st.replicas <= 1:
+                continue
+            layout = layout_of(self.cluster, st.devices)
+            a, c = st.layers
+            if not self.overlap:
+                t0 = max(self.done_at[d] for d in st.devices)
+                steps = [(t0, self.cm.params(a, c))]
+            else:  # bucket ready when every replica's last backward has produced it
+                per = [self.cm.bucket_ready(a, c, self.rows[i][k]) for k in range(len(st.devices))]  # per replica
+                steps = []
+                for n, (_, nbytes) in enumerate(per[0]):
+                    steps.append((max(self.last_b_start[d] + per[k][n][0] for k, d in enumerate(st.devices)), nbytes))
+            end = 0.0
+            for ready, nbytes in steps:
+                start = max(end, ready)
+                end = start + self.cm.ring_allreduce_ms(nbytes, layout)
+                for d in st.devices:
+                    self.timeline.append(TimelineOp(d, i, "AR", None, start, end, nbytes=nbytes))
+
+    def run(self) -> SimResult:
+        for d in self.ops:
+            self.try_start(d, 0.0)
+        while self.events or (self.net is not None and self.net.flows):
+            done = self.net.next_done() if self.net is not None else None
+            if done is not None and (not self.events or done[0] <= self.events[0][0]):
+                start, item = self.net.finish(*done)
+                self.streams.discard((item[1], item[2], item[3]))
+                self.record(item, start, done[0])
+                t, kind, payload = done[0], "xfer", (item[2], item[3], item[4], item[7])
+            else:
+                t, _, kind, payload = heapq.heappop(self.events)
+            if kind == "op":
+                self.finish(payload[0], t)
+            else:
+                d, k, mb, links = payload
+                self.link_busy.difference_update(links)
+                self.freed = True
+                self.arrived[(d, k, mb)] = self.arrived.get((d, k, mb), 0) + 1
+                self.try_start(d, t)
+                self.dispatch(t)
+        stuck = [d for d in self.ops if self.ptr[d] < len(self.ops[d])]
+        if stuck:
+            d = stuck[0]
+            raise ValueError(f"schedule deadlocks: device {d} (stage {self.where[d][0]}) waits forever at "
+                             f"{self.ops[d][self.ptr[d]]}; warmup {self.plan.warmup}")
+        self.allreduce()
+        latency = max([o.end_ms for o in self.timeline] + [o.end_ms for o in self.transfers] + [0.0])
+        return SimResult(latency, self.timeline, self.transfers, self.schedule, self.overlap, self.M,
+                         {d: i for d, (i, _) in self.where.items()}, "held" if self.net is None else "shared")
+
+
+def from_simulation(sim: SimResult) -> list[Event]:
+    """The simulator's timeline as events (times in s from 0), drawn like a measured trace: compute with the
+    idle gaps between ops, transfers as a send on the sender and a receive on the receiver, AllReduce at the
+    end (or, overlapped, bucket by bucket in the transfer lane)."""
+    names = {"F": ("forward", "F"), "B": ("backward", "B")}
+    out: list[Event] = []
+    for o in sim.ops:
+        if o.kind in names:
+            kind, letter = names[o.kind]
+            out.append(Event(o.device, kind, f"{letter}{o.micro_batch}", o.start_ms / 1e3, o.end_ms / 1e3,
+                             o.micro_batch, {"stage": o.stage, "rows": o.rows}))
+        elif o.kind == "AR":
+            lane = "allreduce" if sim.overlap else "compute"
+            out.append(Event(o.device, "allreduce", "AR", o.start_ms / 1e3, o.end_ms / 1e3, None,
+                             {"stage": o.stage, "bytes": o.nbytes, "lane": lane}))
+    for t in sim.transfers:
+        what = "activations" if t.kind == "send_F" else "gradients"
+        args = {"bytes": t.nbytes, "rows": t.rows, "what": what}
+        out.append(Event(t.device, "send", f"send→{t.peer}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
+                         {**args, "peer": t.peer}))
+        out.append(Event(t.peer, "recv", f"recv←{t.device}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
+                         {**args, "peer": t.device}))
+    for d in sorted(sim.stage_of_device):  # the gaps of each device's compute lane, as in measured traces
+        busy = sorted((e for e in out if e.rank == d and lane_of(e) == "compute"), key=lambda e: e.start)
+        t = 0.0
+        for e in busy:
+            if e.start > t + 1e-9:
+                out.append(Event(d, "idle", "idle", t, e.start))
+            t = max(t, e.end)
+    return out

@@ -1,0 +1,46 @@
+"""A floor under the simulator's latency of a plan: its compute chains and AllReduces, with no transfer or wait."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...core.split_concat import slice_bounds
+from ..model.cost import CostModel, layout_of
+
+if TYPE_CHECKING:
+    from ...core.plan import Plan
+
+
+def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
+    """A lower bound on :func:`simulator.simulate`'s latency of ``plan`` (``cm``: the CostModel of its micro-batch
+    size, as the simulator makes it), from each device of stage s with forward f and backward b of its slice:
+    - its first forward waits for micro-batch 0's forwards in every stage above (the fastest replica of each), W_s;
+    - it runs its 2M ops one at a time: W_s + M (f + b);
+    - its last forward follows M - 1 forwards and M - K backwards (``schedule.stage_ops``: K its warmup, M for
+      gpipe), and its last backward (micro-batch M - 1) waits for that micro-batch's round trip through the
+      stages below (each stage's fastest F and B): W_s + M f + (M - K) b + the round trip + b;
+    - after that backward come the backwards of the stages above, one after another, and (not ``overlap``) its
+      stage's AllReduce, which starts once every replica is done.
+    Transfers take no time here and nothing else waits, so every simulated plan takes at least this long
+    (tests/planner/test_sim_floor.py); ``choice.choose`` skips the simulation of a candidate whose floor is
+    already above the best simulated."""
+    M = plan.num_micro_batches
+    slices = []  # per stage, per replica: (F, B) ms of its slice
+    for st in plan.stages:
+        a, c = st.layers
+        slices.append([cm.compute_rows(a, c, e - s) for s, e in slice_bounds(plan.micro_batch_size, st.replicas)])
+    fmin = [min(f for f, _ in fb) for fb in slices]
+    bmin = [min(b for _, b in fb) for fb in slices]
+    floor = above_f = above_b = 0.0  # above: micro-batch 0's forwards and M - 1's backwards in the stages above
+    for s, st in enumerate(plan.stages):
+        below = sum(fmin[s + 1:]) + sum(bmin[s + 1:])  # micro-batch M - 1's round trip below stage s
+        k = M if plan.schedule == "gpipe" else max(1, min(st.warmup, M))
+        ar = 0.0
+        if not overlap and st.replicas > 1:
+            ar = cm.ring_allreduce_ms(cm.params(*st.layers), layout_of(cm.cluster, st.devices))
+        for f, b in slices[s]:
+            last = above_f + max(M * (f + b), M * f + (M - k) * b + below + b)  # its last backward ends
+            floor = max(floor, last + max(above_b, ar))
+        above_f += fmin[s]
+        above_b += bmin[s]
+    return floor

@@ -1,0 +1,245 @@
+"""Tracing with torch.export (models torch.fx cannot trace) into a GraphModule that layers.py groups as usual.
+
+``trace_graph(model, method=...)`` picks the tracer: ``"fx"`` (torch.fx.symbolic_trace), ``"export"``
+(torch.export.export, needs example inputs) or ``"auto"`` (fx, and export when fx fails). The exported program
+is unlifted (``ExportedProgram.module()``) and normalised so that the rest of dapple uses it unchanged.
+
+What the runtime must know to split and run an exported graph (split_module at the layer cuts works):
+
+- Ops are ATen overloads (``aten.linear.default``), not module calls. Every parameter and buffer is a
+  ``get_attr`` node targeting its name in the original model (a tied parameter under its first name,
+  ``wte.weight``) and holding the model's own tensor (shared, not copied). ``get_attr`` nodes are input-only,
+  copied into each layer that reads them, so ``fx.GraphModule(lg.gm, stage_graph)`` keeps the original names.
+- Training mode is baked in: ``aten.dropout(x, p, True)``, ``aten.batch_norm(..., True, ...)``; ``.eval()``
+  changes nothing (re-trace for evaluation). Dropout draws from the global RNG like the eager module (same
+  seed, same mask). In-place ops stay in place (``relu_``, BatchNorm's running statistics and its
+  ``num_batches_tracked.add_``), as in the model. ``.contiguous()`` vanishes where it was a no-op on the
+  tracing device's kernels, so every ``aten.view`` is made an ``aten.reshape`` (the same view wherever the view
+  works). ``torch.no_grad()`` / autocast regions become higher-order ops calling a GraphModule held as
+  ``_export_body_<i>``.
+- Shapes are symbolic: dim 0 of every input (the batch) is dynamic, other dims dynamic where export can keep
+  them so (``Dim.AUTO``) unless ``dynamic_shapes`` says otherwise. Ops take sizes from
+  ``aten.sym_size.int(tensor, dim)`` nodes (and Python arithmetic on them). Sizes of the model's inputs are
+  input-only nodes copied into each layer; :func:`localise_sizes` re-reads them off a tensor the layer
+  already has (``sym_size(x_in, 0)``), so a block needs no model input and no symbolic int crosses a cut
+  (:func:`check_cuts` warns if one does). Meta-device shape propagation works.
+- Guards: ``_guards_fn`` (a ``call_module`` node without users, in layer 0, reading the model inputs) asserts
+  what export assumed about input shapes (``x.size()[1] <= 128``, ``x.size()[0] % 2 == 0``): a slice that
+  breaks one fails in the first stage with ``AssertionError: Guard failed: ...`` instead of silently taking a
+  branch the model would not take. Sizes 0 and 1 pass where the range says >= 2 (export's convention).
+  ``aten._assert_scalar`` runtime asserts may appear too: ordinary nodes without users.
+- Devices: factory ops carry the tracing device (``arange(..., device=cpu)``); :func:`retarget_devices`
+  points them at the device a stage runs on (each rank its own GPU) once the parameters are there.
+- Inputs are positional placeholders named after ``forward``'s arguments; ``concrete_args`` become keyword
+  placeholders with their value as default (as in fx). The output node holds the model's own structure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .batch import as_tensors, resize
+from .export_graph import (
+    _caller_level,
+    _canonical_names,
+    _is_dynamic,
+    _module_paths,
+    _rename_bodies,
+    _views_as_reshapes,
+)
+from .fx_trace import LeafSpec, TraceError, _user_frame, symbolic_trace
+
+METHODS = ("auto", "fx", "export")
+EXPORT_MIN_TORCH = (2, 9)  # before it, ep.module() loses the input guards, and Dim.AUTO is missing or weaker
+
+
+def _torch_version() -> tuple[int, int]:
+    return tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])  # "2.4.1+cpu" -> (2, 4)
+
+
+def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[str, Any] | None = None,
+                leaf_modules: LeafSpec = (), example_inputs: Any = None, dynamic_shapes: Any = None
+                ) -> fx.GraphModule:
+    """Trace ``model`` with torch.fx or torch.export (see the module docstring); failures raise TraceError."""
+    if method not in METHODS:
+        raise ValueError(f"tracer: expected one of {METHODS}, got {method!r}")  # the public name of `method`
+    if method == "export":
+        if list(leaf_modules):
+            raise ValueError("leaf_modules apply to torch.fx only (torch.export traces through every module); "
+                             "drop them or use method='fx'")
+        return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args)
+    try:
+        gm = symbolic_trace(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
+    except TraceError as fx_error:
+        if method == "fx":
+            raise
+        if example_inputs is None:
+            raise TraceError(f"{fx_error}\n  - or pass example_inputs=... (a tensor or tuple of tensors) so the "
+                             "model can be traced with torch.export instead (method='export')") from fx_error
+        try:
+            return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args)
+        except TraceError as export_error:
+            raise TraceError(f"{fx_error}\n\ntorch.export could not trace it either:\n{export_error}"
+                             ) from export_error
+    gm.meta["dapple_trace"] = {"method": "fx"}
+    return gm
+
+
+def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any = None,
+                 kwargs: dict[str, Any] | None = None) -> fx.GraphModule:
+    """``torch.export.export`` in training mode, batch dim dynamic, unlifted and normalised for dapple."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module to trace, got {type(model).__name__}")
+    if _torch_version() < EXPORT_MIN_TORCH:
+        raise TraceError(f"tracing with torch.export needs torch >= {'.'.join(map(str, EXPORT_MIN_TORCH))}; this "
+                         f"is torch {torch.__version__} (use tracer='fx', with concrete_args or leaf_modules for "
+                         f"what fx cannot trace)")
+    if example_inputs is None:
+        raise ValueError("method='export' needs example_inputs (a tensor or tuple of tensors, batch along dim 0)")
+    home = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
+    inputs = tuple(t if home is None else t.to(home) for t in as_tensors(example_inputs, "example_inputs"))
+    # A dim of size 1 would be specialised (export's 0/1 rule): trace with two rows; the graph still runs one.
+    # Fresh copies: an input that is a view (tokens[:, :-1]) would get guards on its base (idx._base.size()).
+    inputs = tuple((resize(t, 2) if t.dim() > 0 and t.shape[0] == 1 else t).detach().clone() for t in inputs)
+    spec = _dynamic_spec(inputs, dynamic_shapes, kwargs or {})
+    with _training(model):
+        try:
+            ep = torch.export.export(model, inputs, kwargs=dict(kwargs or {}), dynamic_shapes=spec)
+        except Exception as e:  # UserError, ValueError, data-dependent guards, unsupported ops...
+            raise TraceError(_explain_export(model, e)) from e
+    gm = ep.module()  # unlifted: parameters and buffers as get_attr; guards checked by a _guards_fn call
+    names = _check_batch_dynamic(gm, model, dynamic_shapes is None)
+    _warn_batch_guards(getattr(ep, "_guards_code", []), names)  # private in torch 2.13: used only for a warning
+    _plain_io(gm, kwargs or {}, type(model).__name__)
+    _module_paths(gm)
+    _canonical_names(gm, model)
+    _rename_bodies(gm)
+    _views_as_reshapes(gm)
+    plain = fx.GraphModule(gm, gm.graph, type(model).__name__)  # plain module: train()/eval() allowed
+    ranges = {str(k): str(v) for k, v in ep.range_constraints.items()}
+    plain.meta["dapple_trace"] = {"method": "export", "device": home or inputs[0].device, "ranges": ranges}
+    return plain
+
+
+def _dynamic_spec(inputs: tuple[torch.Tensor, ...], user: Any, kwargs: dict[str, Any]) -> Any:
+    """Per input: dim 0 dynamic; other dims Dim.AUTO by default, or as the user's spec says (dim 0 added).
+
+    Fixed keyword values (``concrete_args``) get ``None`` (static), as export wants an entry for every input.
+    """
+    dim = torch.export.Dim
+    fixed = (None,) * len(kwargs)
+    if user is None:
+        return tuple({0: dim.DYNAMIC, **{d: dim.AUTO for d in range(1, t.dim())}} for t in inputs) + fixed
+
+    def with_batch(s: Any) -> Any:
+        if s is None:
+            return {0: dim.DYNAMIC}
+        if isinstance(s, dict) and 0 not in s and all(isinstance(k, int) for k in s):
+            return {0: dim.DYNAMIC, **s}
+        return s
+
+    if isinstance(user, (tuple, list)):
+        if len(user) != len(inputs):
+            raise ValueError(f"dynamic_shapes: expected one entry per example input ({len(inputs)}), got {len(user)}")
+        return tuple(with_batch(s) for s in user) + fixed
+    if isinstance(user, dict):
+        return {**{name: with_batch(s) for name, s in user.items()}, **{k: None for k in kwargs if k not in user}}
+    raise TypeError(f"dynamic_shapes: expected a tuple (one entry per input) or a dict by argument name, "
+                    f"got {type(user).__name__}")
+
+
+@contextlib.contextmanager
+def _training(model: nn.Module) -> Iterator[None]:
+    """Export in training mode (dropout, BatchNorm batch statistics) with the RNG untouched; flags restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            model.train()
+            yield
+        finally:
+            for m, flag in modes:
+                m.training = flag
+
+
+def _explain_export(model: nn.Module, exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()][:8]
+    frame = _user_frame(exc)
+    where = f"\n  at {frame.filename}:{frame.lineno}, in {frame.name}:\n      {(frame.line or '').strip()}" \
+        if frame else ""
+    batch = ("\nThe model fixes an input's batch dimension (dim 0): pipelines run micro-batch slices of varying "
+             "rows, so dim 0 must stay dynamic (no reshape to a constant batch, no branch on x.shape[0])."
+             if ".size()[0]" in str(exc) and "Constraints violated" in str(exc) else "")
+    return (f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: " + "\n  ".join(lines) +
+            where + batch +
+            "\nWhat to do:\n"
+            "  - a dimension the model fixes (a reshape to a constant, control flow on a size): leave it out of "
+            "dynamic_shapes (dim 0, the batch, must stay dynamic);\n"
+            "  - control flow on tensor values: torch.cond, or move it out of forward();\n"
+            "  - torch.export.draft_export(model, args) lists every problem at once.")
+
+
+def _input_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _check_batch_dynamic(gm: fx.GraphModule, model: nn.Module, default: bool) -> list[str]:
+    """TraceError if export fixed an input's dim 0; warn (default spec) about other dims it fixed."""
+    names, fixed = [], []
+    for n in _input_placeholders(gm):
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        names.append(n.target)
+        if not _is_dynamic(val.shape[0]):
+            raise TraceError(f"torch.export fixed the batch dimension of {type(model).__name__}'s input "
+                             f"{n.target!r} at {val.shape[0]}: pipelines run micro-batch slices of varying rows, "
+                             "so dim 0 must stay dynamic. The model (a reshape to a constant batch, a branch on "
+                             "x.shape[0]) or dynamic_shapes fixes it.")
+        fixed += [f"{n.target} dim {d} = {int(s)}" for d, s in enumerate(val.shape) if not _is_dynamic(s)]
+    if default and fixed:
+        warnings.warn(f"torch.export traced {type(model).__name__} for these fixed sizes only: {', '.join(fixed)} "
+                      "(the model's code ties them to constants); other sizes fail with 'Guard failed'. Pass "
+                      "dynamic_shapes=... to choose the dynamic dims yourself and silence this.",
+                      stacklevel=_caller_level())
+    return names
+
+
+def _warn_batch_guards(guards: list[str], names: list[str]) -> None:
+    """Warn about guards on the batch size beyond a range (``x.size()[0] % 2 == 0``): some slices will fail."""
+    batch = [g for g in guards if any(f"['{name}'].size()[0]" in g for name in names)
+             and not re.fullmatch(r"\s*L\['\w+'\]\.size\(\)\[0\]\s*(<=|>=|<|>|==)\s*L?[\w'\[\]().]*\s*", g)]
+    if batch:
+        warnings.warn(f"torch.export assumed {'; '.join(batch)} about the batch size: micro-batch slices that "
+                      "break it fail with 'Guard failed' (the model branches on its batch size).",
+                      stacklevel=_caller_level())
+
+
+def _plain_io(gm: fx.GraphModule, kwargs: dict[str, Any], model_name: str) -> None:
+    """Positional placeholders (Python-level values as defaults) and the model's own output structure."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    structure = pytree.tree_unflatten(list(out.args[0]), gm._out_spec)
+    if not _plain(structure):
+        raise TraceError(f"torch.export traced {model_name}, but its output {type(structure).__name__} is "
+                         "not a tensor or a tuple/list/dict of tensors; return one of those from forward()")
+    out.args = (structure,)
+    for n in _input_placeholders(gm):
+        if not isinstance(n.meta.get("val"), torch.Tensor) and n.target in kwargs:
+            n.args = (kwargs[n.target],)  # a fixed Python value: a default, as fx gives concrete_args
+    gm.graph._codegen = fx.graph.CodeGen()
+
+
+def _plain(x: Any) -> bool:
+    """Nodes and constants in tuples (named ones too), lists and dicts: what an fx output node can hold."""
+    if type(x) in (tuple, list) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        return all(_plain(v) for v in x)
+    if type(x) is dict:
+        return all(_plain(v) for v in x.values())
+    return isinstance(x, (fx.Node, type(None), bool, int, float, str))

@@ -1,0 +1,1 @@
+"""Measuring the cluster: link latency and bandwidth, how links are shared, and clock offsets between ranks."""
