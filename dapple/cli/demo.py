@@ -8,6 +8,13 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
+
+from .. import Cluster, Plan, Profile, pipeline, plan, profile
+from ..core.dist import SHARE_GPUS
+from ..models import GPT, lm_loss
+from ..runtime import launch
+from ..runtime.distributed import default_backend
 
 
 @dataclass
@@ -29,8 +36,6 @@ class DemoConfig:
 
 
 def make_model(cfg: DemoConfig) -> torch.nn.Module:
-    from ..models import GPT
-
     torch.manual_seed(cfg.seed)  # every rank builds the same initial model
     return GPT(vocab_size=cfg.vocab, block_size=cfg.seq, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
 
@@ -51,13 +56,28 @@ def make_batch(cfg: DemoConfig, step: int, rows: int | None = None) -> tuple[tor
 
 def run(cfg: DemoConfig) -> dict:
     """Profile -> Cluster.local (measured) -> plan -> train on ``cfg.nproc`` processes; returns a summary."""
-    import dapple
+    _check(cfg)
+    torch.set_num_threads(1)
+    prof = _profile(cfg)
+    print(f"[2/4] measuring the links between {cfg.nproc} local processes ...", flush=True)
+    cluster = _local_cluster(cfg, prof)
+    print("[3/4] planning ...", flush=True)
+    the_plan = plan(prof, cluster, cfg.global_batch, overlap=True)
+    print(the_plan)
+    print(f"[4/4] training {cfg.steps} steps on {cfg.nproc} processes ({default_backend()}) ...", flush=True)
+    summary = launch(_train, cfg.nproc, asdict(cfg), the_plan.to_dict())[0]
+    losses = summary["losses"]
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; median step "
+          f"{summary['step_ms']:.1f} ms (planner's estimate {the_plan.estimate.latency_ms:.1f} ms"
+          + (f"; {cfg.nproc} processes share {os.cpu_count()} CPU cores here)" if cfg.nproc > (os.cpu_count() or 1)
+             else ")"))
+    if cfg.trace:
+        print(f"wrote {cfg.trace}: draw it with 'dapple show {cfg.trace} --png schedule.png'")
+    return {"plan": the_plan, "losses": losses, "step_ms": summary["step_ms"]}
 
-    from ..core.dist import SHARE_GPUS
-    from ..models import lm_loss
-    from ..runtime import launch
-    from ..runtime.distributed import default_backend
 
+def _check(cfg: DemoConfig) -> None:
+    """ValueError naming the setting unless the demo can run as configured on this machine."""
     if not 1 <= cfg.nproc <= cfg.global_batch:
         raise ValueError(f"nproc: expected 1 .. global batch ({cfg.global_batch}) processes, got {cfg.nproc}")
     if cfg.steps < 1:
@@ -69,60 +89,44 @@ def run(cfg: DemoConfig) -> dict:
     if gpus and cfg.nproc > gpus and os.environ.get(SHARE_GPUS) != "1":
         raise ValueError(f"nproc: {cfg.nproc} processes, but this machine has {gpus} GPU(s); pass --nproc {gpus}, "
                          f"or set {SHARE_GPUS}=1 to put several on a GPU (for checking, not timing)")
-    torch.set_num_threads(1)
-    model = make_model(cfg)
+
+
+def _profile(cfg: DemoConfig) -> Profile:
     x, y = make_batch(cfg, 0)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "this CPU"
     print(f"[1/4] profiling the built-in GPT ({cfg.n_layer} blocks, d={cfg.n_embd}, seq {cfg.seq}) on {where} ...",
           flush=True)
-    # a GPU runs these tiny layers as fast as Python launches them, so their times jitter: the profiler's own
-    # rounds there (3 rounds put the one-stage plan at 14 to 34 ms on an H100 for steps of 12 to 20 ms)
+    # a GPU runs these tiny layers as fast as Python launches them, so their times jitter: more rounds there
     rounds = dict(repeats=10, warmup=3) if torch.cuda.is_available() else dict(repeats=3, warmup=1)
-    prof = dapple.profile(model, x, lm_loss, batch_sizes=(2, 8), targets=y, progress=False, name="demo-gpt",
-                          **rounds)
-    static = 4 * prof.param_bytes()  # fp32 weights, gradients and Adam's two moments
-    row = sum(prof.costs(1).saved_bytes)  # the activations one row (sample) saves for the backward
+    prof = profile(make_model(cfg), x, lm_loss, batch_sizes=(2, 8), targets=y, progress=False, name="demo-gpt",
+                   **rounds)
     print(f"      {prof.num_layers} layers, {prof.param_bytes() / 1e6:.2f} MB of parameters, "
           f"profiled in {prof.meta['profiling_seconds']:.1f} s")
-    print(f"[2/4] measuring the links between {cfg.nproc} local processes ...", flush=True)
+    return prof
+
+
+def _local_cluster(cfg: DemoConfig, prof: Profile) -> Cluster:
+    """This machine's processes, with device memory capped at ``cfg.memory_fraction`` of the whole model's needs."""
+    static = 4 * prof.param_bytes()  # fp32 weights, gradients and Adam's two moments
+    row = sum(prof.costs(1).saved_bytes)  # the activations one row (sample) saves for the backward
     # the least one process needs to hold the whole model is static + row (micro-batches of one row): a share of it
     # leaves a single stage no room, however micro-batched, so the plan is a pipeline (one process: no cap)
     memory = cfg.memory_fraction * (static + row) if cfg.nproc > 1 else None
-    cluster = dapple.Cluster.local(cfg.nproc, device_memory=memory)  # measures the links when nproc > 1
+    cluster = Cluster.local(cfg.nproc, device_memory=memory)  # measures the links when nproc > 1
     print(f"      {cluster}")
     if memory is not None:
         print(f"      device memory capped at {memory / 1e6:.2f} MB per process: {cfg.memory_fraction:g} x the "
               f"{(static + row) / 1e6:.2f} MB one process needs for the whole model ({static / 1e6:.2f} MB of "
               f"parameters with their Adam state, {row / 1e6:.2f} MB of activations per row)"
               + (", so the planner splits it into stages" if cfg.memory_fraction < 1 else ""))
-    print("[3/4] planning ...", flush=True)
-    plan = dapple.plan(prof, cluster, cfg.global_batch, overlap=True)
-    print(plan)
-    print(f"[4/4] training {cfg.steps} steps on {cfg.nproc} processes ({default_backend()}) ...", flush=True)
-    results = launch(_train, cfg.nproc, asdict(cfg), plan.to_dict())
-    summary = results[0]
-    losses = summary["losses"]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; median step "
-          f"{summary['step_ms']:.1f} ms (planner's estimate {plan.estimate.latency_ms:.1f} ms"
-          + (f"; {cfg.nproc} processes share {os.cpu_count()} CPU cores here)" if cfg.nproc > (os.cpu_count() or 1)
-             else ")"))
-    if cfg.trace:
-        print(f"wrote {cfg.trace}: draw it with 'dapple show {cfg.trace} --png schedule.png'")
-    return {"plan": plan, "losses": losses, "step_ms": summary["step_ms"]}
+    return cluster
 
 
 def _train(cfg_dict: dict, plan_dict: dict) -> dict | None:
     """One rank of the demo's training run (started by ``dapple.runtime.launch``)."""
-    import torch.distributed as dist
-
-    import dapple
-
-    from ..models import lm_loss
-
     torch.set_num_threads(1)
     cfg = DemoConfig(**cfg_dict)
-    plan = dapple.Plan.from_dict(plan_dict)
-    pipe = dapple.pipeline(make_model(cfg), plan, lm_loss, timeout=120)
+    pipe = pipeline(make_model(cfg), Plan.from_dict(plan_dict), lm_loss, timeout=120)
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr)
     rank, losses, times = dist.get_rank(), [], []
     for step in range(cfg.steps):

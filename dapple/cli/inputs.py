@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from .. import Cluster, Profile
+
 
 def _parse_model_args(items: Sequence[str]) -> dict:
     """['n_layer=12', "norm='group'"] -> {'n_layer': 12, 'norm': 'group'} (Python literals, else strings)."""
-    import ast
-
     kwargs = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -29,10 +33,6 @@ def load_example(spec: str, model_args: Sequence[str] = ()):
     The result follows the convention of examples/models.py: ``.model``, ``.batch(n) -> (inputs, targets)``,
     ``.loss_fn``, optionally ``.name``, ``.leaf_modules``, ``.concrete_args``, ``.dynamic_shapes``.
     """
-    import importlib
-    import importlib.util
-    import os
-
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise SystemExit(f"dapple: expected a model spec 'module:factory' (e.g. examples.models:gpt), got {spec!r}")
@@ -67,8 +67,6 @@ def load_example(spec: str, model_args: Sequence[str] = ()):
 
 
 def load_profile(path: str, batch: int | None):
-    from .. import Profile
-
     if str(path).endswith(".txt"):  # a PipeDream graph.txt
         if batch is None:
             raise SystemExit(f"dapple: {path} is a PipeDream profile; give the batch size it was profiled at "
@@ -78,8 +76,6 @@ def load_profile(path: str, batch: int | None):
 
 
 def load_cluster(spec: str):
-    from .. import Cluster
-
     if spec.upper() in ("A", "B", "C"):
         return Cluster.preset(spec)
     if not Path(spec).is_file():
@@ -93,8 +89,6 @@ def plan_inputs(plan, plan_path: str, profile: str | None, profile_batch: int | 
     """The (Profile, Cluster) to play ``plan`` on: the ones given (``--profile``, ``--cluster``), else the ones
     the plan records in its meta (``dapple.plan`` and ``pipedream_plan``: ``cluster_spec``, the whole Cluster
     document; ``profile_file`` and ``profile_batch``, ``Profile.source()``, for a profile loaded or saved)."""
-    from .. import Cluster
-
     meta = plan.meta
     if profile is None:
         profile = meta.get("profile_file")

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from .. import Cluster, Plan, Profile
+from ..core import documents
+from ..core.cluster import VERSION as CLUSTER_VERSION
+from ..core.plan import VERSION as PLAN_VERSION
+from ..core.profile import VERSION as PROFILE_VERSION
+from ..core.timeline import from_chrome_trace, process_names, read_chrome_trace, save_chrome_trace, summarize
+from ..planner import draw_plan, simulate
+from ..planner.simulator.events import from_simulation
+from ..planner.simulator.gantt import device_labels, draw_gantt
 from .inputs import plan_inputs
 
 
-def _add_show(sub: "argparse._SubParsersAction") -> None:
+def add_show(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("show", help="print a Profile, Cluster or Plan YAML document, or summarise a trace JSON")
     p.add_argument("path", help="a dapple YAML document, or a Chrome-trace .json written by a traced pipeline")
     p.add_argument("--png", default=None, metavar="PNG",
@@ -24,12 +33,6 @@ def _add_show(sub: "argparse._SubParsersAction") -> None:
 
 
 def _run_show(args: argparse.Namespace) -> int:
-    from .. import Cluster, Plan, Profile
-    from ..core import documents
-    from ..core.cluster import VERSION as CLUSTER_VERSION
-    from ..core.plan import VERSION as PLAN_VERSION
-    from ..core.profile import VERSION as PROFILE_VERSION
-
     if str(args.path).endswith(".json"):
         return _show_trace(args.path, args.png)
     kinds = {"dapple_plan": (Plan, PLAN_VERSION), "dapple_profile": (Profile, PROFILE_VERSION),
@@ -51,11 +54,6 @@ def _run_show(args: argparse.Namespace) -> int:
 
 def _show_simulated(plan, args: argparse.Namespace) -> int:
     """Draw (and/or save as a Chrome trace) the simulated schedule of ``plan`` on its profile and cluster."""
-    from ..core.timeline import save_chrome_trace
-    from ..planner import draw_plan, simulate
-    from ..planner.simulator.events import from_simulation
-    from ..planner.simulator.gantt import device_labels
-
     prof, cluster = plan_inputs(plan, args.path, args.profile, args.profile_batch, args.cluster, "show")
     if args.png:
         sim = draw_plan(plan, prof, cluster, args.png, overlap=args.overlap)
@@ -70,9 +68,7 @@ def _show_simulated(plan, args: argparse.Namespace) -> int:
 
 
 def _show_trace(path: str, png: str | None) -> int:
-    from ..core.timeline import from_chrome_trace, process_names, read_chrome_trace, summarize
-    from ..planner.simulator.gantt import draw_gantt
-
+    """Print a measured trace's per-rank summary and (``png``) draw its timeline."""
     try:
         doc = read_chrome_trace(path)
         events = from_chrome_trace(doc, where=path)
@@ -83,12 +79,8 @@ def _show_trace(path: str, png: str | None) -> int:
     meta = doc.get("otherData") or {}
     names = process_names(doc)
     steps = meta.get("steps")
+    which = _which_steps(steps)
     head = f"trace {path}: {len(names) or len({e.rank for e in events})} rank(s), {len(events)} events"
-    which = ""
-    if steps:
-        contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
-        which = (f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if contiguous
-                 else f"steps {steps}")
     if meta.get("schedule"):
         head += (f", schedule {meta['schedule']}, {meta.get('num_micro_batches')} micro-batches x "
                  f"{meta.get('micro_batch_size')}, {which}")
@@ -106,3 +98,13 @@ def _show_trace(path: str, png: str | None) -> int:
         draw_gantt(events, png, title=title, rank_labels=names)
         print(f"wrote {png}")
     return 0
+
+
+def _which_steps(steps: list[int] | None) -> str:
+    """"step 3", "steps 3-5" or "steps [3, 7]": the training steps a trace recorded."""
+    if not steps:
+        return ""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
+    return f"steps {steps[0]}-{steps[-1]}" if contiguous else f"steps {steps}"
