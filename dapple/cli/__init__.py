@@ -6,15 +6,21 @@ import argparse
 import os
 from typing import Sequence
 
+from .. import __version__
 from .commands import COMMANDS
 from .inputs import load_example
 from .show import add_show
 
-__all__ = ["build_parser", "load_example", "main"]
+__all__ = ["DISTRIBUTION", "build_parser", "load_example", "main"]
+
+DISTRIBUTION = "dapple-pipeline"  # the name pip knows us by ("dapple" on PyPI is another project); import dapple
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dapple", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dapple", description=__doc__,
+                                     epilog=f"dapple {__version__}, installed as {DISTRIBUTION} "
+                                            f"(pip install {DISTRIBUTION}; import dapple)")
+    parser.add_argument("--version", action="version", version=f"dapple {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in [add_show, *COMMANDS]:
         add(sub)

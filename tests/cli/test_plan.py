@@ -226,3 +226,15 @@ def test_bad_input_ends_with_the_message_not_a_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("DAPPLE_DEBUG", "1")  # the traceback, for a bug report
     with pytest.raises(ValueError, match="max_stages"):
         main(base + ["--cluster", "A", "--max-stages", "0"])
+
+
+def test_version_and_help_name_the_distribution(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dapple {dapple.__version__} (dapple-pipeline)"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "pip install dapple-pipeline" in capsys.readouterr().out
+    import importlib.metadata
+    assert importlib.metadata.metadata("dapple-pipeline")["Name"] == "dapple-pipeline"
