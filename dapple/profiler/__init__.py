@@ -2,6 +2,7 @@
 
 from ..core.profile import LayerCosts, LayerProfile, Profile
 from .fx_trace import TraceError
-from .layers import LayerGraph, trace_layers
+from .layer_graph import LayerGraph
+from .layers import trace_layers
 
 __all__ = ["LayerCosts", "LayerGraph", "LayerProfile", "Profile", "TraceError", "trace_layers"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -16,7 +16,8 @@ from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .export_graph import retarget_devices
 from .fx_trace import LeafSpec
-from .layers import LayerGraph, arity, trace_layers
+from .layer_graph import LayerGraph
+from .layers import arity, trace_layers
 from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
@@ -31,38 +32,39 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             dynamic_shapes: Any = None) -> Profile:
     """Measure every layer of ``model`` (forward/backward ms, boundary/saved/param bytes) at each batch size.
 
-    ``example_inputs``: the model's positional inputs (a tensor or tuple of tensors) at any batch size; rows
-    along dim 0 are taken or repeated to make each of ``batch_sizes`` (default: half the example's and the
-    example's). With ``loss_fn``, ``loss_fn(model_output, *targets)`` (the runtime's convention) is part of the last layer (forward and
-    backward), and ``targets`` (same batch size as the inputs) are required; without it, backward starts from a
-    gradient of ones on every output. Times are medians of ``repeats`` runs after ``warmup`` runs of each layer
-    on its own, from inputs recorded in one run of the whole model (per batch size; all are held at once, as
-    each round runs every layer at every batch size, so a burst of load spreads over all of them); the model is profiled in training mode on
-    ``device`` (default: cuda if available, else cpu; the model is moved there and back) in its own dtype,
-    and its flags, buffers (BatchNorm statistics), gradients and the RNG are left as they were.
-    ``concrete_args`` / ``leaf_modules`` go to torch.fx (see :class:`~dapple.profiler.TraceError`). ``tracer``:
-    ``"fx"``, ``"export"`` (torch.export from ``example_inputs``, batch dim dynamic, other dims per
-    ``dynamic_shapes``) or ``"auto"`` (fx, torch.export where fx fails); see :func:`~dapple.profiler.trace_layers`.
-    ``progress``: a progress bar over layers (None: only when stderr is a terminal). ``check_step``: also time
-    whole-model steps in the same rounds, into ``meta["step_ms"]``, ``meta["layers_over_step"]`` (the sum of
-    the layers' forward + backward over a whole step; 1.0 when the layers add up exactly) and
-    ``meta["stage_over_step"]`` (the same for what the cost model charges the model as one stage: the layers less
-    ``call_ms``, and ``call_ms`` once). ``Profile.call_ms``: an empty layer's forward and backward, timed in the
-    same rounds: what each layer's times include for being called at all, which a stage pays once.
+    Layers are timed on their own, from inputs recorded in one run of the whole model per batch size, in rounds
+    that run every layer at every batch size (so a burst of load spreads over all of them); times are medians.
+    The model is profiled in training mode in its own dtype; its device, flags, buffers (BatchNorm statistics),
+    gradients and the RNG are left as they were.
+
+    Args:
+        model: the module to profile.
+        example_inputs: its positional inputs (a tensor or tuple of tensors) at any batch size; rows along dim 0
+            are taken or repeated to make each batch size.
+        loss_fn: ``loss_fn(model_output, *targets)`` (the runtime's convention), made part of the last layer
+            (forward and backward); None: backward starts from a gradient of ones on every output.
+        batch_sizes: the batch sizes to measure (default: half the example's and the example's).
+        targets: the loss's targets, at the batch size of ``example_inputs`` (required with ``loss_fn``).
+        repeats: timed runs of each layer per batch size (after ``warmup`` untimed ones).
+        warmup: untimed runs of each layer per batch size.
+        device: where to profile (default: cuda if available, else cpu); the model is moved there and back.
+        concrete_args: Python-level arguments fixed for torch.fx (see :class:`~dapple.profiler.TraceError`).
+        leaf_modules: module classes or qualified names torch.fx keeps as opaque calls.
+        name: the profile's model name (default: the model's class name).
+        progress: a progress bar over layers (None: only when stderr is a terminal).
+        check_step: also time whole-model steps in the same rounds, into ``meta["step_ms"]``,
+            ``meta["layers_over_step"]`` (the layers' forward + backward summed, over a whole step; 1.0 when they
+            add up exactly) and ``meta["stage_over_step"]`` (the same for what the cost model charges the model
+            as one stage: the layers less ``call_ms``, and ``call_ms`` once).
+        tracer: ``"fx"``, ``"export"`` (torch.export from ``example_inputs``, batch dim dynamic) or ``"auto"``
+            (fx, torch.export where fx fails); see :func:`~dapple.profiler.trace_layers`.
+        dynamic_shapes: torch.export's dynamic dims per input (dim 0 is always dynamic).
+
+    Returns:
+        The :class:`~dapple.Profile`. Its ``call_ms`` is an empty layer's forward and backward, timed in the same
+        rounds: what each layer's times include for being called at all, which a stage pays once.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    for key, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if not is_int(value, least):
-            raise ValueError(f"{key}: expected an integer >= {least}, got {value!r}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn: expected a callable loss_fn(output, *targets), got {type(loss_fn).__name__}")
-    if loss_fn is not None and targets is None:
-        raise ValueError("loss_fn was given without targets: pass targets=... (same batch size as example_inputs) "
-                         "so the loss can be computed, or drop loss_fn to backpropagate ones from the output")
-    if loss_fn is None and targets is not None:
-        raise ValueError("targets were given without a loss_fn: pass loss_fn=... (called as loss_fn(output, "
-                         "*targets)), or drop targets")
+    _check_options(model, loss_fn, targets, repeats, warmup)
     inputs = as_tensors(example_inputs, "example_inputs")
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
@@ -78,66 +80,107 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
 
     started = time.perf_counter()
     dtype = model_dtype(model)
-    per_batch: list[list[LayerMeasurement]] = []
-    boundary: list[list[int]] = []
+    bar = tqdm(total=len(sizes) * (lg.num_layers + 1) * (1 + warmup + repeats), unit="layer", leave=False,
+               desc=f"profiling {name or type(model).__name__}",
+               disable=not (sys.stderr.isatty() if progress is None else progress))
+    try:
+        runs = _measure(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, check_step,
+                        bar)
+    finally:
+        bar.close()
+    call_ms = [round(statistics.median([x for t in runs.calls for x in getattr(t.result, key)]) * 1e3, 6)
+               for key in ("forward_s", "backward_s")]
+    result = _layer_profiles(lg, runs)
+    meta = {"dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
+            "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
+            "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
+            "profiling_seconds": round(time.perf_counter() - started, 3),
+            "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
+    prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
+                   meta=meta, call_ms=call_ms)
+    if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
+        meta.update(_step_ratios(prof, runs.steps))
+    return prof
+
+
+def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup: Any) -> None:
+    """Errors naming the argument, before anything is traced."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    for key, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if not is_int(value, least):
+            raise ValueError(f"{key}: expected an integer >= {least}, got {value!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn: expected a callable loss_fn(output, *targets), got {type(loss_fn).__name__}")
+    if loss_fn is not None and targets is None:
+        raise ValueError("loss_fn was given without targets: pass targets=... (same batch size as example_inputs) "
+                         "so the loss can be computed, or drop loss_fn to backpropagate ones from the output")
+    if loss_fn is None and targets is not None:
+        raise ValueError("targets were given without a loss_fn: pass loss_fn=... (called as loss_fn(output, "
+                         "*targets)), or drop targets")
+
+
+class _Measured(NamedTuple):
+    """What the rounds measured, per batch size."""
+
+    layers: list[list[LayerMeasurement]]  # per batch size, per layer
+    boundary: list[list[int]]  # per batch size, per layer: bytes a cut after the layer carries
+    calls: list[LayerTimer]  # per batch size: the empty layer (Profile.call_ms)
+    steps: list[float]  # per batch size: a whole step's median seconds (check_step; else empty)
+
+
+def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...],
+             sizes: list[int], loss_fn: Callable | None, dev: torch.device, dtype: torch.dtype, warmup: int,
+             repeats: int, check_step: bool, bar: Any) -> _Measured:
+    """Record every batch size's layer inputs, then time all layers in interleaved rounds, on ``dev``."""
+    out = _Measured([], [], [], [])
     with on_device(model, dev), untouched(model, dev):
         lg.gm.to(dev)  # tensor constants fx lifted into the traced module
         retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
         layers = [layer_module(lg, k) for k in range(lg.num_layers)]
         state = state_storages([model, lg.gm])
-        show = sys.stderr.isatty() if progress is None else progress
-        bar = tqdm(total=len(sizes) * (lg.num_layers + 1) * (1 + warmup + repeats), unit="layer", leave=False,
-                   desc=f"profiling {name or type(model).__name__}", disable=not show)
-        try:
-            groups, wholes, calls = [], [], []  # calls: an empty layer per batch size (Profile.call_ms)
-            for b in sizes:  # recorded inputs of every batch size stay alive: the rounds interleave them
-                x = tuple(to_model(resize(t, b), dev, dtype) for t in inputs)
-                ys = tuple(to_model(resize(t, b), dev, dtype) for t in target_list)
-                values = record_inputs(lg, layers, x)
-                boundary.append([sum(tensor_bytes(values[n]) for n in lg.crossing(k))
-                                 for k in range(lg.num_layers)])
-                timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev)
-                          for lm in layers]
-                per_batch.append([t.measure_sizes() for t in timers])
-                calls.append(call_timer(dev, dtype, state))
-                bar.update(len(timers) + 1)
-                groups.append(timers + [calls[-1]])
-                wholes.append((model, x, ys, loss_fn))
-                del values
-            steps = time_rounds(groups, warmup, repeats, bar, wholes=wholes if check_step else None, device=dev)
-            del groups, wholes
-        finally:
-            bar.close()
-    saved = [_saved_once(lg, measured) for measured in per_batch]
-    call_ms = [round(statistics.median([x for t in calls for x in getattr(t.result, key)]) * 1e3, 6)
-               for key in ("forward_s", "backward_s")]
-    seconds = time.perf_counter() - started
+        groups, wholes = [], []
+        for b in sizes:  # recorded inputs of every batch size stay alive: the rounds interleave them
+            x = tuple(to_model(resize(t, b), dev, dtype) for t in inputs)
+            ys = tuple(to_model(resize(t, b), dev, dtype) for t in targets)
+            values = record_inputs(lg, layers, x)
+            out.boundary.append([sum(tensor_bytes(values[n]) for n in lg.crossing(k)) for k in range(lg.num_layers)])
+            timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev) for lm in layers]
+            out.layers.append([t.measure_sizes() for t in timers])
+            out.calls.append(call_timer(dev, dtype, state))
+            bar.update(len(timers) + 1)
+            groups.append(timers + [out.calls[-1]])
+            wholes.append((model, x, ys, loss_fn))
+            del values
+        out.steps.extend(time_rounds(groups, warmup, repeats, bar, wholes=wholes if check_step else None,
+                                     device=dev))
+        del groups, wholes
+    return out
 
+
+def _layer_profiles(lg: LayerGraph, runs: _Measured) -> list[LayerProfile]:
+    """One LayerProfile per layer: its medians, bytes and inputs at every batch size."""
+    saved = [_saved_once(lg, measured) for measured in runs.layers]
     params = lg.params_by_layer()
-    result = []
-    for k, layer_name in enumerate(lg.names):
-        result.append(LayerProfile(
-            name=layer_name,
-            forward_ms=[round(m[k].forward_ms, 6) for m in per_batch],
-            backward_ms=[round(m[k].backward_ms, 6) for m in per_batch],
-            boundary_bytes=[bb[k] for bb in boundary], saved_bytes=[s[k] for s in saved],
-            param_bytes=sum(p.numel() * p.element_size() for _, p in params[k]),
-            inputs=lg.layer_inputs(k)))
-    meta = {"dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
-            "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
-            "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
-            "profiling_seconds": round(seconds, 3), "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
-    prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
-                   meta=meta, call_ms=call_ms)
-    if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
-        meta["step_ms"] = [round(s * 1e3, 6) for s in steps]
-        meta["layers_over_step"] = [
-            round(sum(layer.forward_ms[i] + layer.backward_ms[i] for layer in result) / (s * 1e3), 4)
-            for i, s in enumerate(steps)]
+    return [LayerProfile(name=layer_name,
+                         forward_ms=[round(m[k].forward_ms, 6) for m in runs.layers],
+                         backward_ms=[round(m[k].backward_ms, 6) for m in runs.layers],
+                         boundary_bytes=[bb[k] for bb in runs.boundary], saved_bytes=[s[k] for s in saved],
+                         param_bytes=sum(p.numel() * p.element_size() for _, p in params[k]),
+                         inputs=lg.layer_inputs(k))
+            for k, layer_name in enumerate(lg.names)]
+
+
+def _step_ratios(prof: Profile, steps: list[float]) -> dict[str, list[float]]:
+    """``step_ms``, ``layers_over_step`` and ``stage_over_step`` (see :func:`profile`'s ``check_step``)."""
+    return {
+        "step_ms": [round(s * 1e3, 6) for s in steps],
+        "layers_over_step": [round(sum(layer.forward_ms[i] + layer.backward_ms[i] for layer in prof.layers)
+                                   / (s * 1e3), 4) for i, s in enumerate(steps)],
         # what the cost model charges the whole model as one stage: each layer less the call, the call once
-        meta["stage_over_step"] = [round((sum(call_ms) + sum(map(sum, prof.net_ms(b)))) / (s * 1e3), 4)
-                                   for b, s in zip(sizes, steps)]
-    return prof
+        "stage_over_step": [round((sum(prof.call_ms) + sum(map(sum, prof.net_ms(b)))) / (s * 1e3), 4)
+                            for b, s in zip(prof.batch_sizes, steps)],
+    }
 
 
 def _saved_once(lg: LayerGraph, measured: list[LayerMeasurement]) -> list[int]:

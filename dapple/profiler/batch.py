@@ -60,7 +60,9 @@ def check_batch_sizes(batch_sizes: Any, example: int) -> list[int]:
 
 
 def resize(t: Tensor, batch: int) -> Tensor:
-    """``t`` with ``batch`` rows along dim 0: its first rows, or its rows repeated cyclically. (B, ...) -> (batch, ...)"""
+    """``t`` with ``batch`` rows along dim 0: its first rows, or its rows repeated cyclically.
+
+    (B, ...) -> (batch, ...)"""
     if batch == t.shape[0]:
         return t
     rows = torch.arange(batch, device=t.device) % t.shape[0]  # (batch,)

@@ -6,27 +6,28 @@ import os
 import re
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-if TYPE_CHECKING:
-    from .layers import LayerGraph
+from .layer_graph import LayerGraph
 
 
-def _caller_level() -> int:
-    """``stacklevel`` for a warning from the calling function that points at the first frame outside dapple."""
+def user_stacklevel() -> int:
+    """``stacklevel`` for ``warnings.warn`` called by the caller of this function: the first frame outside dapple,
+    so a warning points at the user's code rather than at dapple's internals."""
     here, level, frame = os.path.dirname(os.path.dirname(__file__)), 1, sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(here):
         level, frame = level + 1, frame.f_back
     return level
 
 
-def _is_dynamic(size: Any) -> bool:
-    """A symbolic size export kept symbolic (a SymInt whose expression is a plain number was specialised)."""
+def is_dynamic_size(size: Any) -> bool:
+    """Whether ``size`` (a dim of an exported tensor's shape) stayed symbolic: a SymInt whose expression is not a
+    plain number (one that is was specialised by export)."""
     return isinstance(size, torch.SymInt) and not size.node.expr.is_number
 
 
@@ -45,8 +46,9 @@ def module_path(path: str) -> str:
     return p.strip(".")
 
 
-def _module_paths(gm: fx.GraphModule) -> None:
-    """nn_module_stack values as (dotted path, type); export's placeholder entries for stackless nodes dropped."""
+def clean_module_stacks(gm: fx.GraphModule) -> None:
+    """Rewrite every node's ``nn_module_stack`` in place: values as (dotted path, type), and export's placeholder
+    entries for stackless nodes dropped, so layers.py finds each node's module as for an fx graph."""
     for n in gm.graph.nodes:
         stack = n.meta.get("nn_module_stack")
         if not stack:
@@ -60,8 +62,9 @@ def _module_paths(gm: fx.GraphModule) -> None:
         n.meta["nn_module_stack"] = clean
 
 
-def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
-    """get_attr targets renamed to the model's first name for each tensor (tied weights); unused ones removed."""
+def canonical_get_attrs(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Rename each get_attr target to the first name its tensor has in ``model`` (a tied weight: ``wte.weight``)
+    and remove unused get_attr nodes, in place."""
     first: dict[int, str] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         first.setdefault(id(t), name)
@@ -88,8 +91,9 @@ def _has_tensor(gm: fx.GraphModule, name: str, t: torch.Tensor) -> bool:
         return False
 
 
-def _rename_bodies(gm: fx.GraphModule) -> None:
-    """Higher-order op bodies export calls ``submod_<i>``, split_module's own names: moved to ``_export_body_<i>``."""
+def rename_export_bodies(gm: fx.GraphModule) -> None:
+    """Move higher-order op bodies (no_grad/autocast regions), which export calls ``submod_<i>`` like split_module's
+    own partitions, to ``_export_body_<i>``, in place."""
     for n in gm.graph.nodes:
         if n.op == "get_attr" and re.fullmatch(r"submod_\d+", n.target) and \
                 isinstance(getattr(gm, n.target, None), nn.Module):
@@ -99,7 +103,7 @@ def _rename_bodies(gm: fx.GraphModule) -> None:
             n.target = new
 
 
-def _views_as_reshapes(gm: fx.GraphModule) -> int:
+def views_as_reshapes(gm: fx.GraphModule) -> int:
     """``aten.view`` -> ``aten.reshape``: the same view wherever the view works, a copy where it would fail.
 
     Export drops ``.contiguous()`` where it was a no-op on the tracing device (CPU attention returns a layout in
@@ -135,7 +139,7 @@ def _is_size_of_input(n: fx.Node) -> bool:
             and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
 
 
-def localise_sizes(lg: "LayerGraph") -> int:
+def localise_sizes(lg: LayerGraph) -> int:
     """Read each input size a layer uses off a tensor the layer already has; returns how many were moved.
 
     ``sym_size(idx, 0)`` copied into ``blocks.3`` becomes ``sym_size(x, 0)`` with ``x`` the block's input
@@ -175,19 +179,19 @@ def _anchor(own: list[fx.Node], layer_of: dict[fx.Node, int], k: int, size: Any,
             before: float) -> tuple[fx.Node, int] | None:
     """(tensor, dim): a tensor that layer ``k`` reads from earlier layers or makes, before position ``before``,
     whose dim ``dim`` is the symbolic ``size``; None if there is none."""
-    if not _is_dynamic(size):
+    if not is_dynamic_size(size):
         return None
     inputs = [a for n in own for a in n.all_input_nodes if layer_of.get(a, k) < k and order[a] < before]
     for t in inputs + [n for n in own if order[n] < before]:
         val = t.meta.get("val")
         if isinstance(val, torch.Tensor):
             for d, s in enumerate(val.shape):
-                if _is_dynamic(s) and s.node.expr == size.node.expr:
+                if is_dynamic_size(s) and s.node.expr == size.node.expr:
                     return t, d
     return None
 
 
-def check_cuts(lg: "LayerGraph") -> None:
+def check_cuts(lg: LayerGraph) -> None:
     """Warn about non-tensor values (symbolic ints) crossing a cut: a stage would have to send a Python int."""
     bad = sorted({n.name for k in range(lg.num_layers - 1) for n in lg.crossing(k)
                   if "val" in n.meta and not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(n.meta["val"]))
@@ -195,4 +199,4 @@ def check_cuts(lg: "LayerGraph") -> None:
     if bad:
         warnings.warn(f"non-tensor values cross layer cuts in the exported graph: {bad}; a pipeline split there "
                       "has to send them (compute sizes from tensors inside the layer that uses them)",
-                      stacklevel=_caller_level())
+                      stacklevel=user_stacklevel())

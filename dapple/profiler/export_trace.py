@@ -1,38 +1,4 @@
-"""Tracing with torch.export (models torch.fx cannot trace) into a GraphModule that layers.py groups as usual.
-
-``trace_graph(model, method=...)`` picks the tracer: ``"fx"`` (torch.fx.symbolic_trace), ``"export"``
-(torch.export.export, needs example inputs) or ``"auto"`` (fx, and export when fx fails). The exported program
-is unlifted (``ExportedProgram.module()``) and normalised so that the rest of dapple uses it unchanged.
-
-What the runtime must know to split and run an exported graph (split_module at the layer cuts works):
-
-- Ops are ATen overloads (``aten.linear.default``), not module calls. Every parameter and buffer is a
-  ``get_attr`` node targeting its name in the original model (a tied parameter under its first name,
-  ``wte.weight``) and holding the model's own tensor (shared, not copied). ``get_attr`` nodes are input-only,
-  copied into each layer that reads them, so ``fx.GraphModule(lg.gm, stage_graph)`` keeps the original names.
-- Training mode is baked in: ``aten.dropout(x, p, True)``, ``aten.batch_norm(..., True, ...)``; ``.eval()``
-  changes nothing (re-trace for evaluation). Dropout draws from the global RNG like the eager module (same
-  seed, same mask). In-place ops stay in place (``relu_``, BatchNorm's running statistics and its
-  ``num_batches_tracked.add_``), as in the model. ``.contiguous()`` vanishes where it was a no-op on the
-  tracing device's kernels, so every ``aten.view`` is made an ``aten.reshape`` (the same view wherever the view
-  works). ``torch.no_grad()`` / autocast regions become higher-order ops calling a GraphModule held as
-  ``_export_body_<i>``.
-- Shapes are symbolic: dim 0 of every input (the batch) is dynamic, other dims dynamic where export can keep
-  them so (``Dim.AUTO``) unless ``dynamic_shapes`` says otherwise. Ops take sizes from
-  ``aten.sym_size.int(tensor, dim)`` nodes (and Python arithmetic on them). Sizes of the model's inputs are
-  input-only nodes copied into each layer; :func:`localise_sizes` re-reads them off a tensor the layer
-  already has (``sym_size(x_in, 0)``), so a block needs no model input and no symbolic int crosses a cut
-  (:func:`check_cuts` warns if one does). Meta-device shape propagation works.
-- Guards: ``_guards_fn`` (a ``call_module`` node without users, in layer 0, reading the model inputs) asserts
-  what export assumed about input shapes (``x.size()[1] <= 128``, ``x.size()[0] % 2 == 0``): a slice that
-  breaks one fails in the first stage with ``AssertionError: Guard failed: ...`` instead of silently taking a
-  branch the model would not take. Sizes 0 and 1 pass where the range says >= 2 (export's convention).
-  ``aten._assert_scalar`` runtime asserts may appear too: ordinary nodes without users.
-- Devices: factory ops carry the tracing device (``arange(..., device=cpu)``); :func:`retarget_devices`
-  points them at the device a stage runs on (each rank its own GPU) once the parameters are there.
-- Inputs are positional placeholders named after ``forward``'s arguments; ``concrete_args`` become keyword
-  placeholders with their value as default (as in fx). The output node holds the model's own structure.
-"""
+"""Choosing the tracer (torch.fx, or torch.export for models fx cannot trace) and exporting a model for dapple."""
 
 from __future__ import annotations
 
@@ -48,14 +14,14 @@ from torch.utils import _pytree as pytree
 
 from .batch import as_tensors, resize
 from .export_graph import (
-    _caller_level,
-    _canonical_names,
-    _is_dynamic,
-    _module_paths,
-    _rename_bodies,
-    _views_as_reshapes,
+    canonical_get_attrs,
+    clean_module_stacks,
+    is_dynamic_size,
+    rename_export_bodies,
+    user_stacklevel,
+    views_as_reshapes,
 )
-from .fx_trace import LeafSpec, TraceError, _user_frame, symbolic_trace
+from .fx_trace import LeafSpec, TraceError, symbolic_trace, user_frame
 
 METHODS = ("auto", "fx", "export")
 EXPORT_MIN_TORCH = (2, 9)  # before it, ep.module() loses the input guards, and Dim.AUTO is missing or weaker
@@ -68,7 +34,8 @@ def _torch_version() -> tuple[int, int]:
 def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[str, Any] | None = None,
                 leaf_modules: LeafSpec = (), example_inputs: Any = None, dynamic_shapes: Any = None
                 ) -> fx.GraphModule:
-    """Trace ``model`` with torch.fx or torch.export (see the module docstring); failures raise TraceError."""
+    """Trace ``model`` with torch.fx (``method="fx"``), torch.export (``"export"``, needs ``example_inputs``) or
+    fx with a fall-back to export when fx fails (``"auto"``); failures raise TraceError naming what to do."""
     if method not in METHODS:
         raise ValueError(f"tracer: expected one of {METHODS}, got {method!r}")  # the public name of `method`
     if method == "export":
@@ -95,7 +62,27 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
 
 def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any = None,
                  kwargs: dict[str, Any] | None = None) -> fx.GraphModule:
-    """``torch.export.export`` in training mode, batch dim dynamic, unlifted and normalised for dapple."""
+    """``torch.export.export`` in training mode, batch dim dynamic, unlifted and normalised for dapple.
+
+    The graph it returns splits and runs like an fx graph; what differs:
+
+    - Ops are ATen overloads (``aten.linear.default``), not module calls. Every parameter and buffer is a
+      ``get_attr`` node targeting its name in the original model (a tied parameter under its first name) and
+      holding the model's own tensor; get_attr nodes are input-only, copied into each layer that reads them.
+    - Training mode is baked in (``aten.dropout(x, p, True)``, batch-norm statistics): ``.eval()`` changes
+      nothing. In-place ops stay in place. Every ``aten.view`` is made an ``aten.reshape``, as export drops
+      ``.contiguous()`` where it was a no-op on the tracing device. ``torch.no_grad()`` / autocast regions become
+      higher-order ops calling a GraphModule held as ``_export_body_<i>``.
+    - Shapes are symbolic: dim 0 of every input is dynamic, other dims ``Dim.AUTO`` unless ``dynamic_shapes``
+      says otherwise; ops read sizes from ``aten.sym_size.int`` nodes, which :func:`~.export_graph.localise_sizes`
+      moves onto tensors each layer already has, so no symbolic int crosses a cut.
+    - Guards: a ``_guards_fn`` call in layer 0 asserts what export assumed about input shapes, so a slice that
+      breaks one fails in the first stage with ``Guard failed`` rather than taking another branch.
+    - Factory ops carry the tracing device (``meta["dapple_trace"]["device"]``);
+      :func:`~.export_graph.retarget_devices` points them at each stage's device.
+    - Inputs are positional placeholders named after ``forward``'s arguments; ``kwargs`` (``concrete_args``)
+      become placeholders with their value as default, as in fx. The output node holds the model's own structure.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module to trace, got {type(model).__name__}")
     if _torch_version() < EXPORT_MIN_TORCH:
@@ -119,10 +106,10 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
     names = _check_batch_dynamic(gm, model, dynamic_shapes is None)
     _warn_batch_guards(getattr(ep, "_guards_code", []), names)  # private in torch 2.13: used only for a warning
     _plain_io(gm, kwargs or {}, type(model).__name__)
-    _module_paths(gm)
-    _canonical_names(gm, model)
-    _rename_bodies(gm)
-    _views_as_reshapes(gm)
+    clean_module_stacks(gm)
+    canonical_get_attrs(gm, model)
+    rename_export_bodies(gm)
+    views_as_reshapes(gm)
     plain = fx.GraphModule(gm, gm.graph, type(model).__name__)  # plain module: train()/eval() allowed
     ranges = {str(k): str(v) for k, v in ep.range_constraints.items()}
     plain.meta["dapple_trace"] = {"method": "export", "device": home or inputs[0].device, "ranges": ranges}
@@ -171,7 +158,7 @@ def _training(model: nn.Module) -> Iterator[None]:
 
 def _explain_export(model: nn.Module, exc: BaseException) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()][:8]
-    frame = _user_frame(exc)
+    frame = user_frame(exc)
     where = f"\n  at {frame.filename}:{frame.lineno}, in {frame.name}:\n      {(frame.line or '').strip()}" \
         if frame else ""
     batch = ("\nThe model fixes an input's batch dimension (dim 0): pipelines run micro-batch slices of varying "
@@ -198,17 +185,17 @@ def _check_batch_dynamic(gm: fx.GraphModule, model: nn.Module, default: bool) ->
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             continue
         names.append(n.target)
-        if not _is_dynamic(val.shape[0]):
+        if not is_dynamic_size(val.shape[0]):
             raise TraceError(f"torch.export fixed the batch dimension of {type(model).__name__}'s input "
                              f"{n.target!r} at {val.shape[0]}: pipelines run micro-batch slices of varying rows, "
                              "so dim 0 must stay dynamic. The model (a reshape to a constant batch, a branch on "
                              "x.shape[0]) or dynamic_shapes fixes it.")
-        fixed += [f"{n.target} dim {d} = {int(s)}" for d, s in enumerate(val.shape) if not _is_dynamic(s)]
+        fixed += [f"{n.target} dim {d} = {int(s)}" for d, s in enumerate(val.shape) if not is_dynamic_size(s)]
     if default and fixed:
         warnings.warn(f"torch.export traced {type(model).__name__} for these fixed sizes only: {', '.join(fixed)} "
                       "(the model's code ties them to constants); other sizes fail with 'Guard failed'. Pass "
                       "dynamic_shapes=... to choose the dynamic dims yourself and silence this.",
-                      stacklevel=_caller_level())
+                      stacklevel=user_stacklevel())
     return names
 
 
@@ -219,7 +206,7 @@ def _warn_batch_guards(guards: list[str], names: list[str]) -> None:
     if batch:
         warnings.warn(f"torch.export assumed {'; '.join(batch)} about the batch size: micro-batch slices that "
                       "break it fail with 'Guard failed' (the model branches on its batch size).",
-                      stacklevel=_caller_level())
+                      stacklevel=user_stacklevel())
 
 
 def _plain_io(gm: fx.GraphModule, kwargs: dict[str, Any], model_name: str) -> None:

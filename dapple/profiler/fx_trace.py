@@ -53,7 +53,7 @@ def symbolic_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None
     return gm
 
 
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost traceback frame outside torch itself: the model code fx choked on."""
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(__file__)  # dapple/profiler: our own tracing wrappers
@@ -63,7 +63,7 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
 
 
 def _explain(model: nn.Module, exc: BaseException) -> str:
-    frame = _user_frame(exc)
+    frame = user_frame(exc)
     where = ""
     if frame is not None:
         code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()

@@ -1,8 +1,8 @@
-"""Grouping an fx graph into layers: the units a plan may cut between, shared by profiler and runtime."""
+"""Tracing a model and grouping its graph into layers, the units a plan cuts between (profiler and runtime)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch.fx as fx
@@ -11,6 +11,7 @@ from torch import nn
 from .export_graph import check_cuts, localise_sizes
 from .export_trace import trace_graph
 from .fx_trace import LeafSpec
+from .layer_graph import LayerGraph
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -46,70 +47,6 @@ def arity(gm: fx.GraphModule) -> Arity:
     return Arity([n.name for n in nodes], need, traced_none)
 
 
-@dataclass
-class LayerGraph:
-    """A traced model whose every call node belongs to exactly one layer.
-
-    Along every graph edge the layer index never decreases, so a cut between any two consecutive
-    layers is a valid split. Nodes that depend only on the model's inputs and attributes (``x.size(1)``,
-    ``self.pos``) are copied into each layer that uses them, so they never cross a cut.
-    """
-
-    gm: fx.GraphModule
-    names: list[str]  # layer names: module paths in the original model, in execution order
-    layer_of: dict[fx.Node, int]  # every node except placeholders and output -> its layer index
-    inputs: list[str] = field(default_factory=list)  # the model's forward() argument names
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.names)
-
-    def nodes(self, layer: int) -> list[fx.Node]:
-        return [n for n in self.gm.graph.nodes if self.layer_of.get(n) == layer]
-
-    def stage_of_node(self, cuts: list[int]) -> dict[fx.Node, int]:
-        """Map each node to its stage for stage boundaries ``cuts`` (layer index where each stage starts)."""
-        import bisect
-        return {n: bisect.bisect_right(cuts, k) - 1 for n, k in self.layer_of.items()}
-
-    def crossing(self, layer: int) -> list[fx.Node]:
-        """Nodes computed in layers <= ``layer`` that are used after it: what a cut after ``layer`` carries."""
-        out = []
-        for n, k in self.layer_of.items():
-            if k <= layer and any(self._user_layer(u) > layer for u in n.users):
-                out.append(n)
-        return out
-
-    def _user_layer(self, user: fx.Node) -> int:
-        return self.num_layers - 1 if user.op == "output" else self.layer_of[user]
-
-    def layer_inputs(self, layer: int) -> list[int]:
-        """Indices of the earlier layers whose outputs ``layer`` reads."""
-        return sorted({self.layer_of[a] for n in self.nodes(layer) for a in n.all_input_nodes
-                       if a in self.layer_of and self.layer_of[a] < layer})
-
-    def params_by_layer(self) -> list[list[tuple[str, Any]]]:
-        """(name, tensor) of the parameters each layer uses; a tied parameter only at its first layer."""
-        seen: set[int] = set()
-        result: list[list[tuple[str, Any]]] = [[] for _ in self.names]
-        named = dict(self.gm.named_parameters(remove_duplicate=False))
-        for n in self.gm.graph.nodes:
-            if n not in self.layer_of:
-                continue
-            if n.op == "call_module":
-                mod = self.gm.get_submodule(n.target)
-                pairs = [(f"{n.target}.{k}", p) for k, p in mod.named_parameters(remove_duplicate=False)]
-            elif n.op == "get_attr" and n.target in named:
-                pairs = [(n.target, named[n.target])]
-            else:
-                continue
-            for name, p in pairs:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    result[self.layer_of[n]].append((name, p))
-        return result
-
-
 def layer_units(model: nn.Module) -> list[str]:
     """Candidate layer paths: top-level children, containers (ModuleList/Sequential) expanded one level."""
     units = []
@@ -140,11 +77,21 @@ def _owner(node: fx.Node, units: set[str]) -> str | None:
 
 def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), *,
                  method: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None) -> LayerGraph:
-    """Trace ``model`` and group its nodes into layers (see DESIGN.md, Profile).
+    """Trace ``model`` and group its nodes into layers (top-level children, containers expanded one level).
 
-    ``method``: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
-    ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows; see
-    dapple/profiler/export.py), or ``"auto"``: fx, and export when fx fails and example inputs are given.
+    Args:
+        model: the module to trace.
+        concrete_args: Python-level arguments fixed for torch.fx (``{"mask": None}``).
+        leaf_modules: module classes or qualified names torch.fx keeps as opaque calls.
+        method: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
+            ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows;
+            see :mod:`dapple.profiler.export_trace`), or ``"auto"``: fx, and export when fx fails and example
+            inputs are given.
+        example_inputs: the model's positional inputs (a tensor or tuple of tensors), for torch.export.
+        dynamic_shapes: torch.export's per-input dynamic dims (dim 0 is always dynamic).
+
+    Returns:
+        The :class:`LayerGraph`. Raises :class:`~dapple.profiler.TraceError` if the model cannot be traced.
     """
     gm = trace_graph(model, method=method, concrete_args=concrete_args, leaf_modules=leaf_modules,
                      example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)

@@ -169,19 +169,25 @@ def step_seconds(model: torch.nn.Module, inputs: tuple[Tensor, ...], *, loss_fn:
 
 def time_rounds(groups: list[list[LayerTimer]], warmup: int, repeats: int, bar: Any, *,
                 wholes: list[tuple] | None, device: torch.device) -> list[float]:
-    """Warm-up rounds, then timed rounds; each round runs every layer once at every batch size (``groups``: the
-    timers of one batch size each, in model order; the first batch size rotates from round to round), so a
-    burst of load on a shared machine spreads over all layers and batch sizes instead of inflating a few: the
-    medians drop it. (Batch sizes timed one after another, a burst of a few seconds inflated one batch size of
-    every layer: 3 to 6 ms on 1 to 10 ms forwards, 10% off the plan's estimate.) With ``wholes`` (per batch
-    size: model, inputs, targets, loss_fn), each timed round also times a whole-model step per batch size;
-    returns their medians in seconds, one per batch size (empty without ``wholes``).
+    """Warm-up rounds, then timed rounds, each running every layer once at every batch size.
 
-    On CUDA a round queues the layers of a batch size back to back and reads CUDA events once at its end (stream
-    time): timed one at a time between host syncs, each run paid the syncs, its first kernel's launch and the
-    hand-off to autograd's device thread, about 0.2 ms a forward and 0.6 ms a backward on an H100, and a 160 M GPT's
-    layers summed to 1.17x to 1.21x its whole step; queued, 1.02x to 1.04x (benchmarks/RESULTS.md, "Profiling on a
-    GPU"). On the CPU, where nothing runs ahead, clocks are read around each run."""
+    Interleaving rounds (the first batch size rotates from round to round) spreads a burst of load on a shared
+    machine over all layers and batch sizes instead of inflating a few, and the medians drop it. On CUDA a round
+    queues the layers of a batch size back to back and reads CUDA events once at its end (stream time), so no
+    run pays host syncs or its first kernel's launch, as none does inside a training step; on the CPU, where
+    nothing runs ahead, clocks are read around each run.
+
+    Args:
+        groups: per batch size, the timers of its layers in model order.
+        warmup, repeats: untimed and timed rounds.
+        bar: the progress bar (tqdm), advanced per layer run.
+        wholes: per batch size (model, inputs, targets, loss_fn): each timed round then also times a whole-model
+            step per batch size; None: no whole steps.
+        device: where the layers run.
+
+    Returns:
+        The whole steps' median seconds, one per batch size (empty without ``wholes``).
+    """
     steps: list[list[float]] = [[] for _ in groups]
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collector pauses inside a timed run
@@ -191,17 +197,7 @@ def time_rounds(groups: list[list[LayerTimer]], warmup: int, repeats: int, bar: 
             bar.set_postfix_str(f"{'round' if keep else 'warm-up'} {r + 1 - warmup * keep}", refresh=False)
             for g in range(len(groups)):
                 i = (g + r) % len(groups)
-                if device.type == "cuda":  # stream time, the layers queued back to back (see the docstring)
-                    marks = [t.queue() for t in groups[i]]
-                    torch.cuda.synchronize(device)
-                    if keep:
-                        for t, m in zip(groups[i], marks):
-                            t.keep(m)
-                    bar.update(len(marks))
-                else:
-                    for t in groups[i]:
-                        t.run(keep=keep)
-                        bar.update()
+                _run_group(groups[i], keep, bar, device)
                 if wholes is not None and r >= warmup - 1:  # the step gets one warm-up run of its own
                     model, x, y, loss_fn = wholes[i]
                     s = step_seconds(model, x, loss_fn=loss_fn, targets=y, sync=synchronizer(device))
@@ -211,3 +207,18 @@ def time_rounds(groups: list[list[LayerTimer]], warmup: int, repeats: int, bar: 
         if gc_was_enabled:
             gc.enable()
     return [statistics.median(s) for s in steps] if wholes is not None else []
+
+
+def _run_group(timers: list[LayerTimer], keep: bool, bar: Any, device: torch.device) -> None:
+    """Run one batch size's layers once each (recording their times if ``keep``)."""
+    if device.type == "cuda":  # stream time: the layers queued back to back, read once synchronised
+        marks = [t.queue() for t in timers]
+        torch.cuda.synchronize(device)
+        if keep:
+            for t, m in zip(timers, marks):
+                t.keep(m)
+        bar.update(len(marks))
+    else:
+        for t in timers:
+            t.run(keep=keep)
+            bar.update()

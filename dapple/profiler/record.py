@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from .layers import LayerGraph
+from .layer_graph import LayerGraph
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,6 +84,36 @@ def defer_batch_norms(module: nn.Module) -> list[DeferredBatchNorm]:
 def stats_size(module: nn.Module) -> int:
     """Length of a stage's statistics vector (:func:`gather_sums`): 3 numbers per channel of each BatchNorm."""
     return sum(3 * m.num_features for m in _tracked(module))
+
+
+def stage_stats_sizes(model: nn.Module, stages: Sequence[nn.Module], deferred: bool) -> list[int]:
+    """Per stage module, the length of its statistics vector (:func:`stats_size`; all 0 when not ``deferred``).
+
+    ValueError when deferring the BatchNorms of a model whose stage modules hold none of them (torch.export
+    inlines them into ATen ops).
+    """
+    sizes = [stats_size(m) if deferred else 0 for m in stages]
+    if deferred and stats_size(model) and not sum(sizes):
+        raise ValueError("deferred_batch_norm=True: the model's BatchNorm layers are not modules of the traced "
+                         "graph (torch.export inlines them); use tracer='fx'")
+    return sizes
+
+
+@dataclass(frozen=True)
+class StatsSlot:
+    """A stage's deferred BatchNorms and their place in the vector of the step's loss AllReduce: the loss, then
+    every stage's statistics in stage order (every rank knows all sizes, so every rank lays it out alike)."""
+
+    layers: list[DeferredBatchNorm]  # this stage's, in named_modules order ([] when not deferred)
+    slot: slice  # this stage's statistics within the vector
+    length: int  # the vector's length: 1 + every stage's statistics size
+
+
+def stats_slot(module: nn.Module, sizes: Sequence[int], stage: int, deferred: bool) -> StatsSlot:
+    """Defer ``module``'s BatchNorms (when ``deferred``) and place stage ``stage``'s statistics (``sizes``: every
+    stage's, from :func:`stage_stats_sizes`)."""
+    layers = defer_batch_norms(module) if deferred else []
+    return StatsSlot(layers, slice(1 + sum(sizes[:stage]), 1 + sum(sizes[:stage + 1])), 1 + sum(sizes))
 
 
 def gather_sums(bns: list[DeferredBatchNorm], where: str) -> torch.Tensor:

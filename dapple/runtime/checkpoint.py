@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..core.dist import PipelineError, bounded, first_line
 from .checkpoint_state import (
     FORMAT,
+    StageTensor,
     describe,
     few,
     is_stored_tensor,
@@ -28,7 +29,7 @@ from .checkpoint_state import (
 )
 from .engine import Pipeline
 
-if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor (~1 s)
+if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor, slow to import
     from torch.distributed.checkpoint.metadata import Metadata
 
 META = "dapple/meta"  # one object: format, step, versions, plan, tensor names, optimizer groups, extra
@@ -46,10 +47,16 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     it. Copies held by several ranks (stage replicas, stages sharing a tied parameter) are written once:
     DCP keeps one writer per key. Buffers come from replica 0 of their stage (replicas may differ, e.g.
     BatchNorm statistics; DDP likewise broadcasts rank 0's). Also stored: the plan, ``pipe.step``, the
-    dapple and torch versions, the optimizer class and param-group hyperparameters, and ``extra`` (any
-    picklable dict, e.g. the data position). The new checkpoint is written next to ``path`` and moved in
-    place when complete, so an interrupted save leaves the previous one intact. Collectives run on a gloo
-    group bounded by ``pipe.timeout``.
+    dapple and torch versions, the optimizer class and param-group hyperparameters, and ``extra``. The new
+    checkpoint is written next to ``path`` and moved in place when complete, so an interrupted save leaves the
+    previous one intact. Collectives run on a gloo group bounded by ``pipe.timeout``.
+
+    Args:
+        path: the checkpoint directory; a dapple checkpoint already there is replaced, other files are not.
+        pipe: this rank's pipeline.
+        optimizer: an optimizer over ``pipe.parameters()`` whose state is saved too (pass one on every rank or
+            on none).
+        extra: any picklable dict saved with it (e.g. the data position); :func:`load_checkpoint` returns it.
     """
     _check_args(pipe, optimizer)
     if extra is not None and not isinstance(extra, Mapping):
@@ -57,60 +64,83 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     extra = dict(extra or {})
     target = Path(os.path.abspath(path))
     tmp = target.with_name(target.name + SAVING)
-    group, rank = _group(pipe, f"save_checkpoint({str(target)!r})"), pipe.ctx.rank
-    error, info = None, None
+    what = f"save_checkpoint({str(target)!r})"
+    group = _group(pipe, what)
+    local, infos = _describe_ranks(pipe, optimizer, group, target, tmp, extra, what)
+    sd = save_state(pipe, optimizer, local)
+    if pipe.ctx.rank == 0:
+        sd[META] = describe(pipe, infos, extra)
+    dcp = _dcp()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(), process_group=group)
+    error = _swap_in(target, tmp) if pipe.ctx.rank == 0 else None
+    _agree(pipe, group, None, error, what)  # returns once it is in place
+
+
+def _describe_ranks(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
+                    target: Path, tmp: Path, extra: dict, what: str) -> tuple[list[StageTensor], list[dict]]:
+    """This rank's tensors, and every rank's description of what it saves (checked alike on every rank; rank 0
+    also prepares the target) before anything is written."""
+    error, info, local = None, None, []
     try:
         local = stage_tensors(pipe)
         info = {"tensors": [(t.key, t.kind, t.names) for t in local],
                 "optimizer": None if optimizer is None else optimizer_info(optimizer, local)}
-        if rank == 0:
+        if pipe.ctx.rank == 0:
             _prepare_target(target, tmp)
             torch.save(extra, io.BytesIO())  # picklable? fail before anything is written
     except Exception as e:
         error = e
-    infos = _agree(pipe, group, info, error, f"save_checkpoint({str(target)!r})")
-    has_opt = {r for r, i in enumerate(infos) if i["optimizer"] is not None}  # checked alike on every rank
+    infos = _agree(pipe, group, info, error, what)
+    has_opt = {r for r, i in enumerate(infos) if i["optimizer"] is not None}
     if has_opt and len(has_opt) != len(infos):
         raise ValueError(f"save_checkpoint: ranks {sorted(has_opt)} passed an optimizer, ranks "
                          f"{sorted(set(range(len(infos))) - has_opt)} did not (pass it on every rank or on none)")
     classes = sorted({i["optimizer"]["class"] for i in infos if i["optimizer"] is not None})
     if len(classes) > 1:
         raise ValueError(f"save_checkpoint: ranks use different optimizer classes {classes}")
-    sd = save_state(pipe, optimizer, local)
-    if rank == 0:
-        sd[META] = describe(pipe, infos, extra)
-    dcp = _dcp()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(), process_group=group)
-    error = None
-    if rank == 0:
-        try:  # swap the complete new checkpoint in
-            old = target.with_name(target.name + REPLACED)
-            if target.exists():
-                if old.exists():
-                    shutil.rmtree(old)
-                target.rename(old)
-            tmp.rename(target)
+    return local, infos
+
+
+def _swap_in(target: Path, tmp: Path) -> Exception | None:
+    """Rank 0: move the complete new checkpoint ``tmp`` to ``target`` (the old one aside, then removed); the
+    error, if any, for every rank to raise."""
+    try:
+        old = target.with_name(target.name + REPLACED)
+        if target.exists():
             if old.exists():
                 shutil.rmtree(old)
-        except Exception as e:
-            error = e
-    _agree(pipe, group, None, error, f"save_checkpoint({str(target)!r})")  # returns once it is in place
+            target.rename(old)
+        tmp.rename(target)
+        if old.exists():
+            shutil.rmtree(old)
+    except Exception as e:
+        return e
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None
                     ) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` into ``pipe`` (all ranks call it); returns ``extra``.
+    """Load a checkpoint written by :func:`save_checkpoint` into ``pipe`` (all ranks call it).
 
     The pipeline may use another plan or world size than the one that saved: each rank reads only the
-    tensors of its own stage, by original name. ``optimizer`` (the same class as saved, over
-    ``pipe.parameters()``) gets its per-parameter state and its param groups' hyperparameters back.
-    ``pipe.step`` is set to the saved step. Checks run on every rank before anything is read, and if any
-    rank finds a problem (missing path, not a dapple checkpoint, missing or unexpected tensors, shape
-    mismatch, other optimizer) every rank raises, naming it. Collectives are bounded by ``pipe.timeout``.
+    tensors of its own stage, by original name. ``pipe.step`` is set to the saved step. Checks run on every
+    rank before anything is read, and if any rank finds a problem (missing path, not a dapple checkpoint,
+    missing or unexpected tensors, shape mismatch, other optimizer) every rank raises, naming it. Collectives
+    are bounded by ``pipe.timeout``.
+
+    Args:
+        path: the checkpoint directory.
+        pipe: this rank's pipeline (any plan for the same model).
+        optimizer: an optimizer of the class saved, over ``pipe.parameters()``: it gets its per-parameter state
+            and its param groups' hyperparameters back.
+
+    Returns:
+        The ``extra`` dict given to :func:`save_checkpoint`.
     """
     _check_args(pipe, optimizer)
     target = Path(os.path.abspath(path))
-    group = _group(pipe, f"load_checkpoint({str(target)!r})")
+    what = f"load_checkpoint({str(target)!r})"
+    group = _group(pipe, what)
     error, finish = None, None
     sd: dict[str, Any] = {}
     meta: dict = {}
@@ -119,7 +149,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
         finish = load_targets(pipe, optimizer, target, md, meta, sd)
     except Exception as e:
         error = e
-    _agree(pipe, group, None, error, f"load_checkpoint({str(target)!r})")
+    _agree(pipe, group, None, error, what)
     dcp = _dcp()
     dcp.load(sd, storage_reader=dcp.FileSystemReader(target), planner=_load_planner(), process_group=group)
     finish()
@@ -130,9 +160,13 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
 def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The original model's ``state_dict`` from a checkpoint, on one process without any process group.
 
-    Every name the model's own ``state_dict`` has is present (a tied parameter under each of its names,
-    as one tensor), so ``model.load_state_dict(load_full_state_dict(path))`` restores a plain model.
-    Tensors are on the CPU, in the dtype they were saved in.
+    Args:
+        path: a directory written by :func:`save_checkpoint`.
+
+    Returns:
+        Every name the model's own ``state_dict`` has (a tied parameter under each of its names, as one tensor),
+        so ``model.load_state_dict(load_full_state_dict(path))`` restores a plain model. Tensors are on the CPU,
+        in the dtype they were saved in.
     """
     target = Path(os.path.abspath(path))
     md, meta = _read_meta(target)
@@ -201,13 +235,14 @@ def _read(path: Path, sd: dict[str, Any]) -> None:
         dcp = _dcp()
         if "no_dist" in inspect.signature(dcp.load).parameters:
             dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=_load_planner(), no_dist=True)
-        else:  # torch < 2.5: only the loader behind dcp.load takes no_dist (same call, 2.4 .. 2.13)
+        else:  # torch < 2.5: only the loader behind dcp.load takes no_dist (same call, 2.4 .. 2.13); lazy as _dcp
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
             _load_state_dict(sd, dcp.FileSystemReader(path), planner=_load_planner(), no_dist=True)
 
 
 def _dcp() -> Any:
-    """torch.distributed.checkpoint, imported on first use."""
+    """torch.distributed.checkpoint, imported on first use (it pulls in DTensor: slow, and only checkpoints need
+    it)."""
     import torch.distributed.checkpoint as dcp
     return dcp
 

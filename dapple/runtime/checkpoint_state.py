@@ -22,7 +22,7 @@ def opt_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageTensor:
     """One distinct tensor of this rank's stage."""
 
@@ -96,7 +96,7 @@ def save_state(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, local: l
 
 def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
     """The checkpoint's description, merged on rank 0 from every rank's part."""
-    import dapple
+    import dapple  # for dapple.__version__: the package's __init__ imports this module, so it is read at call time
 
     order = pipe.state_order  # every name of the original model's state_dict, in order
     pos = {n: i for i, n in enumerate(order)}
@@ -187,23 +187,10 @@ def _optimizer_targets(optimizer: torch.optim.Optimizer, path: Path, md: Metadat
                 raise _foreign(i, p)
             if key not in om["state"] or key not in hyper_of:
                 raise ValueError(f"{path}: no optimizer state for parameter {key!r} (its optimizer did not hold it)")
-            for s, kind in om["state"][key].items():
-                k = opt_key(key, s)
-                m = md.state_dict_metadata.get(k)
-                if kind == "tensor":
-                    if not is_stored_tensor(m):
-                        raise ValueError(f"{path}: damaged checkpoint: optimizer state {k!r} is listed but not stored")
-                    sd.setdefault(k, torch.empty(m.size, dtype=m.properties.dtype))
-                else:
-                    sd.setdefault(k, None)  # an object: DCP puts it in place
+            _state_destinations(path, md, key, om["state"][key], sd)
             entries.append((key, list(om["state"][key])))
             hypers.append((key, hyper_of[key]))
-        for key, h in hypers[1:]:
-            if not same(h, hypers[0][1]):
-                diff = sorted(k for k in set(h) | set(hypers[0][1]) if not same(h.get(k), hypers[0][1].get(k)))
-                raise ValueError(f"optimizer.param_groups[{i}] mixes parameters saved in param groups with different "
-                                 f"{diff}: {hypers[0][0]!r} and {key!r} (group them as when saving)")
-        hyper = hypers[0][1] if hypers else {k: v for k, v in group.items() if k != "params"}
+        hyper = _one_hyper(i, hypers) if hypers else {k: v for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": list(range(first, len(entries)))})
 
     def finish() -> None:
@@ -221,9 +208,34 @@ def _optimizer_targets(optimizer: torch.optim.Optimizer, path: Path, md: Metadat
     return finish
 
 
+def _state_destinations(path: Path, md: Metadata, key: str, kinds: dict[str, str], sd: dict[str, Any]) -> None:
+    """Put a destination for each saved state entry of parameter ``key`` into ``sd`` (``kinds``: state name ->
+    "tensor" | "object"): an empty tensor DCP fills in place, or None for an object DCP puts there."""
+    for s, kind in kinds.items():
+        k = opt_key(key, s)
+        m = md.state_dict_metadata.get(k)
+        if kind == "tensor":
+            if not is_stored_tensor(m):
+                raise ValueError(f"{path}: damaged checkpoint: optimizer state {k!r} is listed but not stored")
+            sd.setdefault(k, torch.empty(m.size, dtype=m.properties.dtype))
+        else:
+            sd.setdefault(k, None)
+
+
+def _one_hyper(i: int, hypers: list[tuple[str, dict]]) -> dict:
+    """The hyperparameters saved for the parameters of ``optimizer.param_groups[i]`` (``hypers``: per parameter,
+    its key and saved group's hyperparameters); ValueError if they came from groups that differ."""
+    for key, h in hypers[1:]:
+        if not same(h, hypers[0][1]):
+            diff = sorted(k for k in set(h) | set(hypers[0][1]) if not same(h.get(k), hypers[0][1].get(k)))
+            raise ValueError(f"optimizer.param_groups[{i}] mixes parameters saved in param groups with different "
+                             f"{diff}: {hypers[0][0]!r} and {key!r} (group them as when saving)")
+    return hypers[0][1]
+
+
 def is_stored_tensor(m: Any) -> bool:
     """DCP's metadata of a stored (whole) tensor, as opposed to an object or nothing."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP is slow to import: on first use
     return isinstance(m, TensorStorageMetadata)
 
 

@@ -1,5 +1,4 @@
-"""Process groups (one per replicated stage, one per set of stages sharing tied parameters) and the bucketed
-gradient AllReduce over them (paper V-B3)."""
+"""Gradient AllReduce groups (per replicated stage, per set of stages sharing tied parameters), in buckets (V-B3)."""
 
 from __future__ import annotations
 
@@ -142,10 +141,10 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in bucket]
         flat = self._flat[k]
-        if flat is None:  # one flat buffer per bucket, kept across steps: a fresh multi-MB allocation each step
+        if flat is None:  # one flat buffer per bucket, kept across steps: not a fresh multi-MB allocation each step
             flat = self._flat[k] = torch.empty(sum(x.numel() for x in grads), dtype=grads[0].dtype,
                                                device=grads[0].device)  # (sum of numels,)
-        torch.cat([x.reshape(-1) for x in grads], out=flat)  # page-faulted 25 MB in ~15 ms here (3 ms reused)
+        torch.cat([x.reshape(-1) for x in grads], out=flat)  # into the reused buffer: no fresh pages to fault in
         if self.rec is not None:
             self._launch_times[k] = (self.rec.clock(), "last backward" if self._armed else "end of step")
         self._launched[k] = (grads, flat, dist.all_reduce(flat, group=g.group, async_op=True))

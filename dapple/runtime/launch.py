@@ -12,15 +12,26 @@ from ..core.dist import free_port
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, start_timeout: float = 120.0,
            monitor_interval: float = 0.05) -> dict[int, Any]:
-    """Call ``fn(*args)`` in ``nprocs`` fresh processes with torchrun's environment set; {rank: return value}.
+    """Call ``fn(*args)`` in ``nprocs`` fresh processes with torchrun's environment set.
 
     Each process sees RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so ``dapple.pipeline``
-    (or ``torch.distributed.init_process_group()``) joins the group without arguments. ``fn`` must be
-    importable (a module-level function) and its arguments picklable. If a process fails, the others
-    are stopped and ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` is raised
-    with the failing rank's traceback.
+    (or ``torch.distributed.init_process_group()``) joins the group without arguments.
+
+    Args:
+        fn: an importable (module-level) function; it and its arguments must be picklable.
+        nprocs: how many processes (ranks) to start.
+        *args: the arguments of every call.
+        start_timeout: seconds the processes have to join the rendezvous.
+        monitor_interval: seconds between the launcher's checks on its processes.
+
+    Returns:
+        {rank: fn's return value}.
+
+    Raises:
+        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a process failed (the others are
+            stopped); it carries the failing rank's traceback.
     """
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # torch's elastic stack: only launch
 
     if not is_int(nprocs, 1):
         raise ValueError(f"nprocs: expected a positive integer, got {nprocs!r}")

@@ -1,4 +1,4 @@
-"""Split-concat point-to-point transfers: non-blocking isend/irecv, waits bounded by the timeout."""
+"""Split-concat send/recv of activations and gradients between replicated stages: non-blocking, bounded waits."""
 
 from __future__ import annotations
 

@@ -6,11 +6,26 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
+import torch
+
 from ..core.plan import Plan
 from ..core.schedule import Op, stage_ops
 from ..core.split_concat import Route, routes
 
 LOOKAHEAD = 1  # receives are posted for the current op and the next one, so transfers overlap compute
+
+
+def receive_lookahead(device: torch.device) -> int:
+    """How many ops ahead a rank posts its receives: :data:`LOOKAHEAD` where a receive waits on the host (gloo),
+    none on CUDA.
+
+    There a posted NCCL receive is a kernel that spins until its data comes, and a lazily loaded kernel
+    (CUDA_MODULE_LOADING=LAZY, torch's default) or a host sync of the same rank waits for it; if the data depends
+    on work the rank has yet to launch (stage 0's first forward, with micro-batch 0's gradient receive posted
+    before it), that is a deadlock. Just in time, the receive is waited on as soon as it is posted
+    (torch.distributed.pipelining does the same); sends still go out as soon as they are made.
+    """
+    return 0 if device.type == "cuda" else LOOKAHEAD
 
 
 class Transfer(NamedTuple):
@@ -51,9 +66,14 @@ class Instr(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What moves across each cut: ``values[c]`` boundary values after stage c, ``grads[c]`` the indices of
-    those that carry a gradient back (floating point tensors that require grad)."""
+class BoundaryLayout:
+    """Which boundary values cross each cut, for one input shape: what a rank's transfers are made of.
+
+    Cut c lies between stage c and stage c + 1. ``values[c]`` boundary values go forward across it (indices
+    into ``StageGraph.send`` of stage c); ``grads[c]`` are the indices, among those, of the values whose
+    gradient comes back (floating-point tensors that require grad). Not to be confused with the placement of
+    ranks on servers (``validate.layout_mismatch``).
+    """
 
     values: tuple[int, ...]  # per cut: number of boundary values
     grads: tuple[tuple[int, ...], ...]  # per cut: indices of values whose gradient is sent back
@@ -66,7 +86,7 @@ def cut_routes(plan: Plan, c: int) -> Iterator[tuple[Route, int, int]]:
         yield r, src_ranks[r.src], dst_ranks[r.dst]
 
 
-def op_transfers(plan: Plan, layout: Layout, rank: int, op: Op) -> tuple[list[Transfer], list[Transfer]]:
+def op_transfers(plan: Plan, layout: BoundaryLayout, rank: int, op: Op) -> tuple[list[Transfer], list[Transfer]]:
     """(receives, sends) of ``rank`` for one op, in posting order: by route (sender, then receiver), then value."""
     s = plan.stage_of_device(rank)
     me = plan.stages[s].devices.index(rank)
@@ -95,7 +115,7 @@ def op_transfers(plan: Plan, layout: Layout, rank: int, op: Op) -> tuple[list[Tr
     return recvs, sends
 
 
-def rank_program(plan: Plan, layout: Layout, rank: int, lookahead: int = LOOKAHEAD) -> list[Instr]:
+def rank_program(plan: Plan, layout: BoundaryLayout, rank: int, lookahead: int = LOOKAHEAD) -> list[Instr]:
     """The exact sequence of posts and computations ``rank`` runs in one training step.
 
     Computations follow ``stage_ops(plan.schedule, M, K_i)``. Receives of op t+``lookahead`` are posted
@@ -116,7 +136,7 @@ def rank_program(plan: Plan, layout: Layout, rank: int, lookahead: int = LOOKAHE
     return prog
 
 
-def op_receives(program: Sequence[Instr], rank: int, plan: Plan, layout: Layout) -> dict[Op, list[Transfer]]:
+def op_receives(program: Sequence[Instr], rank: int, plan: Plan, layout: BoundaryLayout) -> dict[Op, list[Transfer]]:
     """For each compute of ``program``, the receives it waits for."""
     return {i.op: op_transfers(plan, layout, rank, i.op)[0] for i in program if i.action == "compute"}
 
@@ -125,7 +145,7 @@ class CommError(RuntimeError):
     """Per-rank programs that do not match pairwise or that would deadlock."""
 
 
-def dry_run(plan: Plan, layout: Layout, programs: dict[int, list[Instr]] | None = None) -> int:
+def dry_run(plan: Plan, layout: BoundaryLayout, programs: dict[int, list[Instr]] | None = None) -> int:
     """Play every rank's program without processes; return the number of rounds, or raise CommError.
 
     Checks that on every channel (sender, receiver, kind) the sender's sends and the receiver's receives
@@ -135,6 +155,13 @@ def dry_run(plan: Plan, layout: Layout, programs: dict[int, list[Instr]] | None 
     """
     ranks = range(plan.num_devices)
     progs = programs if programs is not None else {r: rank_program(plan, layout, r) for r in ranks}
+    sent = _matched_channels(progs)
+    waits = {r: op_receives(progs[r], r, plan, layout) for r in ranks}
+    return _play(ranks, progs, sent, waits)
+
+
+def _matched_channels(progs: dict[int, list[Instr]]) -> dict[tuple, list[Transfer]]:
+    """Every channel's sends, in order; CommError unless each matches its receiver's receives one for one."""
     sent: dict[tuple, list[Transfer]] = defaultdict(list)
     recv: dict[tuple, list[Transfer]] = defaultdict(list)
     for r, prog in progs.items():
@@ -155,10 +182,15 @@ def dry_run(plan: Plan, layout: Layout, programs: dict[int, list[Instr]] | None 
             if x != y:
                 raise CommError(f"channel {ch[0]}->{ch[1]} ({ch[2]}): message {k} is {x} at the sender but {y} "
                                 f"at the receiver")
-    # Simulation: position of each transfer in its channel, and how many sends each channel has seen.
-    position = {x: k for ch, xs in sent.items() for k, x in enumerate(xs)}
-    done_sends: dict[tuple, int] = defaultdict(int)
-    waits = {r: op_receives(progs[r], r, plan, layout) for r in ranks}
+    return sent
+
+
+def _play(ranks: Sequence[int], progs: dict[int, list[Instr]], sent: dict[tuple, list[Transfer]],
+          waits: dict[int, dict[Op, list[Transfer]]]) -> int:
+    """Run the programs in rounds, a compute waiting until its receives' sends were posted; the rounds taken,
+    or CommError when every unfinished rank waits."""
+    position = {x: k for ch, xs in sent.items() for k, x in enumerate(xs)}  # each transfer's place in its channel
+    done_sends: dict[tuple, int] = defaultdict(int)  # sends posted so far, per channel
     pc = {r: 0 for r in ranks}
     rounds = 0
     while any(pc[r] < len(progs[r]) for r in ranks):

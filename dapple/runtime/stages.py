@@ -6,11 +6,14 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from ..profiler.layers import LayerGraph
+from ..profiler.export_graph import retarget_devices
+from ..profiler.layer_graph import LayerGraph
+from ..profiler.layers import Arity, arity
 
 # torch >= 2.12 can make every partition return a tuple; older ones return a lone value bare, which
 # _with_original_names reads the same way
@@ -38,6 +41,32 @@ class StageGraph:
     def parameters(self) -> list[nn.Parameter]:
         """This stage's parameters, each once, in module order."""
         return list(self.module.parameters())
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The traced model's inputs, as every stage sees them."""
+
+    names: list[str]  # placeholder names, in forward's order
+    defaults: dict[str, Any]  # name -> default of the inputs that have one (``forward(x, mask=None)``: mask)
+    arity: Arity  # how many positional inputs a call must give
+
+
+def model_inputs(gm: fx.GraphModule) -> ModelInputs:
+    """The inputs of traced ``gm``: names, defaults and arity."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return ModelInputs([n.name for n in placeholders], {n.name: n.args[0] for n in placeholders if n.args},
+                       arity(gm))
+
+
+def stage_module(graph: StageGraph, traced: fx.GraphModule, device: torch.device) -> nn.Module:
+    """The stage's module moved to ``device``; a torch.export graph also gets the traced device baked in and its
+    factory ops (``arange(..., device=)``) pointed at ``device``."""
+    module = graph.module.to(device)
+    if "dapple_trace" in traced.meta and isinstance(module, fx.GraphModule):  # torch.export graphs
+        module.meta["dapple_trace"] = dict(traced.meta["dapple_trace"])
+        retarget_devices(module, device)
+    return module
 
 
 def cuts_of(stage_layers: Sequence[tuple[int, int]]) -> list[int]:

@@ -1,22 +1,4 @@
-"""Opt-in trace of training steps: per-rank events (F/B, transfer waits, AllReduce, idle) merged over ranks.
-
-The engine holds ``Pipeline._rec``: None when tracing is off (each instruction then costs one ``is None``
-test and allocates nothing), a :class:`Recorder` when on. Events are taken on this rank's clock
-(:data:`CLOCK`, ``time.perf_counter``) and moved onto rank 0's when they are gathered (see dapple/profiler/clocksync.py).
-On CUDA every timestamp first synchronizes the device, so times are when the GPU finished, not when the host
-queued the work (tracing then also removes the overlap of kernel launches with execution: slightly slower).
-
-What a step records, per rank (``Event`` kinds and names as in dapple/planner/timeline.py):
-- compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for); ``idle``
-  (waiting for the receives of an op, for sends to complete, or for the loss AllReduce at the end of the
-  step; ``args["waiting_for"]`` says which); ``AR`` (waiting for the stage's gradient AllReduce).
-- p2p lane: ``recv←1`` from the start to the end of the wait for that message (``args["posted_ms_before"]``:
-  how long before the wait its irecv was posted; a near-zero event means the data was already there);
-  ``send→2`` the isend call (delivery shows as the peer's receive). Both with peer, bytes, micro-batch.
-- allreduce lane: ``AR bucket k`` from the launch of bucket k (during the last backward, or at the end of the
-  step for parameters the last backward did not reach) to when the rank saw it complete.
-- step lane: ``step n``, the whole ``train_step`` call.
-"""
+"""Opt-in timeline of training steps: per-rank events (F/B, transfer waits, AllReduce, idle) merged over ranks."""
 
 from __future__ import annotations
 
@@ -25,16 +7,15 @@ import socket
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
+from ..core.plan import Plan
 from ..core.timeline import Event, save_chrome_trace
 from ..profiler.probe.clocks import ClockSync, constant_offset, correction, gather_json, sync_clock
+from .distributed import DistContext
 from .program import Transfer
-
-if TYPE_CHECKING:
-    from .engine import Pipeline
 
 CLOCK: Callable[[], float] = time.perf_counter  # read when a Recorder is made (tests skew it per rank)
 KEEP_STEPS = 16  # pipeline(trace=True) keeps this many most recent steps
@@ -44,7 +25,20 @@ ARROW = {"send": "→", "recv": "←"}
 class Recorder:
     """This rank's events of the steps it records, on its own clock; called by the engine only when tracing.
 
-    The hot path appends a plain tuple per event (no formatting); :attr:`events` builds the ``Event`` objects.
+    The engine holds a Recorder only while tracing (otherwise each instruction costs one ``is None`` test). The
+    hot path appends a plain tuple per event (no formatting); :attr:`events` builds the ``Event`` objects.
+    Times are read from :data:`CLOCK`; on CUDA each read first synchronizes the device, so a time is when the
+    GPU finished, not when the host queued the work. A step records, per rank (kinds and names as in
+    :mod:`dapple.core.timeline`):
+
+    - compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for); ``idle``
+      (waiting for an op's receives, for sends to complete, or for the loss AllReduce; ``args["waiting_for"]``
+      says which); ``AR`` (waiting for the stage's gradient AllReduce).
+    - p2p lane: ``recv←1`` from the start to the end of the wait for that message (``args["posted_ms_before"]``:
+      how long before the wait its irecv was posted); ``send→2`` the isend call. Both with peer, bytes,
+      micro-batch.
+    - allreduce lane: ``AR bucket k`` from the launch of bucket k to when the rank saw it complete.
+    - step lane: ``step n``, the whole ``train_step`` call.
     """
 
     def __init__(self, rank: int, max_steps: int | None = None,
@@ -161,22 +155,37 @@ def merge(payloads: list[dict]) -> tuple[list[Event], dict[int, dict]]:
     return events, ranks
 
 
+class Traced(Protocol):
+    """What a trace reads of the pipeline it records (:class:`dapple.Pipeline`): this rank's place in the plan,
+    the timeout of collectives, boundary value names, and ``recorder``, where its steps log (None: nowhere)."""
+
+    ctx: DistContext
+    plan: Plan
+    stage: int
+    replica: int
+    timeout: float
+    recorder: Recorder | None
+
+    def value_name(self, t: Transfer) -> str:
+        ...
+
+
 class Trace:
     """``with pipe.trace() as t: pipe.train_step(...)`` records the steps run in the block (enter it on every
     rank: starting syncs clocks); then ``t.save("trace.json")`` on every rank writes one merged Chrome trace."""
 
-    def __init__(self, pipe: "Pipeline"):
+    def __init__(self, pipe: Traced):
         self._pipe = pipe
         self.recorder: Recorder | None = None
         self._previous: Recorder | None = None
 
     def __enter__(self) -> "Trace":
         self.recorder = start_recorder(self._pipe)
-        self._previous, self._pipe._rec = self._pipe._rec, self.recorder
+        self._previous, self._pipe.recorder = self._pipe.recorder, self.recorder
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._pipe._rec = self._previous  # no collective here: the block may have raised on this rank only
+        self._pipe.recorder = self._previous  # no collective here: the block may have raised on this rank only
 
     @property
     def events(self) -> list[Event]:
@@ -192,17 +201,18 @@ class Trace:
     def save(self, path: str | os.PathLike) -> Path | None:
         """Collective: write the merged Chrome trace (Perfetto, chrome://tracing) to ``path`` on rank 0;
         returns the path there, None on the other ranks. ``dapple show PATH --png out.png`` draws it."""
-        return _write(self.gather(), path)
+        return write_trace(self.gather(), path)
 
 
-def start_recorder(pipe: "Pipeline", max_steps: int | None = None) -> Recorder:
-    """A new recorder for ``pipe``'s rank with a first clock sync (collective)."""
-    rec = Recorder(pipe.ctx.rank, max_steps, pipe._value_name, pipe.ctx.device)
+def start_recorder(pipe: Traced, max_steps: int | None = None) -> Recorder:
+    """A new recorder for ``pipe``'s rank (the last ``max_steps`` steps; None: all) with a first clock sync
+    (collective)."""
+    rec = Recorder(pipe.ctx.rank, max_steps, pipe.value_name, pipe.ctx.device)
     rec.syncs.append(sync_clock(rec.base_clock, pipe.ctx.rank, pipe.ctx.world_size, pipe.ctx.device, pipe.timeout))
     return rec
 
 
-def gather_trace(pipe: "Pipeline", rec: Recorder) -> tuple[list[Event], dict] | None:
+def gather_trace(pipe: Traced, rec: Recorder) -> tuple[list[Event], dict] | None:
     """Sync clocks again (drift), gather every rank's payload to rank 0 and merge (collective)."""
     ctx = pipe.ctx
     rec.syncs.append(sync_clock(rec.base_clock, ctx.rank, ctx.world_size, ctx.device, pipe.timeout))
@@ -240,7 +250,9 @@ def rank_labels(meta: dict) -> dict[int, str]:
     return out
 
 
-def _write(gathered: tuple[list[Event], dict] | None, path: str | os.PathLike) -> Path | None:
+def write_trace(gathered: tuple[list[Event], dict] | None, path: str | os.PathLike) -> Path | None:
+    """Write what :func:`gather_trace` returned as a Chrome trace at ``path`` (rank 0); the path, or None where
+    nothing was gathered (the other ranks)."""
     if gathered is None:
         return None
     events, meta = gathered

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapple.planner import Plan, Stage, stage_ops
-from dapple.runtime.engine import receive_lookahead
-from dapple.runtime.program import LOOKAHEAD, CommError, Layout, dry_run, rank_program
+from dapple.runtime.program import LOOKAHEAD, BoundaryLayout, CommError, dry_run, rank_program, receive_lookahead
 
 
 @st.composite
@@ -34,7 +33,7 @@ def plans(draw):
                 stages=[Stage((i, i + 1), d, w) for i, (d, w) in enumerate(zip(devices, warmup))])
     values = tuple(draw(st.integers(1, 3)) for _ in range(num_stages - 1))
     grads = tuple(tuple(v for v in range(n) if draw(st.booleans())) for n in values)
-    return plan, Layout(values=values, grads=grads)
+    return plan, BoundaryLayout(values=values, grads=grads)
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,11 +72,11 @@ def test_dry_run_finds_the_deadlock_of_an_increasing_warmup():
     plan.stages[1].warmup = 3  # bypasses Plan validation: stage 1 waits for 3 forwards, stage 0 sends 1
     # stage 1's replicas wait for a 2nd forward before their first backward; stage 0 waits for that backward
     with pytest.raises(CommError, match=r"deadlock: .* \{0: 'compute B0', 1: 'compute F1', 2: 'compute F1'\}"):
-        dry_run(plan, Layout(values=(1,), grads=((0,),)))
+        dry_run(plan, BoundaryLayout(values=(1,), grads=((0,),)))
 
 
 def test_dry_run_finds_mismatched_order():
-    plan, layout = _plan([2, 1]), Layout(values=(2,), grads=((0, 1),))
+    plan, layout = _plan([2, 1]), BoundaryLayout(values=(2,), grads=((0, 1),))
     programs = {r: rank_program(plan, layout, r) for r in range(3)}
     recvs = [k for k, i in enumerate(programs[1]) if i.action == "recv"]
     a, b = recvs[0], recvs[1]  # two values of the same micro-batch swapped at the receiver
@@ -88,7 +87,7 @@ def test_dry_run_finds_mismatched_order():
 
 def test_receives_are_posted_one_op_ahead():
     plan = _plan([2, 1])
-    prog = rank_program(plan, Layout(values=(1,), grads=((0,),)), 1)  # stage 1, replica 0, K=1
+    prog = rank_program(plan, BoundaryLayout(values=(1,), grads=((0,),)), 1)  # stage 1, replica 0, K=1
     text = [str(i.op) if i.action == "compute" else f"{i.action}-{i.transfer.kind}{i.transfer.micro_batch}"
             for i in prog]
     # the next op's activations are posted before the current op runs; B0's gradient is sent right after B0
@@ -101,7 +100,7 @@ def test_receives_are_posted_just_in_time_on_cuda():
     micro-batch 0's gradients on an H100)."""
     assert receive_lookahead(torch.device("cuda", 0)) == 0 and receive_lookahead(torch.device("cpu")) == LOOKAHEAD
     plan = _plan([2, 1])
-    prog = rank_program(plan, Layout(values=(1,), grads=((0,),)), 0, receive_lookahead(torch.device("cuda")))
+    prog = rank_program(plan, BoundaryLayout(values=(1,), grads=((0,),)), 0, receive_lookahead(torch.device("cuda")))
     text = [str(i.op) if i.action == "compute" else f"{i.action}-{i.transfer.kind}{i.transfer.micro_batch}"
             for i in prog]
     # stage 0 (K=2, two replicas downstream): every receive comes right before the op that waits on it

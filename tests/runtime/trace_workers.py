@@ -37,7 +37,7 @@ def run_traces(out_dir: str) -> dict[str, Any]:
     pipe = dapple.pipeline(model, _plan(model, STAGES, 8, 2), F.cross_entropy, timeout=30)
     pipe.train_step(x, y)  # tracing off: no recorder may exist, the engine must not have been handed one
     out["recorders_when_off"] = len(made)
-    out["rec_when_off"] = [pipe._rec is None, pipe._p2p.rec is None, pipe._reducer.rec is None]
+    out["rec_when_off"] = [pipe.recorder is None, pipe._p2p.rec is None, pipe._reducer.rec is None]
     try:
         pipe.save_trace(os.path.join(out_dir, "never.json"))
         out["save_trace_when_off"] = "no error"
@@ -48,7 +48,7 @@ def run_traces(out_dir: str) -> dict[str, Any]:
     n = len(t.events)
     pipe.train_step(x, y)  # after the block: not recorded
     out["events_after_exit"] = len(t.events) - n
-    out["rec_after_exit"] = [pipe._rec is None, pipe._p2p.rec is None, pipe._reducer.rec is None]
+    out["rec_after_exit"] = [pipe.recorder is None, pipe._p2p.rec is None, pipe._reducer.rec is None]
     out["local_starts"] = [e.start for e in t.events]  # this rank's own (skewed) clock
     out["dapple"] = str(t.save(os.path.join(out_dir, "dapple.json")))
 

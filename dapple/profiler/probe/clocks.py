@@ -1,16 +1,4 @@
-"""Clock offsets of every rank to rank 0 (ping-pong, Cristian's method) and gathering JSON payloads to rank 0.
-
-Method: for each rank r > 0 in turn, r stamps a = its clock, sends a ping to rank 0, rank 0 stamps T on
-receipt and replies with T, r stamps b on the reply. Rank 0 read its clock at some instant between a and b
-(causality), so the offset (rank 0's clock minus r's) lies in [T - b, T - a], whatever the delays in each
-direction. Every one of ``pings`` round trips gives such an interval; the offset lies in all of them, so their
-intersection is kept (at least as tight as the shortest round trip's): the estimate is its middle, the error
-bound its half-width. On one machine over gloo/loopback a round trip takes tens of microseconds when idle and
-up to milliseconds under load, so offsets are known to that precision (the bound is recorded with each
-offset). Clocks drift (tens of ppm for servers kept by NTP), so a trace syncs when recording starts and again
-when it is saved; if one constant offset fits both syncs' intervals it is used, otherwise the offset is
-interpolated linearly between them (see :func:`correction`).
-"""
+"""Clock offsets of every rank to rank 0 (ping-pong, Cristian's method), and gathering JSON payloads to rank 0."""
 
 from __future__ import annotations
 
@@ -56,7 +44,21 @@ def _wait(work: Any, ctx: _Ctx, what: str) -> None:
 
 def sync_clock(clock: Callable[[], float], rank: int, world: int, device: torch.device, timeout: float,
                pings: int = PINGS) -> ClockSync:
-    """This rank's offset to rank 0's ``clock`` (collective over the default group: call on every rank)."""
+    """This rank's offset to rank 0's ``clock`` (collective over the default group: call on every rank).
+
+    For each rank r > 0 in turn, r stamps a = its clock and sends a ping; rank 0 replies with T, its clock on
+    receipt; r stamps b on the reply. Rank 0 read its clock between a and b, so the offset (rank 0's clock minus
+    r's) lies in [T - b, T - a] whatever the delays in each direction. The offset lies in every round trip's
+    interval, so their intersection is kept: the estimate is its middle, the error bound its half-width.
+    Clocks drift, so a trace syncs when recording starts and again when it is saved (see :func:`correction`).
+
+    Args:
+        clock: this rank's clock (seconds).
+        rank, world: this rank and the world size of the default group.
+        device: where the timestamps travel (the default group's device).
+        timeout: seconds every wait is bounded by.
+        pings: round trips per rank.
+    """
     if pings < 1:
         raise ValueError(f"pings: expected at least one round trip, got {pings!r}")
     ctx = _Ctx(rank, world, device, timeout)

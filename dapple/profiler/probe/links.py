@@ -12,9 +12,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ...core.checks import is_int
-from ...core.dist import barrier, bounded, free_port, group_device, timeout_seconds, wait_for
+from ...core.dist import barrier, bounded, free_port, timeout_seconds, wait_for
+from .device import probe_device, synchronize
+from .sharing import concurrent_sends
 
 DEFAULT_SIZES = tuple(2 ** k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
@@ -23,8 +26,7 @@ def fit_line(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, 
     """Least-squares fit of seconds = latency + nbytes / bandwidth; returns (latency s, bandwidth B/s).
 
     Residuals are relative (weights 1 / seconds), so each size counts alike: the small sizes set the latency and
-    the large ones the bandwidth. (Unweighted, the intercept is whatever the noise of the largest transfers
-    leaves: 0.09 to 0.7 ms between runs of the same probe on a loaded machine, for a 0.2 ms small message.)
+    the large ones the bandwidth (unweighted, the noise of the largest transfers would decide the intercept).
     """
     if len(nbytes) < 2 or len(set(nbytes)) < 2:
         raise ValueError(f"need at least two distinct sizes to fit latency and bandwidth, got {list(nbytes)}")
@@ -47,10 +49,6 @@ def check_probe(sizes: Sequence[int], repeats: int) -> None:
                          f"fitted to them), got {sizes}")
 
 
-def _device() -> torch.device:
-    return group_device()  # NCCL on CUDA: this rank's own GPU (LOCAL_RANK); else the CPU
-
-
 def _wait(work, what: str, timeout: float) -> None:
     wait_for(work, timeout, f"bandwidth probe, rank {dist.get_rank()}: {what}")
 
@@ -64,16 +62,11 @@ def _bounded(what: str, limit: float, call: Callable[..., Any], /, *args: Any, *
     return bounded(limit, f"bandwidth probe, rank {dist.get_rank()}: {what}", call, *args, **kwargs)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7,
               timeout: float = 300.0) -> dict[int, float]:
     """One-way transfer seconds (median of half round trips) between two ranks; every rank must call it.
     Each round times every size once (see :func:`allreduce_times`); every wait is bounded by ``timeout``."""
-    rank, device = dist.get_rank(), _device()
+    rank, device = dist.get_rank(), probe_device()
     bufs = {n: torch.empty(max(1, n // 4), dtype=torch.float32, device=device) for n in sizes}  # n bytes
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for i in range(repeats + 1):
@@ -81,11 +74,11 @@ def ping_pong(peer_a: int, peer_b: int, sizes: Sequence[int] = DEFAULT_SIZES, re
             buf = bufs[n]
             _barrier(device, f"before the {n}-byte ping-pong of ranks {peer_a} and {peer_b}", timeout)
             if rank == peer_a:
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 _wait(dist.isend(buf, peer_b), f"sending {n} bytes to rank {peer_b}", timeout)
                 _wait(dist.irecv(buf, peer_b), f"receiving {n} bytes from rank {peer_b}", timeout)
-                _sync(device)
+                synchronize(device)
                 if i:  # the first round trips set up the connection
                     times[n].append((time.perf_counter() - t0) / 2)
             elif rank == peer_b:
@@ -99,18 +92,17 @@ def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, grou
     """Median seconds of an all_reduce(sum) of each size over ``group`` (default: all); its ranks call it.
 
     Each round times every size once, so a burst of load on a shared machine spreads over all sizes instead of
-    slowing every repeat of one (which bends the latency + bytes / bandwidth fit: a 4-rank bus bandwidth of 0.5
-    to 1.3 GB/s between probes a minute apart, sizes timed one after another)."""
-    device = _device()
+    slowing every repeat of one (which would bend the latency + bytes / bandwidth fit)."""
+    device = probe_device()
     bufs = {n: torch.ones(max(1, n // 4), dtype=torch.float32, device=device) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for i in range(repeats + 1):
         for n in sizes:
             _barrier(device, f"before the {n}-byte AllReduce", timeout, group)
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             _wait(dist.all_reduce(bufs[n], group=group, async_op=True), f"the {n}-byte AllReduce", timeout)
-            _sync(device)
+            synchronize(device)
             if i:  # the first round sets up the connections
                 times[n].append(time.perf_counter() - t0)
     return {n: statistics.median(t) for n, t in times.items()}
@@ -119,13 +111,22 @@ def allreduce_times(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, grou
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: float = 300.0) -> dict:
     """Probe the links of an initialised process group (e.g. under torchrun); every rank calls it.
 
-    Servers are told apart by host name; ranks must be laid out server by server (torchrun's order). Returns
-    the fits on every rank: ``{"servers", "devices_per_server", "intra": (lat, bw), "inter": (lat, bw) or None,
-    "allreduce": (lat, bw) per ring step, "allreduce_by_size": {r: (lat, bw)} inside server 0 for r = 2, 4, 8 ...
-    below its device count and for all of it, "hosts", "link_sharing": {"intra" and/or "inter":
-    :func:`link_sharing.concurrent_sends` from rank 0 to two ranks of its server / of the next server} (with 3
-    or more ranks per server / 2 or more on each of 2 or more servers)}``. ``timeout``: seconds for the groups
-    it makes (a gloo one for the host names and the results) and for every wait.
+    Servers are told apart by host name (``DAPPLE_PROBE_HOST`` overrides it, e.g. to test several servers);
+    ranks must be laid out server by server (torchrun's order).
+
+    Args:
+        sizes: byte counts every transfer and AllReduce is timed at (two or more distinct ones).
+        repeats: timed rounds per measurement, after one untimed round.
+        timeout: seconds for the groups it makes (a gloo one for the host names and the results) and every wait.
+
+    Returns:
+        The same dict on every rank: ``servers``, ``devices_per_server``, ``hosts``; ``intra`` / ``inter``:
+        (latency s, bandwidth B/s) of a link inside a server / between servers (``inter`` None on one server);
+        ``allreduce``: (latency per ring step, bus bandwidth) over all ranks; ``allreduce_intra``: the same inside
+        server 0 (several servers of several devices); ``allreduce_by_size``: {r: fit} inside server 0 for
+        r = 2, 4, 8 ... below its device count and for all of it; ``link_sharing``: {"intra" and/or "inter":
+        :func:`~.sharing.concurrent_sends` from rank 0 to two ranks of its server / of the next server} (with 3
+        or more ranks per server / 2 or more on each of 2 or more servers).
     """
     check_probe(sizes, repeats)
     wait = timedelta(seconds=timeout_seconds("timeout", timeout))
@@ -134,15 +135,7 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
         raise ValueError(f"the bandwidth probe needs at least 2 ranks, the world has {world}")
     objects = _bounded("creating its gloo group (does every rank call measure?)", timeout, dist.new_group,
                        list(range(world)), timeout=wait, backend="gloo")  # for the object collectives
-    hosts: list = [None] * world  # DAPPLE_PROBE_HOST overrides the host name (e.g. to test several servers)
-    _bounded("gathering the host names", timeout, dist.all_gather_object, hosts,
-             os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname(), group=objects)
-    names = list(dict.fromkeys(hosts))
-    per = hosts.count(names[0])
-    expect = [h for h in names for _ in range(per)]
-    if hosts != expect:
-        raise ValueError(f"ranks must be laid out server by server with the same count on each (torchrun's "
-                         f"order), got hosts by rank: {hosts}")
+    names, per = _servers(world, objects, timeout)
     result: dict = {"servers": len(names), "devices_per_server": per, "hosts": names, "inter": None}
     if per > 1:
         t = ping_pong(0, 1, sizes, repeats, timeout)
@@ -151,24 +144,9 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
         t = ping_pong(0, per, sizes, repeats, timeout)
         result["inter"] = fit_line(list(t), list(t.values())) if t else None
     result["allreduce"] = _ring_fit(allreduce_times(sizes, repeats, timeout=timeout), world)
-    if len(names) > 1 and per > 1:  # an AllReduce inside one server, for stages that do not span servers
-        server0 = _bounded("creating the group of server 0", timeout, dist.new_group, list(range(per)),
-                           timeout=wait)  # every rank creates it, only server 0 uses it
-        if dist.get_rank() < per:
-            result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, server0, timeout), per)
-    if per > 1:  # smaller groups inside server 0: the cost per byte may depend on the group size
-        by_size = {per: result.get("allreduce_intra") if len(names) > 1 else result["allreduce"]}  # rank 0's
-        r = 2
-        while r < per:
-            group = _bounded(f"creating the group of ranks 0..{r - 1}", timeout, dist.new_group, list(range(r)),
-                             timeout=wait)  # every rank creates it, ranks 0..r-1 use it
-            if dist.get_rank() < r:
-                by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group, timeout), r)
-            _barrier(_device(), f"after the AllReduce of ranks 0..{r - 1}", timeout)
-            r *= 2
-        result["allreduce_by_size"] = dict(sorted(by_size.items()))
+    if per > 1:
+        _allreduces_in_server0(result, len(names), per, sizes, repeats, timeout, wait)
     if world >= 3:  # do two sends at once share the sender's link? (Cluster.link_sharing)
-        from .sharing import concurrent_sends
         sharing = {}
         if per >= 3:
             sharing["intra"] = concurrent_sends((1, 2), max(sizes), repeats, timeout)
@@ -180,6 +158,41 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
     # rank 0 timed the ping-pongs: everyone gets its numbers
     _bounded("receiving rank 0's results", timeout, dist.broadcast_object_list, fits, 0, group=objects)
     return fits[0]
+
+
+def _servers(world: int, objects: dist.ProcessGroup, timeout: float) -> tuple[list[str], int]:
+    """(host names in rank order, ranks per server); ValueError unless ranks fill servers one after another."""
+    hosts: list = [None] * world
+    _bounded("gathering the host names", timeout, dist.all_gather_object, hosts,
+             os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname(), group=objects)
+    names = list(dict.fromkeys(hosts))
+    per = hosts.count(names[0])
+    expect = [h for h in names for _ in range(per)]
+    if hosts != expect:
+        raise ValueError(f"ranks must be laid out server by server with the same count on each (torchrun's "
+                         f"order), got hosts by rank: {hosts}")
+    return names, per
+
+
+def _allreduces_in_server0(result: dict, servers: int, per: int, sizes: Sequence[int], repeats: int,
+                           timeout: float, wait: timedelta) -> None:
+    """Add ``allreduce_intra`` (several servers) and ``allreduce_by_size`` to ``result``: AllReduces inside
+    server 0, as stages that do not span servers run them; the cost per byte may depend on the group size."""
+    if servers > 1:
+        server0 = _bounded("creating the group of server 0", timeout, dist.new_group, list(range(per)),
+                           timeout=wait)  # every rank creates it, only server 0 uses it
+        if dist.get_rank() < per:
+            result["allreduce_intra"] = _ring_fit(allreduce_times(sizes, repeats, server0, timeout), per)
+    by_size = {per: result.get("allreduce_intra") if servers > 1 else result["allreduce"]}  # rank 0's
+    r = 2
+    while r < per:
+        group = _bounded(f"creating the group of ranks 0..{r - 1}", timeout, dist.new_group, list(range(r)),
+                         timeout=wait)  # every rank creates it, ranks 0..r-1 use it
+        if dist.get_rank() < r:
+            by_size[r] = _ring_fit(allreduce_times(sizes, repeats, group, timeout), r)
+        _barrier(probe_device(), f"after the AllReduce of ranks 0..{r - 1}", timeout)
+        r *= 2
+    result["allreduce_by_size"] = dict(sorted(by_size.items()))
 
 
 def _ring_fit(times: dict[int, float], r: int) -> tuple[float, float]:
@@ -197,7 +210,7 @@ def _worker(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int
         fits = measure(sizes, repeats)
         if rank == 0:
             queue.put(fits)
-        _barrier(_device(), "after the probe", 120.0)  # nobody closes its connections while a peer still reads
+        _barrier(probe_device(), "after the probe", 120.0)  # nobody closes its connections while a peer still reads
     except Exception as e:  # rank 0's own error (e.g. a noisy fit) reaches the caller, not just "peer closed"
         if rank == 0:
             queue.put(e)
@@ -207,9 +220,7 @@ def _worker(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int
 
 
 def probe_local(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7) -> dict:
-    """Start ``world_size`` gloo processes on this machine and :func:`measure` their links."""
-    import torch.multiprocessing as mp
-
+    """Start ``world_size`` gloo processes on this machine and :func:`measure` their links; rank 0's result."""
     if not is_int(world_size, 2):
         raise ValueError(f"probe_local: world_size must be an integer >= 2 to measure a link, got {world_size!r}")
     check_probe(sizes, repeats)

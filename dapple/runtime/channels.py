@@ -1,0 +1,77 @@
+"""A stage replica's process groups and P2P channels, created in one order on every rank and checked before a step."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..core.dist import barrier, bounded, group_timeout
+from ..core.plan import Plan
+from .distributed import DistContext
+from .groups import GradGroup, GradReducer, make_grad_groups
+from .p2p import P2P
+from .program import Transfer, cut_routes
+from .stages import StageGraph
+
+
+class Channels(NamedTuple):
+    """Everything this rank communicates through."""
+
+    groups: list[GradGroup]  # the gradient AllReduce groups this rank belongs to
+    reducer: GradReducer  # the bucketed gradient AllReduce over them
+    p2p: P2P  # activations and gradients between stages
+
+
+def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str], ctx: DistContext, stage: int,
+                  timeout: float, value_name: Callable[[Transfer], str]) -> Channels:
+    """Create the process groups every rank creates, in the same order: the gradients' P2P group (several
+    stages), then the gradient AllReduce groups; every step is bounded by ``timeout``.
+
+    Args:
+        plan: the plan every rank runs.
+        graphs: every stage of the split model (each rank needs them all to create every group).
+        names: id(parameter) -> its canonical name in the original model.
+        ctx: this rank and its device.
+        stage: this rank's stage.
+        timeout: seconds each group creation and later wait is bounded by.
+        value_name: a transfer's boundary value, named for messages.
+    """
+    where = f"rank {ctx.rank} (stage {stage}): dapple.pipeline"
+    grad_p2p = bounded(timeout, f"{where}: creating the gradients' group of every rank (does every rank call "
+                       f"dapple.pipeline with the same plan?)", dist.new_group, list(range(ctx.world_size)),
+                       timeout=group_timeout(timeout, ctx.backend)) if plan.num_stages > 1 else None
+    groups = make_grad_groups(plan, graphs, names, ctx.rank, timeout, where)
+    return Channels(groups, GradReducer(groups), P2P(ctx.rank, plan.stage_of_device, None, grad_p2p, timeout,
+                                                     value_name))
+
+
+def handshake(plan: Plan, ctx: DistContext, stage: int, channels: Channels, timeout: float) -> None:
+    """One tiny message on every channel this rank uses, in a global order, before the first step.
+
+    Checks that every peer is reachable (bounded by the timeout) and, on NCCL, creates each pair's
+    communicator in an order that cannot deadlock, so the schedule's early receives never block on it.
+    """
+    rank, p2p = ctx.rank, channels.p2p
+    pairs = set()
+    for c in range(plan.num_stages - 1):
+        for _, src, dst in cut_routes(plan, c):
+            pairs.add((src, dst, "act"))
+            pairs.add((dst, src, "grad"))
+    mine = []
+    for ch in sorted(pairs):
+        if rank in ch[:2]:
+            t = Transfer(ch[2], -1, -1, 0, ch[0], ch[1], 0, 1)
+            buf = torch.zeros(1, device=ctx.device)
+            if rank == ch[0]:
+                p2p.send(t, buf)
+            else:
+                p2p.post_recv(t, buf)
+                mine.append(t)
+    for t in mine:
+        p2p.wait_recv(t)
+    p2p.finish()
+    for g in channels.groups:
+        barrier(ctx.device, timeout, f"rank {rank} (stage {stage}): reaching the ranks {g.ranks} of the {g.label} "
+                f"group", g.group)

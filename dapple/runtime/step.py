@@ -1,0 +1,243 @@
+"""One training step of a stage replica: its program of receives, forwards, backwards and sends, then the AllReduces."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.dist import wait_for
+from ..core.plan import Plan
+from ..core.schedule import Op
+from ..core.split_concat import slice_bounds
+from .batchnorm import StatsSlot, commit, gather_sums
+from .channels import Channels
+from .distributed import DistContext
+from .p2p import PipelineError
+from .program import BoundaryLayout, Instr, Transfer, op_receives, rank_program, receive_lookahead
+from .shapes import BoundaryShapes, InputKey, Spec, input_key
+from .stages import ModelInputs, StageGraph, resolve_output
+from .tracing import Recorder
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+class _MicroBatch:
+    """What one micro-batch keeps alive on a stage between its forward and its backward."""
+
+    __slots__ = ("leaves", "sent", "loss")
+
+    def __init__(self, leaves: list[torch.Tensor], sent: list[torch.Tensor], loss: torch.Tensor | None):
+        self.leaves = leaves  # received boundary values (autograd leaves), in ``StageGraph.recv`` order
+        self.sent = sent  # boundary values sent on, in ``StageGraph.send`` order (their graph is kept)
+        self.loss = loss  # last stage: the slice loss, scaled by rows / global batch
+
+
+class StepRunner:
+    """Runs this rank's program for a step: each forward concatenates the pieces received from the senders
+    whose slices overlap its own (split-concat), each backward sends gradients back along the same routes, and
+    the step ends with the gradient AllReduce and one AllReduce of the loss (and deferred BatchNorm sums)."""
+
+    def __init__(self, plan: Plan, ctx: DistContext, stage: int, replica: int, graph: StageGraph, module: nn.Module,
+                 loss_fn: Callable[..., torch.Tensor], inputs: ModelInputs, shapes: BoundaryShapes,
+                 channels: Channels, stats: StatsSlot, timeout: float):
+        self.plan, self.ctx, self.stage = plan, ctx, stage
+        self.graph, self.module, self.loss_fn = graph, module, loss_fn
+        self.inputs, self.shapes, self.stats, self.timeout = inputs, shapes, stats, timeout
+        self.p2p, self.reducer = channels.p2p, channels.reducer
+        lo, hi = plan.stages[stage].layers
+        self.layers = f"[{lo}, {hi})"  # for notes on errors
+        self.rows = slice_bounds(plan.micro_batch_size, plan.stages[stage].replicas)[replica]  # of a micro-batch
+        self.step = 0
+        self._programs: dict[BoundaryLayout, tuple[list[Instr], dict[Op, list[Transfer]]]] = {}
+
+    def run(self, xs: Tensors, ys: Tensors, step: int, rec: Recorder | None) -> float:
+        """Run step ``step`` on the global batch (``xs`` inputs, ``ys`` targets), recording into ``rec`` unless it
+        is None; adds the step's gradients to ``.grad`` and returns the mean loss."""
+        self.step = self.p2p.step = step
+        key = input_key(xs)
+        layout = self._boundary_layout(key)
+        program, waits = self._program(layout)
+        stash = {p: p.grad for p in self.module.parameters()}  # earlier gradients: added back at the end
+        for p in stash:
+            p.grad = None
+        # reduced over all ranks at the end: the loss (the last stage's replicas add theirs), then every stage's
+        # deferred BatchNorm sums in its slot (zeros elsewhere), so one AllReduce sums them over the replicas
+        reduced = torch.zeros(self.stats.length, dtype=torch.float64, device=self.ctx.device)  # (length,)
+        rec = self.p2p.rec = self.reducer.rec = rec  # tracing: one `is not None` test per instruction
+        if rec is not None:
+            rec.begin_step(step)
+        self._play(program, waits, key, layout, xs, ys, reduced[0], rec)  # reduced[0] is a view into ``reduced``
+        self._reduce(reduced, rec)
+        for p, old in stash.items():
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        if rec is not None:
+            rec.end_step()
+        return float(reduced[0])
+
+    def _play(self, program: list[Instr], waits: dict[Op, list[Transfer]], key: InputKey, layout: BoundaryLayout,
+              xs: Tensors, ys: Tensors, loss_sum: torch.Tensor, rec: Recorder | None) -> None:
+        """Run the program's instructions in order, adding each slice loss (last stage) into ``loss_sum``."""
+        alive: dict[int, _MicroBatch] = {}
+        outbox: list[torch.Tensor | None] = []
+        for ins in program:
+            t = ins.transfer
+            if ins.action == "recv":
+                spec = self._spec(key, t)
+                self.p2p.post_recv(t, torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device))
+            elif ins.action == "send":
+                lo = t.start - self.rows[0]  # rows of this rank's slice that the route covers
+                self.p2p.send(t, self._checked(outbox[t.value][lo:lo + t.rows], self._spec(key, t), t))
+            else:
+                j, forward = ins.op.micro_batch, ins.op.kind == "F"
+                pieces = self._gather(ins.op, waits[ins.op], len(self.graph.recv if forward else self.graph.send), rec)
+                start = rec.clock() if rec is not None else 0.0
+                if forward:
+                    outbox = self._forward(j, pieces, xs, ys, alive, layout)
+                    if alive[j].loss is not None:
+                        loss_sum += alive[j].loss.detach()
+                else:
+                    if j == self.plan.num_micro_batches - 1:  # the last backward of the step
+                        self.reducer.arm()  # gradient AllReduce buckets start as their gradients become final
+                    outbox = self._backward(j, pieces, alive, layout)
+                if rec is not None:
+                    rec.compute(ins.op.kind, j, start, rec.clock())
+
+    def _reduce(self, reduced: torch.Tensor, rec: Recorder | None) -> None:
+        """End of the step: wait for the sends, sum the gradients, then AllReduce ``reduced`` over all ranks."""
+        start = rec.clock() if rec is not None else 0.0
+        self.p2p.finish()
+        if rec is not None:
+            rec.idle(start, rec.clock(), "sends to complete")
+        where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
+        self.reducer.finish(self.timeout, where)
+        start = rec.clock() if rec is not None else 0.0
+        if self.stats.layers:
+            reduced[self.stats.slot] = gather_sums(self.stats.layers, where)
+        wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
+        commit(self.stats.layers, reduced[self.stats.slot])
+        if rec is not None:
+            rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")
+
+    def _forward(self, j: int, pieces: list[list[torch.Tensor]], xs: Tensors, ys: Tensors,
+                 alive: dict[int, _MicroBatch], layout: BoundaryLayout) -> list[torch.Tensor | None]:
+        """Micro-batch ``j``'s forward on this replica's rows; returns what to send on (nothing on the last stage,
+        which computes the slice loss instead)."""
+        g, b = self.graph, self.plan.micro_batch_size
+        lo, hi = j * b + self.rows[0], j * b + self.rows[1]  # this replica's rows of the global batch
+        env: dict[str, Any] = {}
+        for name in g.inputs:
+            i = self.inputs.names.index(name)
+            env[name] = xs[i][lo:hi].to(self.ctx.device, non_blocking=True) if i < len(xs) \
+                else self.inputs.defaults[name]
+        leaves: list[torch.Tensor] = []
+        if self.stage > 0:  # concat: the pieces of each value from the senders whose slices overlap ours
+            grads = set(layout.grads[self.stage - 1])
+            for v, name in enumerate(g.recv):
+                x = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])  # (rows, ...)
+                leaves.append(x.requires_grad_(v in grads))
+                env[name] = x.clone() if name in g.modified and x.requires_grad else x  # leaves stay intact
+        with self._noted(j, lambda: f"in the forward of layers {self.layers}"):
+            outs = self.module(*[env[a] for a in g.args])
+        env.update(zip(g.outs, outs))
+        if self.stage == self.plan.num_stages - 1:
+            alive[j] = _MicroBatch(leaves, [], self._loss(j, resolve_output(g.output, env), ys, lo, hi))
+            return []
+        sent = [env[name] for name in g.send]
+        alive[j] = _MicroBatch(leaves, sent, None)
+        return sent
+
+    def _loss(self, j: int, out: Any, ys: Tensors, lo: int, hi: int) -> torch.Tensor:
+        """The user's loss of rows ``lo:hi``, scaled by their share of the global batch."""
+        tgt = [y[lo:hi].to(self.ctx.device, non_blocking=True) for y in ys]
+        with self._noted(j, lambda: f"in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})"):
+            loss = self.loss_fn(out, *tgt)  # the user's function: its error, and with what it was called
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"{self._where(j)}: loss_fn must return a scalar tensor (the mean over the rows it "
+                            f"is given), got {loss!r:.80}")
+        return loss.reshape(()) * ((hi - lo) / self.plan.global_batch_size)
+
+    def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch],
+                  layout: BoundaryLayout) -> list[torch.Tensor | None]:
+        """Micro-batch ``j``'s backward; returns the gradients to send back, per received value (None: none)."""
+        m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations
+        with self._noted(j, lambda: f"in the backward of layers {self.layers}"):
+            if m.loss is not None:
+                if m.loss.requires_grad:
+                    m.loss.backward()
+            else:
+                roots, grads = [], []
+                for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
+                    g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
+                    if m.sent[v].requires_grad:
+                        roots.append(m.sent[v])
+                        grads.append(g.to(m.sent[v].dtype))
+                if roots:
+                    torch.autograd.backward(roots, grads)
+        if self.stage == 0:
+            return []
+        out: list[torch.Tensor | None] = []
+        for v, leaf in enumerate(m.leaves):
+            if v in layout.grads[self.stage - 1]:
+                out.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+            else:
+                out.append(None)
+        return out
+
+    def _where(self, j: int) -> str:
+        return f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"
+
+    @contextmanager
+    def _noted(self, j: int, what: Callable[[], str]) -> Iterator[None]:
+        """Errors from the user's model or loss pass through as they are, with a note of where they were raised
+        (micro-batch ``j``, then ``what()``; both formatted only on an error, not in every forward)."""
+        try:
+            yield
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(f"{self._where(j)}: {what()}")
+            raise
+
+    def _checked(self, x: torch.Tensor, spec: Spec, t: Transfer) -> torch.Tensor:
+        """What goes on the wire must be what the receiver allocated (shape inference is a promise)."""
+        if tuple(x.shape) != spec.shape:
+            raise PipelineError(f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}: "
+                                f"{self.p2p.value_name(t)} of micro-batch {t.micro_batch} has shape {tuple(x.shape)} "
+                                f"but shape inference (meta device) gave {spec.shape}; the model's shapes must not "
+                                f"depend on values")
+        return x if x.dtype == spec.dtype else x.to(spec.dtype)  # e.g. under autocast (meta runs without it)
+
+    def _gather(self, op: Op, recvs: list[Transfer], count: int, rec: Recorder | None) -> list[list[torch.Tensor]]:
+        """Wait for an op's receives; per value, the pieces in row order (routes are sorted by rows)."""
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        start = rec.clock() if rec is not None and recvs else 0.0
+        for t in recvs:
+            pieces[t.value].append(self.p2p.wait_recv(t))
+        if rec is not None and recvs:
+            rec.idle(start, rec.clock(), op)
+        return pieces
+
+    # ---- plans for the communication ------------------------------------------------------------
+    def _boundary_layout(self, key: InputKey) -> BoundaryLayout:
+        specs = self.shapes.specs(key, self.plan.micro_batch_size)
+        return BoundaryLayout(values=tuple(len(c) for c in specs),
+                              grads=tuple(tuple(v for v, sp in enumerate(c) if sp.requires_grad) for c in specs))
+
+    def _program(self, layout: BoundaryLayout) -> tuple[list[Instr], dict[Op, list[Transfer]]]:
+        """This rank's program for ``layout`` and each compute's receives (made once per layout)."""
+        if layout not in self._programs:
+            prog = rank_program(self.plan, layout, self.ctx.rank, receive_lookahead(self.ctx.device))
+            self._programs[layout] = (prog, op_receives(prog, self.ctx.rank, self.plan, layout))
+        return self._programs[layout]
+
+    def _spec(self, key: InputKey, t: Transfer) -> Spec:
+        return self.shapes.specs(key, t.rows)[t.cut][t.value]
+
+
+def _shape(x: Any) -> Any:
+    """A tensor's shape as a tuple (for messages); anything else as its type name."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
