@@ -1,13 +1,14 @@
 """dapple: synchronous pipelined data-parallel training for PyTorch (the DAPPLE approach)."""
 
 from . import planner, profiler
+from .core.version import VERSION
 from .planner import Cluster, Plan, evaluate, plan, simulate
 from .profiler import Profile
 from .profiler.api import profile
 from .runtime import Pipeline, pipeline
 from .runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = ["Cluster", "Pipeline", "Plan", "Profile", "evaluate", "load_checkpoint", "load_full_state_dict",
            "pipeline", "plan", "planner", "profile", "profiler", "save_checkpoint", "simulate"]

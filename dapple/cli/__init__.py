@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Sequence
 
-from .. import __version__
+from ..core.version import VERSION
 from .commands import COMMANDS
 from .inputs import load_example
 from .show import add_show
@@ -18,9 +18,9 @@ DISTRIBUTION = "dapple-pipeline"  # the name pip knows us by ("dapple" on PyPI i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapple", description=__doc__,
-                                     epilog=f"dapple {__version__}, installed as {DISTRIBUTION} "
+                                     epilog=f"dapple {VERSION}, installed as {DISTRIBUTION} "
                                             f"(pip install {DISTRIBUTION}; import dapple)")
-    parser.add_argument("--version", action="version", version=f"dapple {__version__} ({DISTRIBUTION})")
+    parser.add_argument("--version", action="version", version=f"dapple {VERSION} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in [add_show, *COMMANDS]:
         add(sub)

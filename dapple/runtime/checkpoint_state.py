@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..core.version import VERSION
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use
@@ -96,7 +97,6 @@ def save_state(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, local: l
 
 def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
     """The checkpoint's description, merged on rank 0 from every rank's part."""
-    import dapple  # for dapple.__version__: the package's __init__ imports this module, so it is read at call time
 
     order = pipe.state_order  # every name of the original model's state_dict, in order
     pos = {n: i for i, n in enumerate(order)}
@@ -115,8 +115,8 @@ def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
                 groups.setdefault(tuple(g["params"]), g)  # replicas hold the same groups
             state.update(p["state"])
         opt = {"class": parts[0]["class"], "param_groups": list(groups.values()), "state": state}
-    return {"format": FORMAT, "step": int(pipe.step), "dapple_version": dapple.__version__,
-            "torch_version": str(torch.__version__), "world_size": pipe.ctx.world_size, "plan": pipe.plan.to_dict(),
+    return {"format": FORMAT, "step": int(pipe.step), "dapple_version": VERSION,
+            "torch_version": str(torch.VERSION), "world_size": pipe.ctx.world_size, "plan": pipe.plan.to_dict(),
             "tensors": tensors, "state_dict_keys": order, "optimizer": opt, "extra": extra}
 
 
