@@ -140,7 +140,7 @@ def _owner(node: fx.Node, units: set[str]) -> str | None:
 
 def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), *,
                  method: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None) -> LayerGraph:
-    """Trace ``model`` and group its nodes into layers (see DESIGN.md, Profile).
+    """Trace ``model`` and group its nodes into layers (see docs/design.md, Profile).
 
     ``method``: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
     ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows; see
