@@ -144,7 +144,7 @@ def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, 
 
     ``method``: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
     ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows; see
-    dapple/profiler/export.py), or ``"auto"``: fx, and export when fx fails and example inputs are given.
+    dapple/profiler/export_trace.py), or ``"auto"``: fx, and export when fx fails and example inputs are given.
     """
     gm = trace_graph(model, method=method, concrete_args=concrete_args, leaf_modules=leaf_modules,
                      example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
