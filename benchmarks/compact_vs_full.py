@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dapple import Cluster, Profile, plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT.parent / "shared" / "profiles" / "pipedream"))
+PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT / "profiles" / "pipedream"))
 # model -> (batch size the profile was taken at, global batch size), as in dapple_vs_pipedream.py
 MODELS = {"vgg19": (32, 1024), "resnet50": (128, 2048), "gnmt_16": (64, 1024), "bert_48": (2, 128),
           "bert_large": (2, 128), "xlnet_36": (1, 128), "amoebanet_36": (1, 128)}

@@ -14,7 +14,7 @@ from dapple import Cluster, Profile, plan, simulate  # noqa: E402
 from dapple.planner import pipedream_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT.parent / "shared" / "profiles" / "pipedream"))
+PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT / "profiles" / "pipedream"))
 # model -> (batch size the profile was taken at (tests/conftest.py PIPEDREAM_MODELS), global batch size: Table VII
 # for the four models the paper compares with PipeDream, Table V otherwise)
 MODELS = {"vgg19": (32, 1024), "resnet50": (128, 2048), "gnmt_16": (64, 1024), "bert_48": (2, 128),

@@ -14,7 +14,7 @@ from dapple import Cluster, Plan, Profile  # noqa: E402
 from dapple.planner import Stage, evaluate, simulate  # noqa: E402
 from dapple.profiler import LayerProfile  # noqa: E402
 
-PIPEDREAM = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "pipedream"
+PIPEDREAM = Path(__file__).resolve().parents[1] / "profiles" / "pipedream"
 REAL = {"vgg19": 32, "bert_48": 2, "xlnet_36": 1, "amoebanet_36": 1, "gnmt_16": 64, "resnet50": 128}
 
 

@@ -13,7 +13,7 @@ import dapple
 from dapple.planner import pipedream_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT.parent / "shared" / "profiles" / "pipedream"))
+PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT / "profiles" / "pipedream"))
 # model -> (batch size the file was profiled at, global batch size of Table 6, PipeDream's row as printed there)
 TABLE6 = {
     "vgg19": (32, 1024, "(0, 11) @ [G0-G7] (11, 17) @ [G8-G13] (17, 19) @ G14 (19, 25) @ G15"),

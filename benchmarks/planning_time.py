@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dapple import Cluster, Profile, plan  # noqa: E402
 from dapple.profiler import LayerProfile  # noqa: E402
 
-PIPEDREAM = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "pipedream"
+PIPEDREAM = Path(__file__).resolve().parents[1] / "profiles" / "pipedream"
 
 
 def synthetic(n: int, seed: int = 0) -> Profile:

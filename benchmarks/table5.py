@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dapple import Cluster, Profile, plan, simulate  # noqa: E402
 
-PIPEDREAM = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "pipedream"
+PIPEDREAM = Path(__file__).resolve().parents[1] / "profiles" / "pipedream"
 MODELS = {  # profile batch size, global batch sizes of Table V / VII
     "vgg19": (32, [1024, 2048]), "resnet50": (128, [2048]), "gnmt_16": (64, [1024]), "bert_48": (2, [64, 128]),
     "xlnet_36": (1, [128]), "amoebanet_36": (1, [128])}

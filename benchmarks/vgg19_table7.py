@@ -14,7 +14,7 @@ from dapple import Cluster, Plan, Profile, evaluate, plan, simulate  # noqa: E40
 from dapple.planner import Stage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT.parent / "shared" / "profiles" / "pipedream"))
+PROFILES = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT / "profiles" / "pipedream"))
 GBS = 1024
 # Table VII prints (0, 16) @ [G0 - G13], (17, 25) @ [G14, G15]: inclusive ranges, so the cut is after layer 16
 # (node17, the 4th max-pool) and the 2-device stage starts at conv5_1.

@@ -29,7 +29,7 @@ def main() -> None:
     print(plan)
     dapple.planner.draw_plan(plan, prof, cluster, docs / "plan_gpt_A.png")
 
-    bert = dapple.Profile.from_pipedream(ROOT.parent / "shared/profiles/pipedream/bert_48.txt", batch_size=2)
+    bert = dapple.Profile.from_pipedream(ROOT / "profiles" / "pipedream" / "bert_48.txt", batch_size=2)
     plan = dapple.plan(bert, cluster, global_batch_size=64)
     print(plan)
     sim = dapple.planner.draw_plan(plan, bert, cluster, docs / "plan_bert48_A.png")

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD torchrun --nproc_per_node=4 examples/train_gpt.py --plan examples/gpt_plan.yaml
 
-The plan file says which layers each stage holds and on which ranks (see DESIGN.md, "Plan"). Until
+The plan file says which layers each stage holds and on which ranks (see docs/design.md, "Plan"). Until
 ``dapple plan`` can make one from a profile, write it by hand: list the model's layers with
 ``trace_layers`` (the same grouping the profiler and the runtime use) and cut between them:
 

@@ -1,4 +1,4 @@
-"""Shared test setup: seeded RNGs, one thread per process, paths to the shared PipeDream profiles."""
+"""Shared test setup: seeded RNGs, one thread per process, the PipeDream profiles in profiles/pipedream."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPEDREAM = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT.parent / "shared" / "profiles" / "pipedream"))
+PIPEDREAM = Path(os.environ.get("DAPPLE_PIPEDREAM_PROFILES", ROOT / "profiles" / "pipedream"))
 # on a machine with fewer GPUs than a test's 2-4 ranks, the ranks share them (NCCL through host sockets)
 os.environ.setdefault("DAPPLE_SHARE_GPUS", "1")
 PIPEDREAM_MODELS = {  # file -> batch size it was profiled at (paper Table 2)
@@ -39,12 +39,12 @@ def _seed_and_threads():
 def pipedream_path(name: str) -> Path:
     path = PIPEDREAM / f"{name}.txt"
     if not path.exists():
-        pytest.skip(f"shared PipeDream profile {path} not found")
+        pytest.skip(f"PipeDream profile {path} not found (DAPPLE_PIPEDREAM_PROFILES?)")
     return path
 
 
 def pipedream_profile(name: str):
-    """The shared PipeDream profile ``name`` as a dapple Profile, at the batch size it was profiled at."""
+    """The PipeDream profile ``name`` (profiles/pipedream) as a dapple Profile, at the batch size it was profiled at."""
     from dapple import Profile
 
     return Profile.from_pipedream(pipedream_path(name), PIPEDREAM_MODELS[name])

@@ -95,7 +95,7 @@ def check_fit(stages: Sequence[Stage], num_layers: int, num_devices: int, where:
 
 @dataclass
 class Plan:
-    """How to run a model: see DESIGN.md, 'The three YAML documents'. Validated on construction."""
+    """How to run a model: see docs/design.md, 'The three YAML documents'. Validated on construction."""
 
     global_batch_size: int
     micro_batch_size: int

@@ -61,7 +61,7 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 @dataclass
 class Profile:
-    """What the planner needs to know of a model: see DESIGN.md, 'The three YAML documents'."""
+    """What the planner needs to know of a model: see docs/design.md, 'The three YAML documents'."""
 
     model: str
     device: str

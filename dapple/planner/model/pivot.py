@@ -31,7 +31,7 @@ def pivot_stage(F: Sequence[float], B: Sequence[float], M: int) -> int:
 
 
 def paper_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float], M: int) -> Latency:
-    """Formula 2 (conference version of Te, see DESIGN.md) over all stages, communication stages included.
+    """Formula 2 (conference version of Te, see docs/design.md) over all stages, communication stages included.
 
     Tw = sum_{s<=Q} F_s; Ts = (M-1)(F_Q+B_Q);
     Te = max_s AR_s + (sum_{a=s..Q} B_a if s <= Q else -sum_{a=Q..s} B_a).

@@ -35,7 +35,7 @@ def test_three_stages_pivot_in_the_middle():
     lat = paper_latency(F, B, AR, M=3)
     assert lat.warmup == pytest.approx(5.5)
     assert lat.steady == pytest.approx(24)
-    assert lat.ending == pytest.approx(18)  # AR_Q + B_Q: the conference Te counts B_Q once (DESIGN.md erratum)
+    assert lat.ending == pytest.approx(18)  # AR_Q + B_Q: the conference Te counts B_Q once (docs/design.md erratum)
     assert lat.total == pytest.approx(47.5)
 
 
