@@ -10,12 +10,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..core.checks import number
 from ..core.dist import first_line, timeout_seconds
 from ..core.plan import Plan
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
 from .batchnorm import stage_stats_sizes, stats_slot
 from .channels import handshake, open_channels
+from .clipping import clip_grad_norm, counted_parameters
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
 from .p2p import PipelineError
@@ -71,7 +73,8 @@ class Pipeline:
         self._failed: str | None = None
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
         channels = open_channels(plan, graphs, self._names, self.ctx, self.stage, self.timeout, self.value_name)
-        self._p2p, self._reducer = channels.p2p, channels.reducer
+        self._p2p, self._reducer, self._groups = channels.p2p, channels.reducer, channels.groups
+        self._counted: list[nn.Parameter] | None = None  # clip_grad_norm_'s share of the norm (on first use)
         self._runner = StepRunner(plan, self.ctx, self.stage, self.replica, self.graph, self.module, loss_fn, inputs,
                                   shapes, channels, stats, self.timeout)
         handshake(plan, self.ctx, self.stage, channels, self.timeout)
@@ -125,6 +128,29 @@ class Pipeline:
         except BaseException as e:
             self._failed = first_line(e)
             raise
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:
+        """Clip the gradients of the whole model by their global norm, as ``torch.nn.utils.clip_grad_norm_`` does
+        on one device; call it on every rank after ``train_step``.
+
+        The norm is over every stage, a stage's replicas and the stages sharing a tied parameter counted once.
+
+        Args:
+            max_norm: the largest total norm the gradients keep.
+            norm_type: the norm's order (``float("inf")``: the largest absolute entry).
+            error_if_nonfinite: raise RuntimeError when the total norm is NaN or infinite.
+
+        Returns:
+            The total norm before clipping, the same on every rank.
+        """
+        number("max_norm", max_norm, finite=True)
+        number("norm_type", norm_type, positive=True)
+        if self._counted is None:
+            self._counted = counted_parameters(self.plan, self.stage, self.ctx.rank, list(self.parameters()),
+                                               self._groups)
+        return clip_grad_norm(self._counted, list(self.parameters()), float(max_norm), float(norm_type),
+                              self.ctx.device, self.timeout, f"rank {self.ctx.rank} (stage {self.stage}), "
+                              f"clip_grad_norm_ after step {self.step}", error_if_nonfinite)
 
     def trace(self) -> Trace:
         """Record the steps run inside ``with pipe.trace() as t:`` (enter on every rank; it syncs clocks), then

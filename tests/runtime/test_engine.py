@@ -81,3 +81,13 @@ def test_ranks_given_inputs_of_different_shapes_all_raise_before_any_transfer(re
         # nothing was in flight: the next step, with the same batch everywhere, is step 1 and is exact
         assert out["step"] == 1 and out["after"]["loss"] <= TOL, (rank, out)
         assert all(e <= TOL for e in out["after"]["grads"].values()), (rank, out["after"])
+
+
+@pytest.mark.slow
+def test_clip_grad_norm_is_the_single_process_norm_on_every_rank(results):
+    """The clipped gradients are checked with every shape above; here the returned total norm, which counts a
+    replicated stage and the tied embedding/head weight once, on every rank, clipped or not."""
+    for rank, per_case in enumerate(r["clip_grad_norm"] for r in results):
+        assert [res["clipped"] for res in per_case] == [True, True, False]
+        for res in per_case:
+            assert res["norm"] <= TOL, (rank, res["norm"])

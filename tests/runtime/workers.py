@@ -163,6 +163,29 @@ def case_gpt(stages, gbs, mbs, seqs=(8,)) -> list[dict]:
     return out
 
 
+def case_clip(stages, gbs, mbs) -> list[dict]:
+    """pipe.clip_grad_norm_ on a tied GPT with a replicated stage: the total norm and the clipped gradients equal
+    torch.nn.utils.clip_grad_norm_ on the single-process model (2-norm clipped, inf-norm clipped, not clipped)."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()
+    pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), lm_loss, timeout=30)
+    x, y = dapple.models.random_tokens(gbs, 8, 32, generator=torch.Generator().manual_seed(7))
+    out = []
+    for norm_type, max_norm in ((2.0, 0.05), (float("inf"), 0.01), (2.0, 1e3)):
+        ref_loss, ref = _reference(model, lm_loss, x, y)
+        clipped = copy.deepcopy(model).cpu()
+        for n, q in clipped.named_parameters():
+            q.grad = ref[n].clone()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(clipped.parameters(), max_norm, norm_type))
+        loss = pipe.train_step(x, y)
+        norm = pipe.clip_grad_norm_(max_norm, norm_type)
+        res = _compare(pipe, loss, ref_loss, {n: q.grad for n, q in clipped.named_parameters()})
+        out.append({**res, "norm": abs(norm - ref_norm) / ref_norm, "clipped": ref_norm > max_norm})
+        for q in pipe.parameters():
+            q.grad = None
+    return out
+
+
 def case_inputs_differ(stages, gbs, mbs) -> dict[str, Any]:
     """Rank 3 is given sequences of 5 tokens, the others 8: every rank raises before any transfer (stage 1
     would receive (4, 8, 8) activations into (4, 5, 8) buffers); then a step with the same batch everywhere."""
@@ -278,6 +301,8 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
        if EXPORT_OK else {}),  # torch.export: torch >= 2.9
     # cut before stem.2, a ReLU(inplace=True): the received activation is changed in place
     "resnet_2_to_2": (case_resnet, ([((0, 2), [0, 1]), ((2, 7), [2, 3])], 6, 3), {}),
+    # layers wte, wpe, drop, h.0, h.1, ln_f, lm_head: the tied weight on stages 0 (2 replicas) and 2
+    "clip_grad_norm": (case_clip, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
     "inputs_differ": (case_inputs_differ, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
     "memory": (case_memory, (), {}),
     "owned": (case_owned, (), {}),
