@@ -71,18 +71,26 @@ class P2P:
         self._reap()
 
     def _reap(self) -> None:
-        """Forget sends that completed, so their buffers can be freed."""
+        """Forget sends that completed, so their buffers can be freed; a send that failed raises here."""
         if len(self._sends) > 8:
+            done = [s for s in self._sends if s[1].is_completed()]
             self._sends = [s for s in self._sends if not s[1].is_completed()]
+            for t, work, _ in done:
+                self._check_sent(t, work)
+
+    def _check_sent(self, t: Transfer, work: dist.Work) -> None:
+        """Raise PipelineError naming the peer unless ``work`` (a send of ``t``) succeeded; waits at most the
+        timeout (a completed send returns at once, or raises what failed it)."""
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise self._error(t, t.dst, "sending", e) from e
 
     def finish(self) -> None:
         """Wait for every send of the step (the receivers have posted them all by the end of their step)."""
         sends, self._sends = self._sends, []
         for t, work, _ in sends:
-            try:
-                work.wait(timeout=timedelta(seconds=self.timeout))
-            except Exception as e:
-                raise self._error(t, t.dst, "sending", e) from e
+            self._check_sent(t, work)
         if self._recvs:  # cannot happen with a well-formed program; never leave receives dangling silently
             left = sorted(f"{t.kind} of micro-batch {t.micro_batch} from rank {t.src}" for t in self._recvs)
             raise PipelineError(f"rank {self.rank} (stage {self.stage_of(self.rank)}), step {self.step}: "

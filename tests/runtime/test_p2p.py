@@ -1,0 +1,59 @@
+"""P2P: a send that failed raises on the sender, naming the peer, whether it is reaped mid-step or at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapple.runtime import p2p
+from dapple.runtime.p2p import P2P, PipelineError
+from dapple.runtime.program import Transfer
+
+
+class _Work:
+    """A finished send: ``ok`` or failed with gloo's error."""
+
+    def __init__(self, ok: bool):
+        self.ok = ok
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        if not self.ok:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+        return True
+
+
+def _p2p(monkeypatch, failing: int) -> P2P:
+    """Rank 0 of a 2-stage straight pipeline whose ``failing``-th send fails (-1: none)."""
+    sent = []
+
+    def isend(tensor, dst, group):
+        sent.append(dst)
+        return _Work(len(sent) - 1 != failing)
+    monkeypatch.setattr(p2p.dist, "isend", isend)
+    return P2P(0, lambda r: r, None, None, 5.0, lambda t: "x")
+
+
+def _t(mb: int) -> Transfer:
+    return Transfer("act", 0, mb, 0, 0, 1, 0, 2)
+
+
+@pytest.mark.parametrize("failing", [0, 9])
+def test_a_failed_send_raises_on_the_sender_naming_the_peer(monkeypatch, failing):
+    link = _p2p(monkeypatch, failing)
+    with pytest.raises(PipelineError, match=r"^rank 0 \(stage 0\), step 0: failed sending activations of "
+                                            rf"micro-batch {failing} \(x, rows 0:2\) to rank 1 \(stage 1\)"):
+        for mb in range(12):  # sends beyond 8 in flight are reaped as they go
+            link.send(_t(mb), torch.ones(2))
+        link.finish()
+
+
+def test_sends_that_succeeded_are_reaped_quietly(monkeypatch):
+    link = _p2p(monkeypatch, -1)
+    for mb in range(12):
+        link.send(_t(mb), torch.ones(2))
+    assert len(link._sends) < 12  # reaped on the way
+    link.finish()
+    assert link._sends == []
