@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..core.dist import barrier, bounded, group_timeout
 from ..core.plan import Plan
 from .distributed import DistContext
-from .groups import GradGroup, GradReducer, make_grad_groups
+from .groups import GradGroup, GradReducer, make_grad_groups, start_equal
 from .p2p import P2P
 from .program import Transfer, cut_routes
 from .stages import StageGraph
@@ -43,6 +43,7 @@ def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str
                        f"dapple.pipeline with the same plan?)", dist.new_group, list(range(ctx.world_size)),
                        timeout=group_timeout(timeout, ctx.backend)) if plan.num_stages > 1 else None
     groups = make_grad_groups(plan, graphs, names, ctx.rank, timeout, where)
+    start_equal(groups, timeout, where)
     return Channels(groups, GradReducer(groups), P2P(ctx.rank, plan.stage_of_device, None, grad_p2p, timeout,
                                                      value_name))
 

@@ -25,6 +25,8 @@ class GradGroup:
     group: dist.ProcessGroup | None = None  # set on members only
     params: list[nn.Parameter] = field(default_factory=list)  # this rank's tensors for ``names``
     spans_stages: bool = False  # tied parameters of several stages: summed after the backward, never during it
+    root: int = 0  # the rank whose copies every member starts from (a stage's first replica)
+    buffers: list[torch.Tensor] = field(default_factory=list)  # a stage's other state, made equal with the params
 
 
 def canonical_names(model: nn.Module) -> dict[int, str]:
@@ -58,12 +60,12 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
     for s, st in enumerate(stages):
         ranks = list(plan.stages[s].devices)
         own = [names[id(p)] for p in st.parameters() if p.requires_grad and names[id(p)] not in tied_names]
-        if len(ranks) > 1 and own:
-            specs.append(GradGroup(f"stage {s} replicas", ranks, own))
+        if len(ranks) > 1 and any(True for _ in st.module.state_dict()):  # anything to reduce or make equal
+            specs.append(GradGroup(f"stage {s} replicas", ranks, own, root=ranks[0]))
     for owners, ns in tied.items():
         ranks = sorted(d for s in owners for d in plan.stages[s].devices)
         specs.append(GradGroup(f"tied parameters of stages {','.join(map(str, owners))}", ranks, ns,
-                               spans_stages=True))
+                               spans_stages=True, root=plan.stages[owners[0]].devices[0]))
     my_stage = stages[plan.stage_of_device(rank)]
     mine = {names[id(p)]: p for p in my_stage.parameters()}
     for spec in specs:
@@ -73,7 +75,19 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
         if rank in spec.ranks:
             spec.group = group
             spec.params = [mine[n] for n in spec.names]
+            if not spec.spans_stages:  # what the stage holds but does not reduce: buffers, frozen parameters
+                frozen = [p for p in my_stage.parameters() if not p.requires_grad and names[id(p)] not in tied_names]
+                spec.buffers = [*my_stage.module.buffers(), *frozen]
     return [s for s in specs if s.group is not None]
+
+
+def start_equal(groups: Sequence[GradGroup], timeout: float, where: str) -> None:
+    """Give every member of each group its root's parameters (and a stage's buffers), as DDP does at wrapping:
+    replicas and tied copies then start, and stay, equal even if the ranks built the model differently."""
+    for g in groups:  # every member walks the groups in the same order
+        works = [dist.broadcast(t.data, src=g.root, group=g.group, async_op=True) for t in [*g.params, *g.buffers]]
+        for work in works:
+            wait_for(work, timeout, f"{where}: broadcasting {g.label}' initial values from rank {g.root}")
 
 
 class GradReducer:
@@ -134,20 +148,40 @@ class GradReducer:
             n += 1
         self._next[gi] = n
 
-    def _launch(self, k: int) -> None:
+    def _launch(self, k: int, have: list[bool] | None = None) -> None:
+        """Start bucket k's AllReduce over the parameters that have a gradient (``have``: the group's agreement,
+        for tied groups); a bucket with none is skipped on every member alike."""
         g, bucket = self.buckets[k]
-        for p in bucket:
-            if p.grad is None:
+        present = [p for p, h in zip(bucket, have or [p.grad is not None for p in bucket]) if h]
+        for p in present:
+            if p.grad is None:  # another stage's copy of this tied parameter got a gradient: this one adds zeros
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in bucket]
+        if not present:
+            self._launched[k] = ([], None, None)
+            return
+        grads = [p.grad for p in present]
         flat = self._flat[k]
         if flat is None:  # one flat buffer per bucket, kept across steps: not a fresh multi-MB allocation each step
-            flat = self._flat[k] = torch.empty(sum(x.numel() for x in grads), dtype=grads[0].dtype,
+            flat = self._flat[k] = torch.empty(sum(p.numel() for p in bucket), dtype=grads[0].dtype,
                                                device=grads[0].device)  # (sum of numels,)
+        used = sum(x.numel() for x in grads)
+        if used < flat.numel():
+            flat = flat[:used]  # only the parameters that have gradients
         torch.cat([x.reshape(-1) for x in grads], out=flat)  # into the reused buffer: no fresh pages to fault in
         if self.rec is not None:
             self._launch_times[k] = (self.rec.clock(), "last backward" if self._armed else "end of step")
         self._launched[k] = (grads, flat, dist.all_reduce(flat, group=g.group, async_op=True))
+
+    def _agree(self, k: int, timeout: float, where: str) -> list[bool] | None:
+        """For a tied group's bucket: which parameters have a gradient on some member (one MAX AllReduce); a
+        replica group needs none (its members run the same graph, so the same parameters get gradients)."""
+        g, bucket = self.buckets[k]
+        if not g.spans_stages:
+            return None
+        have = torch.tensor([p.grad is not None for p in bucket], dtype=torch.int32, device=bucket[0].device)
+        wait_for(dist.all_reduce(have, op=dist.ReduceOp.MAX, group=g.group, async_op=True), timeout,
+                 f"{where}: which tied parameters of {g.label} (ranks {g.ranks}) have gradients")
+        return [bool(h) for h in have.tolist()]
 
     def finish(self, timeout: float, where: str) -> None:
         """Launch what is left, wait for every bucket, write the sums back into ``.grad``."""
@@ -158,9 +192,11 @@ class GradReducer:
         start = rec.clock() if rec is not None else 0.0
         for k in range(len(self.buckets)):
             if self._launched[k] is None:
-                self._launch(k)
+                self._launch(k, self._agree(k, timeout, where))
         for k, (g, _) in enumerate(self.buckets):
             grads, flat, work = self._launched[k]
+            if work is None:  # no parameter of the bucket got a gradient: they keep .grad None, as on one device
+                continue
             wait_for(work, timeout, f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks})")
             if rec is not None:
                 launched, during = self._launch_times[k]

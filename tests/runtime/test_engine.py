@@ -9,7 +9,7 @@ from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
 
 TOL = 1e-9
-SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ")]
+SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ", "no_gradient")]
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +91,21 @@ def test_clip_grad_norm_is_the_single_process_norm_on_every_rank(results):
         assert [res["clipped"] for res in per_case] == [True, True, False]
         for res in per_case:
             assert res["norm"] <= TOL, (rank, res["norm"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["seeds_differ", "seeds_differ_tied"])
+def test_replicas_and_tied_copies_start_from_their_roots_values(results, case):
+    """Ranks that built the model from different seeds: each replica and tied copy holds its root's values after
+    dapple.pipeline (the step's equality with single-process training is checked with the shapes above)."""
+    for rank, (res,) in enumerate(r[case] for r in results):
+        assert res["unequal"] == [], (rank, res["unequal"])
+        assert res["differed"], rank  # the seeds did give the ranks different models
+
+
+@pytest.mark.slow
+def test_parameters_without_gradients_keep_grad_none_as_on_one_device(results):
+    for rank, (res,) in enumerate(r["no_gradient"] for r in results):
+        assert res["none_expected"], rank  # every stage holds a gain that gets no gradient
+        assert res["none"] == res["none_expected"], rank
+        assert res["moved"] == [], rank  # AdamW's weight decay moved none of them (single-process did not)

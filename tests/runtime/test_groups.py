@@ -23,8 +23,9 @@ def _reducer(monkeypatch, sizes=(3, 2), spans=()) -> tuple[GradReducer, list[lis
           for i, (n, ps) in enumerate(zip(sizes, params))]
     red = GradReducer(gs, bucket_bytes=16)
 
-    def all_reduce(flat, group, async_op):
-        launched.append(next(k for k, f in enumerate(red._flat) if f is flat))
+    def all_reduce(flat, group, async_op, op=None):
+        if op is None:  # a bucket (the MAX AllReduce is tied groups' agreement on which have gradients)
+            launched.append(next(k for k, f in enumerate(red._flat) if f is flat))
         return _Done()
     monkeypatch.setattr(groups.dist, "all_reduce", all_reduce)
     return red, params, launched
@@ -71,3 +72,14 @@ def test_tied_groups_across_stages_wait_for_the_end_of_the_backward(monkeypatch)
     assert launched == [0, 1, 2]  # only the replica group's buckets
     red.finish(timeout=1.0, where="test")
     assert launched == [0, 1, 2, 3, 4]
+
+
+def test_parameters_without_gradients_keep_none_and_are_not_reduced(monkeypatch):
+    """As on one device, a parameter no backward reached keeps ``.grad is None`` (AdamW's weight decay then leaves
+    it alone under every plan); a bucket with no gradient at all is not reduced."""
+    red, (a, b), launched = _reducer(monkeypatch, spans=(1,))
+    a[1].grad = torch.ones(4)  # a[0], a[2] and all of b got none
+    red.arm()
+    red.finish(timeout=1.0, where="test")
+    assert [p.grad is None for p in a] == [True, False, True] and all(p.grad is None for p in b)
+    assert launched == [1]

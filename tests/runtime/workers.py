@@ -186,6 +186,72 @@ def case_clip(stages, gbs, mbs) -> list[dict]:
     return out
 
 
+def case_seeds_differ(stages, gbs, mbs, gpt: bool = False) -> list[dict]:
+    """Every rank builds the model from its own seed (a mistake): dapple.pipeline gives each replica and tied copy
+    its root's values (the stage's first replica), as DDP does, and the step equals single-process training of
+    the model so assembled."""
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(100 + rank)
+    model = (GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8) if gpt else Chain()).double()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = _plan(model, stages, gbs, mbs)
+    pipe = dapple.pipeline(model, plan, lm_loss if gpt else F.cross_entropy, timeout=30)
+    mine = {n: p.detach().cpu().clone() for n, p in pipe.named_parameters()}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (pipe.stage, mine, before))
+    first: dict[str, int] = {}  # name -> the lowest stage holding it
+    for stage, held, _ in everyone:
+        for n in held:
+            first[n] = min(first.get(n, stage), stage)
+    want = {n: everyone[plan.stages[s].devices[0]][2][n] for n, s in first.items()}
+    unequal = sorted(f"rank {r}: {n}" for r, (_, held, _) in enumerate(everyone) for n, t in held.items()
+                     if not torch.equal(t, want[n]))
+    ref_model = copy.deepcopy(model).cpu()
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            p.copy_(want[n])
+    x, y = (dapple.models.random_tokens(gbs, 8, 32, generator=torch.Generator().manual_seed(3)) if gpt
+            else _chain_data(gbs))
+    ref_loss, ref = _reference(ref_model, lm_loss if gpt else F.cross_entropy, x, y)
+    differed = any(not torch.equal(before[n], everyone[0][2][n]) for n in before)  # this rank's seed vs rank 0's
+    return [{**_compare(pipe, pipe.train_step(x, y), ref_loss, ref), "unequal": unequal,
+             "differed": differed or rank == 0}]
+
+
+class Gained(nn.Module):
+    """tanh(lin(x)) * gain, the gain used only through .detach(): it never gets a gradient."""
+
+    def __init__(self, width: int = 6):
+        super().__init__()
+        self.lin, self.gain = nn.Linear(width, width), nn.Parameter(torch.full((width,), 1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.gain.detach()
+
+
+def case_no_gradient(stages, gbs, mbs) -> list[dict]:
+    """Parameters that get no gradient keep ``.grad is None`` on every rank (replicated stage included), as on one
+    device, and AdamW with weight decay leaves them where single-process training does."""
+    torch.manual_seed(0)
+    model = Chain().double()
+    model.blocks = nn.ModuleList([Gained().double() for _ in range(4)])
+    pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), F.cross_entropy, timeout=30)
+    ref_model = copy.deepcopy(model).cpu()
+    x, y = _chain_data(gbs)
+    F.cross_entropy(ref_model(x), y).backward()
+    pipe.train_step(x, y)
+    none_ref = {n for n, p in ref_model.named_parameters() if p.grad is None}
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.1, weight_decay=0.5)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.1, weight_decay=0.5)
+    opt.step(), ref_opt.step()
+    ref_values = dict(ref_model.named_parameters())
+    return [{"none": sorted(n for n, p in pipe.named_parameters() if p.grad is None),
+             "none_expected": sorted(n for n, _ in pipe.named_parameters() if n in none_ref),
+             "moved": sorted(n for n, p in pipe.named_parameters() if n in none_ref
+                             and not torch.equal(p.detach().cpu(), ref_values[n].detach()))}]
+
+
 def case_inputs_differ(stages, gbs, mbs) -> dict[str, Any]:
     """Rank 3 is given sequences of 5 tokens, the others 8: every rank raises before any transfer (stage 1
     would receive (4, 8, 8) activations into (4, 5, 8) buffers); then a step with the same batch everywhere."""
@@ -303,6 +369,10 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "resnet_2_to_2": (case_resnet, ([((0, 2), [0, 1]), ((2, 7), [2, 3])], 6, 3), {}),
     # layers wte, wpe, drop, h.0, h.1, ln_f, lm_head: the tied weight on stages 0 (2 replicas) and 2
     "clip_grad_norm": (case_clip, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
+    "seeds_differ": (case_seeds_differ, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {}),
+    "seeds_differ_tied": (case_seeds_differ, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4),
+                          {"gpt": True}),
+    "no_gradient": (case_no_gradient, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {}),
     "inputs_differ": (case_inputs_differ, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
     "memory": (case_memory, (), {}),
     "owned": (case_owned, (), {}),
