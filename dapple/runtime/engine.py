@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..core.checks import number
+from ..core.checks import flag, number
 from ..core.dist import first_line, timeout_seconds
 from ..core.plan import Plan
 from ..profiler.fx_trace import LeafSpec
@@ -41,8 +41,11 @@ class Pipeline:
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
                  *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
                  backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
-                 dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False):
+                 dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
+                 check_inputs: bool = True):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
+        flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
+        self.check_inputs = check_inputs
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
         local = os.environ.get("LOCAL_WORLD_SIZE")
@@ -117,8 +120,8 @@ class Pipeline:
         xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
         check_batch(self.plan, xs, ys, self._arity)
         try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable
-            check_same_inputs(input_key(xs), self.ctx.device, self.timeout,
-                              f"rank {self.ctx.rank} (stage {self.stage}), step {self.step + 1}")
+            check_same_inputs(xs, ys, input_key(xs), self.ctx.device, self.timeout,
+                              f"rank {self.ctx.rank} (stage {self.stage}), step {self.step + 1}", self.check_inputs)
         except PipelineError as e:
             self._failed = first_line(e)
             raise
@@ -200,7 +203,8 @@ def _checked_options(loss_fn: Any, timeout: Any, trace: Any, deferred_batch_norm
 def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,
              concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
-             dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False) -> Pipeline:
+             dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
+             check_inputs: bool = True) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss; the
@@ -224,10 +228,13 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             always, but update their running statistics once per step with those of every row they saw in it
             (all micro-batches and replicas: the global batch), so every replica of a stage holds the same;
             otherwise each replica updates its own per slice, and they drift apart.
+        check_inputs: compare a checksum of each step's inputs and targets across ranks (one small AllReduce, a
+            pass over the batch): every rank must pass the same global batch, and a rank given its own shard
+            raises ValueError instead of training on a mix. Shapes are always compared.
 
     Returns:
         This rank's :class:`Pipeline`.
     """
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
-                    trace=trace, deferred_batch_norm=deferred_batch_norm)
+                    trace=trace, deferred_batch_norm=deferred_batch_norm, check_inputs=check_inputs)

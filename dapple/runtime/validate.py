@@ -64,20 +64,51 @@ def check_batch(plan: Plan, inputs: Sequence[torch.Tensor], targets: Sequence[to
                                  f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}")
 
 
-def check_same_inputs(key: Any, device: torch.device, timeout: float, where: str) -> None:
-    """Every rank was given inputs of the same shapes and dtypes (``key``), as the global batch must be: the
-    receivers allocate each activation from their own inputs' shapes, and a sender whose shapes differ would
-    fill their buffers only in part. One MAX AllReduce of a fingerprint and its negation (max == -min: all
-    agree); where ranks differ, every rank learns it at once and raises a ValueError naming each rank's."""
+def batch_sums(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Two float64 checksums of a batch: the sum of its row sums and their sum weighted by row and tensor index.
+    Cheap (one pass, nothing batch-sized allocated) and, for batches of the same shapes, different almost surely
+    when any row differs: a rank that passes its own shard instead of the global batch is caught."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for k, x in enumerate(xs):
+        x = x.detach()
+        rows = (x.reshape(x.shape[0], -1).sum(1, dtype=torch.float64) if x.dim() else x.reshape(1).double())
+        rows = torch.nan_to_num(rows.to(device), nan=0.0, posinf=1e300, neginf=-1e300)
+        weight = torch.arange(1, rows.numel() + 1, dtype=torch.float64, device=device)
+        total += torch.stack([rows.sum(), (rows * weight).sum() / rows.numel()]) * (k + 1)
+    return total
+
+
+def check_same_inputs(inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], key: Any,
+                      device: torch.device, timeout: float, where: str, values: bool = True) -> None:
+    """Every rank was given the same global batch, as it must be: inputs of the same shapes and dtypes (``key``;
+    the receivers allocate each activation from their own inputs' shapes, and a sender whose shapes differ would
+    fill their buffers only in part) and, with ``values``, the same inputs and targets (:func:`batch_sums`).
+
+    One MAX AllReduce of the fingerprints and their negations (max == -min: all agree); where ranks differ, every
+    rank learns it at once and raises a ValueError naming each rank's shapes or which ranks' data differ.
+    """
     fp = float(zlib.crc32(repr(key).encode()))  # < 2**32: exact in float64
-    both = torch.tensor([fp, -fp], dtype=torch.float64, device=device)
+    sums = (torch.cat([batch_sums(inputs, device), batch_sums(targets, device)]) if values
+            else torch.zeros(4, dtype=torch.float64, device=device))
+    mine = torch.cat([torch.tensor([fp], dtype=torch.float64, device=device), sums])
+    both = torch.cat([mine, -mine])
     wait_for(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout,
-             f"{where}: checking that every rank has inputs of the same shapes")
-    most, least = both.tolist()  # one copy to the host
-    if most == -least:
+             f"{where}: checking that every rank has the same inputs and targets")
+    most, least = both.tolist()[:5], both.tolist()[5:]  # one copy to the host
+    if all(m == -n for m, n in zip(most, least)):
         return
     keys: list[Any] = [None] * dist.get_world_size()
-    bounded(timeout, f"{where}: gathering every rank's input shapes", dist.all_gather_object, keys, key)
-    shown = "; ".join(f"rank {r}: {[(list(shape), str(dtype)) for shape, dtype in k]}" for r, k in enumerate(keys))
-    raise ValueError(f"{where}: the ranks were given inputs of different shapes or dtypes (every rank must get the "
-                     f"same global batch); per input, (shape after the batch dimension, dtype): {shown}")
+    bounded(timeout, f"{where}: gathering every rank's inputs' shapes and checksums", dist.all_gather_object, keys,
+            (key, mine.tolist()))
+    if most[0] != -least[0]:
+        shown = "; ".join(f"rank {r}: {[(list(shape), str(dtype)) for shape, dtype in k]}"
+                          for r, (k, _) in enumerate(keys))
+        raise ValueError(f"{where}: the ranks were given inputs of different shapes or dtypes (every rank must get "
+                         f"the same global batch); per input, (shape after the batch dimension, dtype): {shown}")
+    which = "inputs" if most[1:3] != [-v for v in least[1:3]] else "targets"
+    groups: dict[tuple, list[int]] = {}
+    for r, (_, sums_r) in enumerate(keys):
+        groups.setdefault(tuple(sums_r[1:3] if which == "inputs" else sums_r[3:5]), []).append(r)
+    raise ValueError(f"{where}: the ranks were given different {which} of the same shapes: every rank must pass "
+                     f"the same global batch (not its own shard, as with DDP); ranks with equal {which}: "
+                     f"{sorted(groups.values())}. Pass check_inputs=False to dapple.pipeline to skip this check")

@@ -9,7 +9,7 @@ from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
 
 TOL = 1e-9
-SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ", "no_gradient")]
+SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ", "no_gradient", "shards")]
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +109,14 @@ def test_parameters_without_gradients_keep_grad_none_as_on_one_device(results):
         assert res["none_expected"], rank  # every stage holds a gain that gets no gradient
         assert res["none"] == res["none_expected"], rank
         assert res["moved"] == [], rank  # AdamW's weight decay moved none of them (single-process did not)
+
+
+@pytest.mark.slow
+def test_ranks_given_their_own_shards_all_raise_naming_what_differs(results):
+    for rank, res in enumerate(r["shards"] for r in results):
+        inputs, targets = res["errors"]
+        assert inputs is not None and "step 1: the ranks were given different inputs of the same shapes" in inputs
+        assert "not its own shard" in inputs and "[[0], [1], [2], [3]]" in inputs, inputs
+        assert targets is not None and "step 1: the ranks were given different targets" in targets, targets
+        assert res["step"] == 1, rank  # the refused steps did not count; the correct one ran
+        assert res["after"]["loss"] <= TOL and all(e <= TOL for e in res["after"]["grads"].values()), rank

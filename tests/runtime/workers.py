@@ -252,6 +252,30 @@ def case_no_gradient(stages, gbs, mbs) -> list[dict]:
                              and not torch.equal(p.detach().cpu(), ref_values[n].detach()))}]
 
 
+def case_shards(stages, gbs, mbs) -> dict[str, Any]:
+    """The DDP habit: each rank passes its own rows (same shapes). Every rank raises before any transfer, for
+    different inputs and for different targets alone; check_inputs=False lets it through; then a correct step."""
+    torch.manual_seed(0)
+    model = Chain().double()
+    plan = _plan(model, stages, gbs, mbs)
+    pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
+    rank = int(os.environ["RANK"])
+    x, y = _chain_data(gbs, seed=10 + rank)  # this rank's own shard
+    same_x, same_y = _chain_data(gbs)
+    errors = []
+    for xs, ys in ((x, y), (same_x, y)):
+        try:
+            pipe.train_step(xs, ys)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    ref_loss, ref = _reference(model, F.cross_entropy, same_x, same_y)
+    after = _compare(pipe, pipe.train_step(same_x, same_y), ref_loss, ref)
+    unchecked = dapple.pipeline(copy.deepcopy(model), plan, F.cross_entropy, timeout=30, check_inputs=False)
+    unchecked.train_step(x, y)  # trains on a mix of the ranks' rows: what the check is for
+    return {"errors": errors, "after": after, "step": pipe.step}
+
+
 def case_inputs_differ(stages, gbs, mbs) -> dict[str, Any]:
     """Rank 3 is given sequences of 5 tokens, the others 8: every rank raises before any transfer (stage 1
     would receive (4, 8, 8) activations into (4, 5, 8) buffers); then a step with the same batch everywhere."""
@@ -373,6 +397,7 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
     "seeds_differ_tied": (case_seeds_differ, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4),
                           {"gpt": True}),
     "no_gradient": (case_no_gradient, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {}),
+    "shards": (case_shards, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {}),
     "inputs_differ": (case_inputs_differ, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
     "memory": (case_memory, (), {}),
     "owned": (case_owned, (), {}),
