@@ -160,11 +160,20 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: flo
     return fits[0]
 
 
+def server_name() -> str:
+    """What tells this rank's server apart: ``DAPPLE_PROBE_HOST`` if set, else the host name, with torchrun's node
+    rank (GROUP_RANK) when it launched several nodes (two nodes on one machine are two servers)."""
+    if os.environ.get("DAPPLE_PROBE_HOST"):
+        return os.environ["DAPPLE_PROBE_HOST"]
+    node, nodes = os.environ.get("GROUP_RANK"), os.environ.get("GROUP_WORLD_SIZE")
+    several = node is not None and (nodes is None or nodes != "1")
+    return f"{socket.gethostname()} (node {node})" if several else socket.gethostname()
+
+
 def _servers(world: int, objects: dist.ProcessGroup, timeout: float) -> tuple[list[str], int]:
     """(host names in rank order, ranks per server); ValueError unless ranks fill servers one after another."""
     hosts: list = [None] * world
-    _bounded("gathering the host names", timeout, dist.all_gather_object, hosts,
-             os.environ.get("DAPPLE_PROBE_HOST") or socket.gethostname(), group=objects)
+    _bounded("gathering the host names", timeout, dist.all_gather_object, hosts, server_name(), group=objects)
     names = list(dict.fromkeys(hosts))
     per = hosts.count(names[0])
     expect = [h for h in names for _ in range(per)]
