@@ -9,7 +9,7 @@ from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
 
 TOL = 1e-9
-SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ", "no_gradient", "shards")]
+SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ", "no_gradient", "shards", "repeatable")]
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +120,10 @@ def test_ranks_given_their_own_shards_all_raise_naming_what_differs(results):
         assert targets is not None and "step 1: the ranks were given different targets" in targets, targets
         assert res["step"] == 1, rank  # the refused steps did not count; the correct one ran
         assert res["after"]["loss"] <= TOL and all(e <= TOL for e in res["after"]["grads"].values()), rank
+
+
+@pytest.mark.slow
+def test_the_same_seed_and_plan_give_the_same_losses_run_after_run(results):
+    for rank, res in enumerate(r["repeatable"] for r in results):
+        assert res["first"] == res["again"], rank  # bit for bit
+        assert res["first"] != res["other"], rank  # dropout is on: another seed, other masks

@@ -276,6 +276,19 @@ def case_shards(stages, gbs, mbs) -> dict[str, Any]:
     return {"errors": errors, "after": after, "step": pipe.step}
 
 
+def case_repeatable(stages, gbs, mbs) -> dict[str, list[float]]:
+    """Dropout: each rank draws from its own torch RNG, so the same seed and plan give the same losses run after
+    run, and another seed other ones."""
+    def run(seed: int) -> list[float]:
+        torch.manual_seed(0)
+        model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8, dropout=0.3).double()
+        pipe = dapple.pipeline(model, _plan(model, stages, gbs, mbs), lm_loss, timeout=30)
+        torch.manual_seed(seed)  # the masks' seed
+        x, y = dapple.models.random_tokens(gbs, 8, 32, generator=torch.Generator().manual_seed(1))
+        return [pipe.train_step(x, y) for _ in range(2)]
+    return {"first": run(5), "again": run(5), "other": run(6)}
+
+
 def case_inputs_differ(stages, gbs, mbs) -> dict[str, Any]:
     """Rank 3 is given sequences of 5 tokens, the others 8: every rank raises before any transfer (stage 1
     would receive (4, 8, 8) activations into (4, 5, 8) buffers); then a step with the same batch everywhere."""
@@ -398,6 +411,7 @@ CASES_4: dict[str, tuple[Callable, tuple, dict]] = {
                           {"gpt": True}),
     "no_gradient": (case_no_gradient, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {}),
     "shards": (case_shards, ([((0, 1), [0]), ((1, 3), [1, 2]), ((3, 5), [3])], 9, 3), {}),
+    "repeatable": (case_repeatable, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
     "inputs_differ": (case_inputs_differ, ([((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 8, 4), {}),
     "memory": (case_memory, (), {}),
     "owned": (case_owned, (), {}),
