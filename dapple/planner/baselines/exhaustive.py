@@ -6,7 +6,7 @@ import itertools
 from typing import TYPE_CHECKING, Iterator
 
 from ...core.schedule import warmup_counts
-from ..model.cost import CostModel, Layout
+from ..model.cost import CostModel, ServerLayout
 from ..model.evaluate import pipeline_costs
 
 if TYPE_CHECKING:
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..model.evaluate import PipelineCosts
 
 
-def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[tuple[Layout, ...]]:
+def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[tuple[ServerLayout, ...]]:
     """Every way to give ``stages`` stages all devices (each stage a non-empty ordered list of at most
     ``max_replicas`` devices), as server layouts, without repeats (devices of a server are interchangeable)."""
     G = cluster.num_devices

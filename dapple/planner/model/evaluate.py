@@ -9,8 +9,8 @@ from ...core.checks import positive_int
 from ...core.plan import Estimate, Plan, Stage, check_fit, check_stages
 from ...core.schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
-from .cost import CostModel, Layout, layout_of
-from .memory import check_stage_memory, max_in_flight
+from .cost import CostModel, ServerLayout, layout_of
+from .memory import check_stage_memory, slices_that_fit
 from .pivot import Latency, paper_latency
 from .refined import refined_latency
 from .transfers import add_users, feeds, queues
@@ -67,7 +67,7 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
     return out
 
 
-def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: int, policy: str = "A",
+def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]], M: int, policy: str = "A",
                    warmup: Sequence[int] | None = None, check: bool = True,
                    endings: bool = True) -> tuple[PipelineCosts, list[int]]:
     """Interleaved costs of stages ``(a, c, layout)`` and D per stage (paper V-C); raises ValueError when a
@@ -79,7 +79,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
         f, b = cm.compute(a, c, len(lay))
-        d = max_in_flight(cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
+        d = slices_that_fit(cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
         if d < 1 and check:
             check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
         D.append(d)
@@ -167,7 +167,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     return make_estimate(cm, spans, pc, D, lat, model=model, overlap=overlap, schedule=schedule)
 
 
-def make_estimate(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], pc: PipelineCosts, D: Sequence[int],
+def make_estimate(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]], pc: PipelineCosts, D: Sequence[int],
                   lat: Latency, *, model: str, overlap: bool, schedule: str) -> Estimate:
     """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot."""
     n = len(spans)

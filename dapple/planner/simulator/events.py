@@ -10,7 +10,7 @@ from ...core.buckets import BUCKET_BYTES
 from ...core.checks import flag
 from ...core.cluster import LINK_SHARING
 from ...core.plan import Plan, check_fit
-from ...core.schedule import max_in_flight, stage_ops
+from ...core.schedule import Op, peak_in_flight, stage_ops
 from ...core.split_concat import routes, slice_bounds
 from ...core.timeline import Event, lane_of
 from ..checks import instance, profile_and_cluster
@@ -62,8 +62,7 @@ class SimResult:
 
     def max_alive(self, device: int) -> int:
         """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held)."""
-        from ...core.schedule import Op
-        return max_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
+        return peak_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
                               if o.kind in ("F", "B")])
 
     def busy_fraction(self) -> float:
