@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ...core.cluster import Cluster
     from ...core.profile import Profile
 
-ServerLayout = tuple[int, ...]  # the server of each replica of a stage, in replica order: (0, 0, 1) = 2 on server 0, 1 on 1
+ServerLayout = tuple[int, ...]  # the server of each replica of a stage, in order: (0, 0, 1) = 2 on server 0, 1 on 1
 
 CACHED_SERVERS = 16  # CostModel.comm_pair caches its per-cut answers for pairs of stages over at most this many servers
 

@@ -198,7 +198,7 @@ def queues(hot: tuple, ports: GradientPorts) -> bool:
         ports: :func:`gradient_ports` of the routes to the stage below.
     """
     own, servers = ports
-    for k, who in hot:  # (a loop: the search asks this 100k times on 8x8, a generator costs more than the test)
+    for k, who in hot:  # (a loop: the search asks this in its inner loop, where a generator costs more)
         if who in (own if k == "in" else servers):
             return True
     return False
