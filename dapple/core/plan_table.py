@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .plan import Estimate, Plan
 
 
 def _short(name: str, width: int = 24) -> str:
@@ -21,10 +21,26 @@ def _layer_span(plan: "Plan", lo: int, hi: int) -> str:
 
 
 def format_plan(plan: "Plan") -> str:
+    """``str(plan)``: a header, a table of the stages, the estimate and how the plan was made.
 
+    Args:
+        plan: the plan; its ``estimate`` and ``meta`` add lines when present.
+    """
     est = plan.estimate
     details = est.details if est is not None else {}
     per_stage = details.get("stages") or []
+    lines = [_head(plan)] + _table(plan, per_stage)
+    if per_stage:
+        lines.append("  (F/B: one micro-batch slice on the slowest replica; AR: gradient AllReduce over the stage's "
+                     "devices; send: activations to the next stage, gradients take as long back)")
+    if est is not None:
+        lines += _estimate_lines(est, details)
+    if plan.meta.get("planning_time_s") is not None:
+        lines += _planning_lines(plan)
+    return "\n".join(lines)
+
+
+def _head(plan: "Plan") -> str:
     head = (f"dapple plan: {plan.num_stages} stage(s) on {plan.num_devices} device(s), "
             f"global batch {plan.global_batch_size} = {plan.num_micro_batches} micro-batches x "
             f"{plan.micro_batch_size}, schedule {plan.schedule}, warmup policy {plan.warmup_policy}")
@@ -32,6 +48,11 @@ def format_plan(plan: "Plan") -> str:
         head += f", model {plan.meta['model']}"
     if plan.meta.get("cluster"):
         head += f", cluster {plan.meta['cluster']}"
+    return head
+
+
+def _table(plan: "Plan", per_stage: list) -> list[str]:
+    """The stage table's lines: a header row, a rule, a row per stage (its estimated costs where known)."""
     rows = [("stage", "layers", "devices", "K_i", "F ms", "B ms", "AR ms", "send ms", "mem GB")]
     for i, s in enumerate(plan.stages):
         d = per_stage[i] if i < len(per_stage) else {}
@@ -43,44 +64,48 @@ def format_plan(plan: "Plan") -> str:
                      str(s.warmup), num("forward_ms"), num("backward_ms"), num("allreduce_ms"),
                      num("send_forward_ms"), num("memory_gb", "{:.2f}")))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = [head]
+    lines = []
     for k, r in enumerate(rows):
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
         if k == 0:
             lines.append("  " + "  ".join("-" * w for w in widths))
-    if per_stage:
-        lines.append("  (F/B: one micro-batch slice on the slowest replica; AR: gradient AllReduce over the stage's "
-                     "devices; send: activations to the next stage, gradients take as long back)")
-    if est is not None:
-        model = f" ({details['model']} model)" if details.get("model") else ""
-        pivot = details.get("pivot", "")
-        where = f"pivot stage Q = {est.pivot_stage}" + (f" ({pivot})" if pivot.startswith("comm") else "")
-        lines.append(f"estimate{model}: latency {est.latency_ms:.3f} ms = warmup Tw {est.warmup_ms:.3f} + steady Ts "
-                     f"{est.steady_ms:.3f} + ending Te {est.ending_ms:.3f}; {where}")
-        extra = []
-        if "bubble_fraction" in details:
-            extra.append(f"bubble fraction {details['bubble_fraction']:.1%}")
-        if "acr" in details:
-            extra.append(f"activation communication ratio {details['acr']:.3f}")
-        if details.get("overlap"):
-            extra.append("AllReduce overlapped with the last backward")
-        if extra:
-            lines.append("  " + "; ".join(extra))
-    if plan.meta.get("planning_time_s") is not None:
-        lines.append(f"planned by {plan.meta.get('planner', '?')} in {plan.meta['planning_time_s']:.3f} s"
-                     + (f"; placement {', '.join(plan.meta['placement'])}" if plan.meta.get("placement") else "")
-                     + ("; compact search (partly used servers kept alike)"
-                        if plan.meta.get("search") == "compact" else "")
-                     + (f"; search stopped at its time limit{_limit(plan.meta.get('time_limit_s'))}: the best "
-                        f"plan found so far (time_limit= searches longer)"
-                        if plan.meta.get("search_complete") is False else "")
-                     + (f"; optimality gap {plan.meta['gap']:.1%}" if plan.meta.get("gap") else ""))
-        bound = plan.meta.get("latency_lower_bound_ms")
-        if bound and plan.estimate is not None:
-            off = plan.estimate.latency_ms / bound - 1
-            lines.append(f"  no plan on all {plan.num_devices} devices is modelled below {bound:.1f} ms: " + (
-                "this one is the model's best" if off < 5e-5 else f"this one is within {off:.1%} of the best possible"))
-    return "\n".join(lines)
+    return lines
+
+
+def _estimate_lines(est: "Estimate", details: dict) -> list[str]:
+    """Latency = Tw + Ts + Te and the pivot; then bubble fraction, ACR and overlap where known."""
+    model = f" ({details['model']} model)" if details.get("model") else ""
+    pivot = details.get("pivot", "")
+    where = f"pivot stage Q = {est.pivot_stage}" + (f" ({pivot})" if pivot.startswith("comm") else "")
+    lines = [f"estimate{model}: latency {est.latency_ms:.3f} ms = warmup Tw {est.warmup_ms:.3f} + steady Ts "
+             f"{est.steady_ms:.3f} + ending Te {est.ending_ms:.3f}; {where}"]
+    extra = []
+    if "bubble_fraction" in details:
+        extra.append(f"bubble fraction {details['bubble_fraction']:.1%}")
+    if "acr" in details:
+        extra.append(f"activation communication ratio {details['acr']:.3f}")
+    if details.get("overlap"):
+        extra.append("AllReduce overlapped with the last backward")
+    if extra:
+        lines.append("  " + "; ".join(extra))
+    return lines
+
+
+def _planning_lines(plan: "Plan") -> list[str]:
+    """Who planned it, how long it took, how the search ran, and how close to the best it is known to be."""
+    meta = plan.meta
+    lines = [f"planned by {meta.get('planner', '?')} in {meta['planning_time_s']:.3f} s"
+             + (f"; placement {', '.join(meta['placement'])}" if meta.get("placement") else "")
+             + ("; compact search (partly used servers kept alike)" if meta.get("search") == "compact" else "")
+             + (f"; search stopped at its time limit{_limit(meta.get('time_limit_s'))}: the best "
+                f"plan found so far (time_limit= searches longer)" if meta.get("search_complete") is False else "")
+             + (f"; optimality gap {meta['gap']:.1%}" if meta.get("gap") else "")]
+    bound = meta.get("latency_lower_bound_ms")
+    if bound and plan.estimate is not None:
+        off = plan.estimate.latency_ms / bound - 1
+        lines.append(f"  no plan on all {plan.num_devices} devices is modelled below {bound:.1f} ms: " + (
+            "this one is the model's best" if off < 5e-5 else f"this one is within {off:.1%} of the best possible"))
+    return lines
 
 
 def _limit(seconds: object) -> str:

@@ -89,7 +89,7 @@ def stage_ops(schedule: str, num_micro_batches: int, warmup: int) -> list[Op]:
     return ops
 
 
-def max_in_flight(ops: Sequence[Op]) -> int:
+def peak_in_flight(ops: Sequence[Op]) -> int:
     """Peak number of micro-batches whose forward ran and whose backward has not (activations held)."""
     alive = peak = 0
     for op in ops:

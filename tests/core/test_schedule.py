@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapple.core.schedule import Op, max_in_flight, stage_ops, validate_warmup, warmup_counts
+from dapple.core.schedule import Op, peak_in_flight, stage_ops, validate_warmup, warmup_counts
 
 
 def test_policies():
@@ -30,7 +30,7 @@ def test_gpipe_order():
 def test_at_most_k_alive_whatever_m(m, k):
     ops = stage_ops("dapple", m, k)
     assert sorted(ops) == sorted([Op("F", j) for j in range(m)] + [Op("B", j) for j in range(m)])
-    assert max_in_flight(ops) == min(k, m)
+    assert peak_in_flight(ops) == min(k, m)
     seen = set()
     for op in ops:  # every backward after its forward
         if op.kind == "B":

@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 from ...core.schedule import warmup_counts
-from ..model.cost import CostModel, Layout
-from ..model.evaluate import pipeline_costs
+from ..model.cost import CostModel, ServerLayout, Span
+from ..model.evaluate import PipelineCosts, pipeline_costs
 
 if TYPE_CHECKING:
     from ...core.cluster import Cluster
     from ...core.profile import Profile
-    from ..model.evaluate import PipelineCosts
 
 
-def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[tuple[Layout, ...]]:
+class Candidate(NamedTuple):
+    """One plan of :func:`every_plan`."""
+
+    spans: tuple[Span, ...]  # (layer start, layer end, server layout) per stage
+    costs: PipelineCosts  # with policy A's K_i
+    fits: list[int]  # D per stage: micro-batch slices in flight that fit in memory
+
+
+class Best(NamedTuple):
+    """What :func:`exhaustive_search` found."""
+
+    latency: float  # ms (inf: no plan fits)
+    spans: tuple[Span, ...]
+    warmup_policy: str
+
+
+def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[tuple[ServerLayout, ...]]:
     """Every way to give ``stages`` stages all devices (each stage a non-empty ordered list of at most
     ``max_replicas`` devices), as server layouts, without repeats (devices of a server are interchangeable)."""
     G = cluster.num_devices
@@ -32,35 +47,44 @@ def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[
 
 
 def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
-               max_stages: int | None = None) -> Iterator[tuple[tuple, "PipelineCosts", list[int]]]:
-    """(spans, PipelineCosts with policy A's K, slices in flight per stage) of every plan that fits in memory:
-    all layer splits x device assignments that use every device."""
+               max_stages: int | None = None) -> Iterator[Candidate]:
+    """Every plan that fits in memory: all layer splits x device assignments that use every device, with at
+    most ``max_stages`` stages."""
     N, G, b = profile.num_layers, cluster.num_devices, cm.micro
     for S in range(1, min(N, G, G if max_stages is None else max_stages) + 1):
         lays_all = list(assignments(cluster, S, b))
         for cuts in itertools.combinations(range(1, N), S - 1):
             bounds = (0,) + cuts + (N,)
             for lays in lays_all:
-                spans = tuple((bounds[i], bounds[i + 1], lays[i]) for i in range(S))
+                spans = tuple(Span(bounds[i], bounds[i + 1], lays[i]) for i in range(S))
                 try:
                     pc, D = pipeline_costs(cm, spans, M, "A")
-                except ValueError:
+                except ValueError:  # does not fit in memory
                     continue
-                yield spans, pc, D
+                yield Candidate(spans, pc, D)
 
 
 def exhaustive_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
                       model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
-                      optimizer_factor: float = 4.0, max_stages: int | None = None) -> tuple[float, tuple, str]:
-    """(latency, spans, warmup policy) of the best plan over all layer splits x device assignments that use
-    every device (what the DP approximates). Feasible only for a handful of devices and layers."""
+                      optimizer_factor: float = 4.0, max_stages: int | None = None) -> Best:
+    """The best plan over all layer splits x device assignments that use every device (what the DP
+    approximates). Feasible only for a handful of devices and layers.
+
+    Args:
+        profile, cluster, global_batch_size, micro_batch_size: the instance.
+        model, overlap: the latency model, as :func:`dapple.planner.evaluate`.
+        warmup_policy: the policy to price under the refined model (default: the better of A and B; the paper
+            model prices A).
+        optimizer_factor: static bytes per parameter byte.
+        max_stages: the deepest pipeline tried.
+    """
     M = global_batch_size // micro_batch_size
     cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
-    best = (float("inf"), (), "A")
+    best = Best(float("inf"), (), "A")
     for spans, pc, D in every_plan(profile, cluster, M, cm, max_stages):
         for pol in ((warmup_policy,) if warmup_policy else ("A", "B")) if model == "refined" else ("A",):
             pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
             t = pc.latency(model, overlap).total
-            if t < best[0] - 1e-9:
-                best = (t, spans, pol)
+            if t < best.latency - 1e-9:
+                best = Best(t, spans, pol)
     return best

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.checks import positive_int
 from ...core.plan import Estimate, Plan, Stage, check_fit, check_stages
 from ...core.schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
-from .cost import CostModel, Layout, layout_of
-from .memory import check_stage_memory, max_in_flight
+from .cost import CostModel, Span, layout_of
+from .memory import check_stage_memory, slices_that_fit
 from .pivot import Latency, paper_latency
 from .refined import refined_latency
 from .transfers import add_users, feeds, queues
@@ -34,17 +34,36 @@ class PipelineCosts:
     M: int
     link_period: float = 0.0  # least steady ms per micro-batch the links allow (CostModel.link_periods)
     chain: list | None = None  # B, with the gradients' share of a round trip for communication stages
-    window: list | None = None  # the same in the steady state (CostModel.comm_links)
+    window: list | None = None  # the same in the steady state (CommLinks.window)
     drain_period: float | None = None  # the same once activations stop: gradients alone (default link_period)
-    queue: list | None = None  # per compute stage: its first gradient queues behind its activations (comm.queues)
-    feed: list | None = None  # per stage: the warmup's floor where server links carry several stages (comm.feeds)
+    queue: list | None = None  # per compute stage: its first gradient queues behind its activations (queues)
+    feed: list | None = None  # per stage: the warmup's floor where server links carry several stages (feeds)
 
     def latency(self, model: str = "paper", overlap: bool = False) -> Latency:
+        """L of formula 2 (``model="paper"``) or of the refined model, with or without overlapped AllReduce."""
         if model == "paper":
             return paper_latency(self.F, self.B, self.AR, self.M)
         return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
                                self.link_period, self.chain, self.window, self.drain_period, self.queue,
                                self.feed)
+
+
+class PricedStages(NamedTuple):
+    """What :func:`pipeline_costs` returns."""
+
+    costs: PipelineCosts
+    fits: list[int]  # D per stage: micro-batch slices whose activations fit in device memory (paper V-C)
+
+
+class _Options(NamedTuple):
+    """evaluate()'s settings once a Plan's own have filled the gaps."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    schedule: str
+    warmup_policy: str
+    model: str
+    overlap: bool
 
 
 def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
@@ -67,19 +86,27 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
     return out
 
 
-def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: int, policy: str = "A",
-                   warmup: Sequence[int] | None = None, check: bool = True,
-                   endings: bool = True) -> tuple[PipelineCosts, list[int]]:
-    """Interleaved costs of stages ``(a, c, layout)`` and D per stage (paper V-C); raises ValueError when a
-    stage does not fit in device memory (``check``). ``endings``: E, the overlapped AllReduce's ending of each
-    stage (False: E = B, for a caller that prices no overlap)."""
+def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "A",
+                   warmup: Sequence[int] | None = None, check: bool = True, endings: bool = True) -> PricedStages:
+    """Interleaved costs of stages ``spans`` and D per stage (paper V-C).
+
+    Args:
+        cm: the cost model of the plan's profile, cluster and micro-batch size.
+        spans: (layer start, layer end, server layout) per stage.
+        M: micro-batches per iteration.
+        policy: warmup policy "A" or "B" for K_i when ``warmup`` is None.
+        warmup: K_i per stage, or None.
+        check: raise ValueError, naming the stage, when a stage does not fit in device memory.
+        endings: price E, the overlapped AllReduce's ending of each stage (False: E = B, for a caller that
+            prices no overlap).
+    """
     F, B, AR, E, D, chain, window, queue = [], [], [], [], [], [], [], []
-    hot: tuple = ()  # the busiest inbound links of stage i (comm.queues), from the transfer into it
-    users: dict = {}  # per server, the communication stages on its uplink and downlink (comm.feeds)
+    hot: tuple = ()  # the busiest inbound links of stage i (transfers.queues), from the transfer into it
+    users: dict = {}  # per server, the communication stages on its uplink and downlink (transfers.feeds)
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
         f, b = cm.compute(a, c, len(lay))
-        d = max_in_flight(cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
+        d = slices_that_fit(cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
         if d < 1 and check:
             check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
         D.append(d)
@@ -89,103 +116,119 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], M: i
         window.append(b)
         AR.append(cm.allreduce(a, c, lay))
         E.append(cm.overlapped_ending(a, c, lay) if endings else b)
-        if i + 1 < len(spans):
+        if i + 1 < len(spans):  # the communication stage to the next
             pair = cm.comm_pair(lay, spans[i + 1][2])
             queue.append(queues(hot, pair.ports))
             cl = pair(c - 1)
-            cf = cb = cl[0]
-            F.append(cf)
-            B.append(cb)
-            chain.append(cl[4])
-            window.append(cl[5])
-            hot = cl[6]
-            users = add_users(users, cl[3], 2 * i + 1)
+            F.append(cl.busiest)
+            B.append(cl.busiest)
+            chain.append(cl.chain)
+            window.append(cl.window)
+            hot = cl.hot
+            users = add_users(users, cl.servers, 2 * i + 1)
             AR.append(0.0)
-            E.append(cb)
-    if warmup is None:
-        K = warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
-    else:
-        K = [int(k) for k in warmup]
-        if check:
-            for i, (a, c, lay) in enumerate(spans):
-                if K[i] > D[i]:
-                    check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem, K[i])
+            E.append(cl.busiest)
+    K = _warmup(cm, spans, M, policy, warmup, D, check)
     period, drain = cm.link_periods(spans)
     queue.append(False)  # the last stage: no gradients from below
-    return PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F))), D
+    return PricedStages(PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F))), D)
+
+
+def _warmup(cm: CostModel, spans: Sequence[Span], M: int, policy: str, warmup: Sequence[int] | None,
+            D: list[int], check: bool) -> list[int]:
+    """K_i: the policy's within D, or ``warmup`` (checked against device memory with ``check``)."""
+    if warmup is None:
+        return warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
+    K = [int(k) for k in warmup]
+    if check:
+        for i, (a, c, lay) in enumerate(spans):
+            if K[i] > D[i]:
+                check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), cm.cluster.device_memory,
+                                   K[i])
+    return K
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
              micro_batch_size: int | None = None, *, schedule: str | None = None, warmup_policy: str | None = None,
              optimizer_factor: float = 4.0, model: str | None = None, overlap: bool | None = None) -> Estimate:
-    """Latency of one iteration of ``stages`` (formula 2 with the pivot of Algorithm 1 for ``model="paper"``,
-    the refined model of :mod:`dapple.planner.model.refined` for ``model="refined"``), with per-stage costs in
-    ``details``. ``stages``: (layer_start, layer_end_exclusive, [device ids]) tuples, Stages (their warmup
-    K_i is used if every stage gives one), or a Plan. Defaults: schedule "dapple", warmup policy "A" (K_i when
-    the stages give none), model "paper", no overlap; for a Plan its own batch sizes, schedule, policy, and
-    the latency model and overlap it was planned with (``plan.meta``), so that
-    ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``.
-    Raises ValueError for bad input or a plan that does not fit in device memory, naming the stage.
+    """Latency of one iteration of ``stages``, with per-stage costs in ``details``.
+
+    ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``: for a Plan the defaults are its own batch
+    sizes, schedule, policy, and the latency model and overlap it was planned with (``plan.meta``).
+
+    Args:
+        profile, cluster: the model's profile and the cluster it runs on.
+        stages: (layer_start, layer_end_exclusive, [device ids]) tuples, Stages (their warmup K_i is used if
+            every stage gives one), or a Plan.
+        global_batch_size, micro_batch_size: samples per iteration and per micro-batch.
+        schedule: "dapple" (default) or "gpipe".
+        warmup_policy: "A" (default) or "B", for K_i when the stages give none.
+        optimizer_factor: static bytes per parameter byte.
+        model: "paper" (default: formula 2 with the pivot of Algorithm 1) or "refined"
+            (:mod:`dapple.planner.model.refined`).
+        overlap: AllReduce overlapped with the last backward (default False).
+
+    Raises:
+        ValueError: bad input, or a plan that does not fit in device memory (naming the stage).
     """
     profile_and_cluster("evaluate", profile, cluster)
+    opt = _options(profile, stages, global_batch_size, micro_batch_size, schedule, warmup_policy, model, overlap)
+    b = opt.micro_batch_size
+    sts = stage_list(stages, profile.num_layers, cluster, b)
+    M = opt.global_batch_size // b
+    given = _given_warmup(sts, M, opt.schedule)
+    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+    spans = [Span(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
+    pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, given)
+    lat = pc.latency(opt.model, opt.overlap)
+    return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule)
+
+
+def _options(profile: "Profile", stages: object, g: int | None, b: int | None, schedule: str | None,
+             policy: str | None, model: str | None, overlap: bool | None) -> _Options:
+    """evaluate()'s settings: a Plan's own where not given, then the defaults; ValueError naming a bad one."""
     if isinstance(stages, Plan):
         stages.check_layers(profile.layer_names, f"the profile of {profile.model}")
-        global_batch_size = global_batch_size or stages.global_batch_size
-        micro_batch_size = micro_batch_size or stages.micro_batch_size
+        g = g or stages.global_batch_size
+        b = b or stages.micro_batch_size
         schedule = schedule or stages.schedule
-        warmup_policy = warmup_policy or stages.warmup_policy
+        policy = policy or stages.warmup_policy
         model = model or stages.meta.get("latency_model")
         overlap = stages.meta.get("overlap") if overlap is None else overlap
-    schedule, warmup_policy, model = schedule or "dapple", warmup_policy or "A", model or "paper"
-    overlap = bool(overlap)
-    g, b = global_batch_size, micro_batch_size
+    schedule, policy, model = schedule or "dapple", policy or "A", model or "paper"
     positive_int("global_batch_size", g)
     positive_int("micro_batch_size", b)
-    if g % b:
+    if g % b:  # type: ignore[operator]
         raise ValueError(f"global_batch_size {g} is not divisible by micro_batch_size {b}")
     if model not in MODELS:
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-    if warmup_policy not in WARMUP_POLICIES:
-        raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES}, got {warmup_policy!r}")
-    sts = stage_list(stages, profile.num_layers, cluster, b)
-    M = g // b
-    given = [s.warmup for s in sts]
+    if policy not in WARMUP_POLICIES:
+        raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES}, got {policy!r}")
+    return _Options(g, b, schedule, policy, model, bool(overlap))  # type: ignore[arg-type]
+
+
+def _given_warmup(stages: list[Stage], M: int, schedule: str) -> list[int] | None:
+    """The stages' own K_i (all or none; M each for gpipe, which holds every micro-batch), or None."""
+    given = [s.warmup for s in stages]
     if any(k is not None for k in given) and not all(k is not None for k in given):
         raise ValueError(f"stages: give warmup K_i for every stage or for none, got {given}")
     if schedule == "gpipe":
-        given = [M] * len(sts)  # gpipe holds every micro-batch's activations
-    elif given[0] is not None:
+        return [M] * len(stages)
+    if given[0] is not None:
         validate_warmup(given, M)
-    else:
-        given = None
-    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
-    spans = [(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
-    pc, D = pipeline_costs(cm, spans, M, warmup_policy, given)
-    lat = pc.latency(model, overlap)
-    return make_estimate(cm, spans, pc, D, lat, model=model, overlap=overlap, schedule=schedule)
+        return given  # type: ignore[return-value]
+    return None
 
 
-def make_estimate(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], pc: PipelineCosts, D: Sequence[int],
-                  lat: Latency, *, model: str, overlap: bool, schedule: str) -> Estimate:
+def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Sequence[int], lat: Latency, *,
+                  model: str, overlap: bool, schedule: str) -> Estimate:
     """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot."""
-    n = len(spans)
-    per = []
+    per = [_stage_details(cm, pc, i, span, D[i], overlap, i + 1 < len(spans)) for i, span in enumerate(spans)]
     busy = 0.0
-    for i, (a, c, lay) in enumerate(spans):
-        k = pc.K[i]
+    for i, (_, _, lay) in enumerate(spans):
         busy += len(lay) * pc.M * (pc.F[2 * i] + pc.B[2 * i])
-        d = {"layers": [a, c], "replicas": len(lay), "rows": cm.rows(len(lay)),
-             "forward_ms": round(pc.F[2 * i], 6), "backward_ms": round(pc.B[2 * i], 6),
-             "allreduce_ms": round(pc.AR[2 * i], 6), "warmup": k, "max_in_flight": int(min(D[i], 1 << 20)),
-             "memory_gb": round((cm.static_bytes(a, c) + k * cm.saved_bytes(a, c, len(lay))) / 1e9, 4)}
-        if overlap and len(lay) > 1:
-            d["overlapped_ending_ms"] = round(pc.E[2 * i], 6)
-        if i + 1 < n:
-            d["send_forward_ms"] = round(pc.F[2 * i + 1], 6)
-            d["send_backward_ms"] = round(pc.B[2 * i + 1], 6)
-        per.append(d)
     devices = sum(len(lay) for _, _, lay in spans)
     comm = [pc.F[j] + pc.B[j] for j in range(1, len(pc.F), 2)]
     compute = [pc.F[j] + pc.B[j] for j in range(0, len(pc.F), 2)]
@@ -198,3 +241,20 @@ def make_estimate(cm: CostModel, spans: Sequence[tuple[int, int, Layout]], pc: P
     r = 6  # as Estimate.to_dict writes them: a saved and reloaded plan compares equal
     return Estimate(latency_ms=round(lat.total, r), warmup_ms=round(lat.warmup, r), steady_ms=round(lat.steady, r),
                     ending_ms=round(lat.ending, r), pivot_stage=q // 2, details=details)
+
+
+def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int, overlap: bool,
+                   sends: bool) -> dict:
+    """``details["stages"][i]``: stage i's costs, rounded as Estimate.to_dict writes them."""
+    a, c, lay = span
+    k = pc.K[i]
+    out = {"layers": [a, c], "replicas": len(lay), "rows": cm.rows(len(lay)),
+           "forward_ms": round(pc.F[2 * i], 6), "backward_ms": round(pc.B[2 * i], 6),
+           "allreduce_ms": round(pc.AR[2 * i], 6), "warmup": k, "max_in_flight": int(min(d, 1 << 20)),
+           "memory_gb": round((cm.static_bytes(a, c) + k * cm.saved_bytes(a, c, len(lay))) / 1e9, 4)}
+    if overlap and len(lay) > 1:
+        out["overlapped_ending_ms"] = round(pc.E[2 * i], 6)
+    if sends:
+        out["send_forward_ms"] = round(pc.F[2 * i + 1], 6)
+        out["send_backward_ms"] = round(pc.B[2 * i + 1], 6)
+    return out

@@ -7,7 +7,7 @@ import math
 GB = 1e9
 
 
-def max_in_flight(static_bytes: float, saved_bytes: float, device_memory: float) -> int:
+def slices_that_fit(static_bytes: float, saved_bytes: float, device_memory: float) -> int:
     """D of paper V-C: how many micro-batch slices' saved activations fit beside the static bytes.
 
     Returns 0 when not even one fits (the stage is infeasible); a large number when nothing is saved.

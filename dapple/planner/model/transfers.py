@@ -1,22 +1,65 @@
-"""Communication-stage costs (paper IV-A): split-concat routes over the links of ``Cluster.graph()``."""
+"""Split-concat transfer costs (paper IV-A, communication stages): routes over the links of ``Cluster.graph()``."""
 
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from ...core.split_concat import Route
 
 
+class ServerLoad(NamedTuple):
+    """Ms per micro-batch that one communication stage keeps a server's network links busy."""
+
+    server: int
+    up: float  # its uplink (out of the server)
+    down: float  # its downlink (into the server)
+
+
+class CommLinks(NamedTuple):
+    """One micro-batch's split-concat transfers across one cut between two stage layouts, in ms.
+
+    ``busiest`` is the communication stage's F (gradients take the reverse routes: B = F). ``chain`` is what
+    the gradients' way back adds to one micro-batch's round trip: the routes started as the simulator starts
+    them (replicas with fewer rows first), each receiver's gradients leaving once its own data is in, less
+    ``busiest`` (beyond ``LIST_ROUTES`` routes, or with shared links, a closed form). ``window`` is the same
+    share in the steady state, where early receivers' gradients overlap later forward routes.
+    """
+
+    busiest: float  # the busiest link's load
+    send: float  # the busiest sender device link's
+    receive: float  # the busiest receiver device link's
+    servers: tuple  # ServerLoad of every server the routes cross
+    chain: float
+    window: float
+    hot: tuple  # receiver-side links that are a busiest link: ("in", receiver replica) or ("down", server)
+
+
+class GradientPorts(NamedTuple):
+    """Where the gradients of a cut's routes come into the senders' stage (:func:`queues`)."""
+
+    own: frozenset  # sender replicas that take some on their own server's device link ("in")
+    servers: frozenset  # servers whose downlink takes some from another server
+
+
 class CommPair:
-    """``CostModel.comm_links`` of a pair of stage layouts, cut by cut, for routes ``rs`` from replicas on servers
-    ``src`` to replicas on servers ``dst``. The routes, their links and the order the simulator starts them in
-    are the same at every cut, only the bytes differ: those are worked out once here, a cut's numbers on first
-    ask (:meth:`at`), once per distinct set of link loads and route times (cuts with the same bytes share them:
-    a transformer's blocks). ``route_times(rows, same_server)``: (N,) ms of one route at every cut; ``shared``:
-    ``Cluster.link_sharing == "shared"``."""
+    """:class:`CommLinks` of a pair of stage layouts, cut by cut, in servers relabelled 0, 1, ... (CostModel.comm_pair
+    maps them back).
+
+    The routes ``rs`` from replicas on servers ``src`` to replicas on servers ``dst``, their links and the order
+    the simulator starts them in are the same at every cut, only the bytes differ: those are worked out once
+    here, a cut's numbers on first ask (:meth:`at`), once per distinct set of link loads and route times (cuts
+    with the same bytes share them: a transformer's blocks).
+
+    Args:
+        rs: the split-concat routes of one micro-batch (``core.split_concat.routes``).
+        src, dst: the server of each sender and receiver replica.
+        route_times: ``(rows, same_server) -> (N,)`` ms of one route at every cut (CostModel.route_times).
+        shared: ``Cluster.link_sharing == "shared"``.
+        keep: cache each cut's answer (False for pairs over many servers, whose caches filled gigabytes).
+    """
 
     def __init__(self, rs: Sequence[Route], src: tuple, dst: tuple, route_times: Callable[[int, bool], np.ndarray],
                  shared: bool = False, keep: bool = True):
@@ -29,16 +72,27 @@ class CommPair:
             kind.append(kinds.setdefault((r.rows, a == b), len(kinds)))
             links = route_links(("s", r.src), ("r", r.dst), a, b)
             paths.append(tuple([ids.setdefault(link, len(ids)) for link in links]))
-        # each link's load is a count of route kinds (rows, same server): loads = counts @ times
+        times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
+        self._index_links(ids, kind, paths, len(kinds), times)
+        self._shared = shared
+        # the steady state's share (window): the routes in posting order, (kind, links, receiver replica)
+        self._posted = (kind, paths, [r.dst for r in rs])  # (lists, not a tuple per route: 128 x 8 keeps many)
+        self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, times)
+        self.ports = gradient_ports(rs, src, dst)
+        self._at: dict = {}  # a column of _cols -> its CommLinks, kept only with ``keep``
+        self._keep = keep
+
+    def _index_links(self, ids: dict, kind: list, paths: list, num_kinds: int, times: np.ndarray) -> None:
+        """Each link's load per cut (a count of route kinds (rows, same server) times their times), and which
+        links are device links, server links and receiver-side links (``ids``: link -> its number)."""
         names = list(ids)
-        counts = [[0] * len(kinds) for _ in names]
+        counts = [[0] * num_kinds for _ in names]
         for k, path in zip(kind, paths):
             for x in path:
                 counts[x][k] += 1
-        times = np.stack([route_times(rows, same) for rows, same in kinds])  # (kinds, N) ms
         loads = np.array(counts, dtype=float) @ times  # (links, N): the ms each link is busy per micro-batch
-        # at each cut; links with the same counts share a row (on 128 x 8: pairs of hundreds of links). All links'
-        # rows in one product: that of the distinct rows alone differs from it in the last bit now and then
+        # links with the same counts share a row (on 128 x 8: pairs of hundreds of links). All links' rows in one
+        # product: that of the distinct rows alone differs from it in the last bit now and then
         distinct: dict = {}  # counts -> (row, the first link with them)
         self._row = [distinct.setdefault(tuple(c), (len(distinct), x))[0] for x, c in enumerate(counts)]
         # (distinct loads + kinds, N): then each kind's route time
@@ -51,14 +105,6 @@ class CommPair:
         # the receiver-side links ("in", receiver replica) or ("down", server): hot where a busiest link (queues)
         inbound = [x for x, (k, _) in enumerate(names) if k in ("in", "down")]
         self._inbound = (inbound, [(k, who[1] if k == "in" else who) for k, who in (names[x] for x in inbound)])
-        self._shared = shared
-        # the steady state's share (window): the routes in posting order, (kind, links, receiver replica)
-        self._posted = (kind, paths, [r.dst for r in rs])  # (lists, not a tuple per route: 128 x 8 keeps many)
-        self._trip = None if shared or len(rs) > LIST_ROUTES else self._trip_order(rs, times)
-        self.ports = gradient_ports(rs, src, dst)
-        self._at: dict = {}  # a column of _cols -> the numbers of the cuts with it, kept only with ``keep`` (a pair
-        # over many servers is priced anew at each ask: caching each cut's (server, loads) filled gigabytes on 128 x 8)
-        self._keep = keep
 
     def _trip_order(self, rs: Sequence[Route], times: np.ndarray) -> tuple[list, list]:
         """One micro-batch's round trip (:meth:`_round_trip`): the order the simulator starts its routes each way
@@ -78,10 +124,8 @@ class CommPair:
         done = _landed(dst, _replay([0.0] * len(rs), t, paths, fw_order, n))
         return fw_order, _start_order([done[r.dst] + EARLY * got[r.dst] for r in rs], t, paths, n)
 
-    def at(self, layer: int) -> tuple:
-        """(busiest, out, in, ((server, uplink, downlink), ...), chain, window, hot) of one micro-batch's transfers
-        after ``layer``, ms (``CostModel.comm_links`` says what each is); ``hot``: the receiver-side links that
-        are a busiest link (:func:`queues`; none with shared links)."""
+    def at(self, layer: int) -> CommLinks:
+        """The :class:`CommLinks` of one micro-batch's transfers after ``layer`` (``hot``: none with shared links)."""
         col = tuple(self._cols[:, layer].tolist())
         hit = self._at.get(col)
         if hit is None:
@@ -91,18 +135,26 @@ class CommPair:
                 self._at[col] = hit
         return hit
 
-    def _cut(self, loads: list, times: tuple) -> tuple:
+    def _cut(self, loads: list, times: tuple) -> CommLinks:
         """:meth:`at` of a cut where the links carry ``loads`` and the route kinds take ``times`` (ms)."""
         busiest, longest = max(loads), max(times)
         out = max([loads[x] for x in self._out], default=0.0)
         inc = max([loads[x] for x in self._in], default=0.0)
-        ud = tuple([(s, 0.0 if u is None else loads[u], 0.0 if d is None else loads[d]) for s, u, d in self._ud])
+        ud = tuple([ServerLoad(s, 0.0 if u is None else loads[u], 0.0 if d is None else loads[d])
+                    for s, u, d in self._ud])
         if self._shared:  # routes sharing the busiest link all land at its end
-            return busiest, out, inc, ud, busiest, busiest, ()
+            return CommLinks(busiest, out, inc, ud, busiest, busiest, ())
         top = busiest * (1 - 1e-9)
         hot = tuple([link for x, link in zip(*self._inbound) if loads[x] >= top])
-        # the steady state's share (window): one micro-batch alone, routes in posting order, each when its links
-        # are free; a receiver's gradients start back before the others' data is in, overlapping later routes
+        window = self._window(times, busiest, longest)
+        if self._trip is None:  # many routes: the same closed form for the first micro-batch
+            return CommLinks(busiest, out, inc, ud, window, window, hot)
+        # the first micro-batch's: its round trip, the transfers started as the simulator does
+        return CommLinks(busiest, out, inc, ud, max(longest, self._round_trip(times) - busiest), window, hot)
+
+    def _window(self, times: tuple, busiest: float, longest: float) -> float:
+        """The steady state's share: one micro-batch alone, routes in posting order, each when its links are free;
+        a receiver's gradients start back before the others' data is in, overlapping later routes."""
         free = [0.0] * self._links
         done: dict = {}
         for kind, ls, d in zip(*self._posted):
@@ -116,11 +168,7 @@ class CommPair:
             if d not in done or end > done[d]:
                 done[d] = end
         first, last = min(done.values()), max(done.values())
-        window = max(longest, busiest - (max(busiest, last) - first))
-        if self._trip is None:  # many routes: the same closed form for the first micro-batch
-            return busiest, out, inc, ud, window, window, hot
-        # the first micro-batch's: its round trip, the transfers started as the simulator does
-        return busiest, out, inc, ud, max(longest, self._round_trip(times) - busiest), window, hot
+        return max(longest, busiest - (max(busiest, last) - first))
 
     def _round_trip(self, times: tuple) -> float:
         """ms from the first activations leaving to the last gradients landing, for one micro-batch with nothing
@@ -132,22 +180,25 @@ class CommPair:
         return max(_replay([done[d] for d in dst], t, paths, bw_order, n))
 
 
-def gradient_ports(rs: Sequence[Route], src: tuple, dst: tuple) -> tuple[frozenset, frozenset]:
-    """Where the gradients of routes ``rs`` come into the senders' stage: (sender replicas that take some on
-    their own server's device link ("in"), servers whose downlink takes some from another server)."""
+def gradient_ports(rs: Sequence[Route], src: tuple, dst: tuple) -> GradientPorts:
+    """Where the gradients of routes ``rs`` (from replicas on servers ``src`` to replicas on ``dst``) come into
+    the senders' stage."""
     own = frozenset(r.src for r in rs if src[r.src] == dst[r.dst])
-    return own, frozenset(src[r.src] for r in rs if src[r.src] != dst[r.dst])
+    return GradientPorts(own, frozenset(src[r.src] for r in rs if src[r.src] != dst[r.dst]))
 
 
-def queues(hot: tuple, ports: tuple[frozenset, frozenset]) -> bool:
+def queues(hot: tuple, ports: GradientPorts) -> bool:
     """Whether a stage's first gradients queue behind its warmup activations: the simulator starts waiting
     transfers in order of readiness, so a gradient from the stage below waits on a link it shares with the
     activations from the stage above while earlier-posted ones hold it, which they do only where that link is
-    the busiest of their transfer (``hot``: ``CostModel.comm_links``' links at the cut above the stage,
-    (("in", receiver replica) or ("down", server), ...); ``ports``: :func:`gradient_ports` of the routes to
-    the stage below)."""
+    the busiest of their transfer.
+
+    Args:
+        hot: ``CommLinks.hot`` of the cut above the stage.
+        ports: :func:`gradient_ports` of the routes to the stage below.
+    """
     own, servers = ports
-    for k, who in hot:  # (a loop: the search asks this 100k times on 8x8, a generator costs more than the test)
+    for k, who in hot:  # (a loop: the search asks this in its inner loop, where a generator costs more)
         if who in (own if k == "in" else servers):
             return True
     return False
@@ -158,8 +209,8 @@ NO_USERS = ((), ())  # a server's (uplink, downlink) communication stages before
 
 def add_users(users: dict, servers: tuple, at: int) -> dict:
     """``users`` (server -> (uplink users, downlink users), each ((interleaved stage, ms per micro-batch), ...) in
-    stage order) with communication stage ``at``'s server loads ``servers`` ((server, uplink ms, downlink ms),
-    ...: ``CostModel.comm_links``) added, as a new dict (``users`` is left as it was)."""
+    stage order) with communication stage ``at``'s ``servers`` (``CommLinks.servers``) added, as a new dict
+    (``users`` is left as it was)."""
     out = dict(users)
     for s, u, d in servers:
         ups, downs = out.get(s, NO_USERS)
@@ -173,8 +224,7 @@ def feeds(users: dict, n: int) -> list | None:
     communication stages' activations (``users``: :func:`add_users`), or None where no link does. Stage i's
     transfers queue with every other stage j's on the link, each of j's taking at most as long as i's own
     (a heavier stage j is itself the slower flow: i's transfers wait for one of j's routes at a time, not for
-    all of j's load): l_i + sum_j min(l_j, l_i), at its busiest link (benchmarks/RESULTS.md "Estimate vs
-    simulator")."""
+    all of j's load): l_i + sum_j min(l_j, l_i), at its busiest link."""
     out = None
     for ups, downs in users.values():
         for us in (ups, downs):

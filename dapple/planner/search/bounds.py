@@ -31,7 +31,7 @@ def least_work(cm: "CostModel", most: int) -> list[float]:
     slice size, :func:`efficient_replicas`: more with the same slice only add work), summed."""
     per = None  # (N,): per layer, the least so far
     for r in efficient_replicas(cm.micro, most):
-        f, b, _ = cm._sums(cm.rows(r))
+        f, b, _ = cm.prefix_sums(cm.rows(r))
         work = r * (np.diff(f) + np.diff(b))  # (N,): F + B of each layer on a slice, x r
         per = work if per is None else np.minimum(per, work)
     rho = [0.0]
@@ -57,7 +57,7 @@ def _rings(cm: "CostModel", reps: Sequence[int]) -> list[tuple[np.ndarray, ...]]
         for r in reps:
             big = r > cl.devices_per_server
             allowed = r > 1 and ((big or cl.servers > 1) if spans else not big)
-            rows.append(cm._ring(r, spans) + (True,) if allowed else (1.0, 1.0, 0.0, False))
+            rows.append(cm.ring_terms(r, spans) + (True,) if allowed else (1.0, 1.0, 0.0, False))
         share, bw, steps, allowed = (np.array(x) for x in zip(*rows))
         out.append((share, bw, steps, allowed.astype(bool)))
     return out
@@ -246,10 +246,10 @@ class _FirstStages:
         self.cm, self.M, self.cut, self.overlap = cm, M, cut, overlap
         self.reps = efficient_replicas(cm.micro, devices)  # replica counts r <= min(micro, devices)
         self.row = {r: i for i, r in enumerate(self.reps)}
-        sums = [cm._sums(cm.rows(r)) for r in self.reps]
+        sums = [cm.prefix_sums(cm.rows(r)) for r in self.reps]
         self.f2, self.b2, self.saved2 = (np.array([x[k] for x in sums]) for k in range(3))
         self.fb2 = self.f2 + self.b2
-        self.params = np.asarray(cm._pre_params)
+        self.params = np.asarray(cm.param_prefix)
         self.static = self.params * cm.optimizer_factor
         self.r = np.asarray(self.reps)
         self.rings = _rings(cm, self.reps)

@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from ...core.plan import Plan, Stage
-from ..model.cost import CostModel, Layout
+from ..model.cost import CostModel, ServerLayout
 from ..model.evaluate import pipeline_costs
 from ..simulator.floor import latency_floor
 from . import forking
@@ -19,7 +19,7 @@ VERIFY_WITHIN = 0.1  # plan(verify=): candidates modelled more than this fractio
 SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
 
 
-def devices_of(spans: Sequence[tuple[int, int, Layout]], cluster: "Cluster") -> list[list[int]]:
+def devices_of(spans: Sequence[tuple[int, int, ServerLayout]], cluster: "Cluster") -> list[list[int]]:
     """Concrete device ids for stages given as server layouts: each replica takes the lowest free device
     of its server."""
     nxt = [s * cluster.devices_per_server for s in range(cluster.servers)]

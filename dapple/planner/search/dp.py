@@ -113,7 +113,7 @@ class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
                 if deadline is not None and time.perf_counter() > deadline:
                     self.complete = False
                     return
-                if len(cm._comm) > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
+                if cm.cached_pairs() > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
                     self._options.clear()
                     self._placements.clear()
                     cm.forget_comm()

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..model.cost import Layout
+from ..model.cost import ServerLayout
 from .placement import placements
 
 
@@ -20,7 +20,7 @@ class _Prefix:
     parent: "_Prefix | None"  # the prefix this one extends by one stage (None: no stage yet)
     span: tuple | None  # that stage, (a, c, layout) in the parent's server labels
     perm: list | None  # the parent's server labels -> this prefix's
-    last: Layout | None  # the last stage's layout in this prefix's labels
+    last: ServerLayout | None  # the last stage's layout in this prefix's labels
     depth: int  # stages planned
     policies: tuple  # placement policy of each stage
     F: list
@@ -70,7 +70,7 @@ class _Memo:
         """The prefixes to expand at one j: all of them (the exact DP)."""
         return [p for bucket in layer_states.values() for p in bucket]
 
-    def options(self, free: tuple, prev: Layout | None, m: int) -> list:
+    def options(self, free: tuple, prev: ServerLayout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas (memoised): policy, its layout, the free devices
         after it, the rest's device count and layout (its first b replicas when wider), the new state's key and
         server relabelling, whether it spans servers, and the communication costs in and out of it per cut
@@ -132,7 +132,7 @@ class SearchResult:
     transitions: int
 
 
-def _arrange(take: Sequence[int], prev: Layout | None, limit: int | None = None) -> Layout:
+def _arrange(take: Sequence[int], prev: ServerLayout | None, limit: int | None = None) -> ServerLayout:
     """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
     (split-concat then pairs replicas on the same server where it can); with ``limit``, only the first ones."""
     first: dict = {}
@@ -147,7 +147,7 @@ def _arrange(take: Sequence[int], prev: Layout | None, limit: int | None = None)
     return tuple(out)
 
 
-def _canonical(free: Sequence[int], last: Layout) -> tuple[bytes, list[int]]:
+def _canonical(free: Sequence[int], last: ServerLayout) -> tuple[bytes, list[int]]:
     """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it). The
     paper memoises on the devices used (formula 4's (j, m, g)); up to server symmetry that is the multiset of
     free counts. The last stage's replica counts per server are added because they decide the split-concat

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from ..model.cost import Layout
+from ..model.cost import ServerLayout
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 REFINED_SEEDS = 3  # seed plans whose cuts _Seeding.refine_seeds improves by local search
 
 
-def consecutive_layouts(reps: Sequence[int], per_server: int) -> list[Layout]:
+def consecutive_layouts(reps: Sequence[int], per_server: int) -> list[ServerLayout]:
     """Stages taking consecutive device ids (0, 1, ...), as server layouts."""
     lays, d = [], 0
     for r in reps:
@@ -48,7 +48,7 @@ def balanced_cuts(cm: "CostModel", reps: Sequence[int]) -> list[int] | None:
     for r in reps:
         rows = cm.rows(r)
         if rows not in of_rows:
-            f, b, _ = cm._sums(rows)
+            f, b, _ = cm.prefix_sums(rows)
             of_rows[rows] = [x + y for x, y in zip(f, b)]
         sums.append(of_rows[rows])
 
@@ -94,7 +94,7 @@ def replica_patterns(devices: int, per_server: int) -> Iterator[list[int]]:
             yield halves + [per_server] * (servers - k)
 
 
-def scatter_layouts(servers: int, per_server: int) -> Iterator[list[Layout]]:
+def scatter_layouts(servers: int, per_server: int) -> Iterator[list[ServerLayout]]:
     """Scatter First seeds: one stage per server on the first servers, then the last k (2, 4, 8, ...) shared by
     stages that each take q devices on every one of them, q = [d, ..., d] or halved at the ends [d/2, d, ..., d/2]
     for d a proper divisor of ``per_server``. The transfers between them stay inside servers and their AllReduce
@@ -115,7 +115,7 @@ def scatter_layouts(servers: int, per_server: int) -> Iterator[list[Layout]]:
         k *= 2
 
 
-def seed_layouts(devices: int, per_server: int, most: int, micro: int) -> Iterator[list[Layout]]:
+def seed_layouts(devices: int, per_server: int, most: int, micro: int) -> Iterator[list[ServerLayout]]:
     """The seeds' stage layouts of at most ``most`` stages of at most ``micro`` replicas (one per micro-batch row):
     every replica pattern (:func:`replica_patterns`) on consecutive devices, then :func:`scatter_layouts`."""
     for reps in replica_patterns(devices, per_server):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..model.cost import Layout
+from ..model.cost import ServerLayout
 from ..model.evaluate import pipeline_costs
-from ..model.memory import max_in_flight
+from ..model.memory import slices_that_fit
 from ..model.pivot import paper_latency
 from ..model.refined import refined_chains
 from .memo import _Prefix
@@ -59,7 +59,7 @@ class _StageCosts:
             pre.latency = self.plan_latency(pre.F, pre.B, pre.AR, pre.E, pre.C, pre.D, pre.Cw, pre.job)[0]
         return pre.latency
 
-    def evaluate_spans(self, spans: Sequence[tuple[int, int, Layout]]) -> tuple[float, str] | None:
+    def evaluate_spans(self, spans: Sequence[tuple[int, int, ServerLayout]]) -> tuple[float, str] | None:
         """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
         if any(len(lay) > self.b for _, _, lay in spans):
             return None
@@ -70,21 +70,21 @@ class _StageCosts:
         return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period, W=pc.window, drain=pc.drain_period,
                             queue=pc.queue, feed=pc.feed)
 
-    def tails(self, lay: Layout) -> list:
+    def tails(self, lay: ServerLayout) -> list:
         """``[tail(a, lay) for a in range(N)]``, each filled on first use (the search reads it by index)."""
         hit = self._tails.get(lay)
         if hit is None:
             hit = self._tails[lay] = [None] * self.N
         return hit
 
-    def tail(self, a: int, lay: Layout) -> tuple:
+    def tail(self, a: int, lay: ServerLayout) -> tuple:
         """(F, B, AllReduce, ending, slices that fit) of the rest [a, N) as one stage on ``lay`` (memoised)."""
         row = self.tails(lay)
         hit = row[a]
         if hit is None:
             cm = self.cm
             f, bb = cm.compute(a, self.N, len(lay))
-            d = max_in_flight(cm.static_bytes(a, self.N), cm.saved_bytes(a, self.N, len(lay)), self.mem)
+            d = slices_that_fit(cm.static_bytes(a, self.N), cm.saved_bytes(a, self.N, len(lay)), self.mem)
             e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
             hit = row[a] = (f, bb, cm.allreduce(a, self.N, lay), e, d)
         return hit
@@ -98,7 +98,7 @@ class _StageCosts:
         hit = self._stage_costs.get(key)
         if hit is None:
             cm, N, mem, M = self.cm, self.N, self.mem, self.M
-            fpre, bpre, spre = cm._sums(cm.rows(m))  # prefix sums over layers of the stage's slice
+            fpre, bpre, spre = cm.prefix_sums(cm.rows(m))  # prefix sums over layers of the stage's slice
             f0, b0, s0 = fpre[j], bpre[j], spre[j]
             cf, cb = cm.call_f, cm.call_b  # (CostModel.compute_rows: the stage's call, once)
             end, cut = j + 1, self.cut
@@ -109,7 +109,7 @@ class _StageCosts:
             bs = pad + [bpre[c] - b0 + cb for c in range(j + 1, end)]
             ars = pad + cm.allreduce_ends(j, end, m, multi)
             static = cm.static_bytes
-            ds = [0] * (j + 1) + [max_in_flight(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
+            ds = [0] * (j + 1) + [slices_that_fit(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
             hit = self._stage_costs[key] = (fs, bs, ars, ds)
         return hit
 

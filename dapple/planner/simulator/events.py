@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ...core.buckets import BUCKET_BYTES
 from ...core.checks import flag
 from ...core.cluster import LINK_SHARING
 from ...core.plan import Plan, check_fit
-from ...core.schedule import max_in_flight, stage_ops
+from ...core.schedule import Op, peak_in_flight, stage_ops
 from ...core.split_concat import routes, slice_bounds
 from ...core.timeline import Event, lane_of
 from ..checks import instance, profile_and_cluster
@@ -62,8 +62,7 @@ class SimResult:
 
     def max_alive(self, device: int) -> int:
         """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held)."""
-        from ...core.schedule import Op
-        return max_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
+        return peak_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
                               if o.kind in ("F", "B")])
 
     def busy_fraction(self) -> float:
@@ -82,19 +81,28 @@ class SimResult:
 def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: bool | None = None,
              schedule: str | None = None, bucket_bytes: float = BUCKET_BYTES,
              link_sharing: str | None = None) -> SimResult:
-    """Play ``plan``'s iteration: each device runs ``stage_ops`` of its stage (the runtime's order) on its
-    slice of every micro-batch; split-concat transfers (``slices.routes``) occupy the directed links of
-    ``Cluster.graph()`` they cross (sender/receiver device links, server up/downlinks) for their whole
-    duration, one transfer per link at a time, started in order of readiness as soon as all their links
-    are free, and overlap with compute; each replicated stage AllReduces its
-    gradients after its last backward (``overlap``: bucket by bucket as the last backward produces them,
-    like DDP; default: as the plan was made, ``plan.meta["overlap"]``, else False). AllReduce does not contend
-    with transfers. Works for any Plan (DAPPLE's, PipeDream's, ...).
-    ``link_sharing`` (default: ``cluster.link_sharing``) ``"shared"``: a transfer starts once the earlier
-    one between the same two devices in its direction is done (the runtime's forward and backward process
-    groups each keep their sends in order) and shares each link max-min fairly with the others in flight
-    (:class:`network.SharedLinks`: concurrent sends to different peers, as NCCL and gloo run them) instead
-    of holding its links whole.
+    """Play ``plan``'s iteration (any Plan: DAPPLE's, PipeDream's, ...) event by event.
+
+    Each device runs ``stage_ops`` of its stage (the runtime's order) on its slice of every micro-batch;
+    split-concat transfers (``core.split_concat.routes``) occupy the directed links of ``Cluster.graph()``
+    they cross (sender/receiver device links, server up/downlinks), start in order of readiness and overlap
+    with compute; each replicated stage AllReduces its gradients after its last backward. AllReduce does not
+    contend with transfers.
+
+    Args:
+        plan, profile, cluster: what runs, its layers' costs, and where.
+        overlap: AllReduce bucket by bucket as the last backward produces them, like DDP (default: as the plan
+            was made, ``plan.meta["overlap"]``, else False).
+        schedule: the plan's own by default.
+        bucket_bytes: the gradient bucket size of the overlapped AllReduce.
+        link_sharing: (default: ``cluster.link_sharing``) "held": a transfer holds all its links for its whole
+            duration, one transfer per link at a time, started as soon as all its links are free; "shared": a
+            transfer starts once the earlier one between the same two devices in its direction is done (the
+            runtime's forward and backward process groups each keep their sends in order) and shares each
+            link max-min fairly with the others in flight (:class:`links.SharedLinks`).
+
+    Raises:
+        ValueError: bad input, a plan that does not fit the profile or cluster, or a schedule that deadlocks.
     """
     instance("simulate", "plan", plan, Plan)
     profile_and_cluster("simulate", profile, cluster)
@@ -110,7 +118,33 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
 
 
+class _Pending(NamedTuple):
+    """A transfer that is ready and waits for its links (held) or its pair's earlier transfer (shared)."""
+
+    seq: int  # readiness order
+    src: int  # sending device
+    dst: int  # receiving device
+    kind: str  # "F" activations or "B" gradients
+    mb: int  # micro-batch
+    layer: int  # the cut it crosses: after this layer
+    rows: int
+    links: tuple  # transfers.route_links
+    src_server: int
+    dst_server: int
+
+
+class _Arrival(NamedTuple):
+    """A transfer's end: ``dst`` has one more of the ``kind`` tensors of micro-batch ``mb``, ``links`` are free."""
+
+    dst: int
+    kind: str
+    mb: int
+    links: tuple
+
+
 class _Sim:
+    """One simulated iteration: devices, their op pointers, the links, and the event queue."""
+
     def __init__(self, plan: "Plan", cm: CostModel, cluster: "Cluster", schedule: str, overlap: bool,
                  shared: bool = False):
         self.plan, self.cm, self.cluster, self.schedule, self.overlap = plan, cm, cluster, schedule, overlap
@@ -174,7 +208,7 @@ class _Sim:
     def send(self, src: int, dst: int, kind: str, mb: int, layer: int, rows: int) -> None:
         si, ti = self.cluster.server_of(src), self.cluster.server_of(dst)
         self.seq += 1
-        self.waiting.append((self.seq, src, dst, kind, mb, layer, rows, route_links(src, dst, si, ti), si, ti))
+        self.waiting.append(_Pending(self.seq, src, dst, kind, mb, layer, rows, route_links(src, dst, si, ti), si, ti))
 
     def dispatch(self, t: float) -> None:
         """Start every waiting transfer whose links are all free, in order of readiness (a transfer that
@@ -183,7 +217,7 @@ class _Sim:
         skip = self.blocked if self.net is None and not self.freed else 0
         still = self.waiting[:skip]
         for item in self.waiting[skip:]:
-            seq, src, dst, kind, mb, layer, rows, links, si, ti = item
+            seq, src, dst, kind, _, layer, rows, links, si, ti = item
             if self.net is not None:  # shared links: on its way at once, after the pair's earlier transfers
                 if (src, dst, kind) in self.streams:
                     still.append(item)
@@ -197,14 +231,14 @@ class _Sim:
             self.link_busy.update(links)
             end = t + self.cm.route_ms(layer, rows, si, ti)
             self.record(item, t, end)
-            self.push(end, "xfer", (dst, kind, mb, links))
+            self.push(end, "xfer", _Arrival(dst, kind, item.mb, links))
         self.waiting = still
         self.blocked, self.freed = len(still), False
 
-    def record(self, item: tuple, start: float, end: float) -> None:
-        _, src, dst, kind, mb, layer, rows, _, _, _ = item
-        nbytes = self.cm.profile.costs(rows).boundary_bytes[layer]
-        self.transfers.append(TimelineOp(src, self.where[src][0], "send_" + kind, mb, start, end, dst, rows, nbytes))
+    def record(self, item: _Pending, start: float, end: float) -> None:
+        nbytes = self.cm.profile.costs(item.rows).boundary_bytes[item.layer]
+        self.transfers.append(TimelineOp(item.src, self.where[item.src][0], "send_" + item.kind, item.mb, start, end,
+                                         item.dst, item.rows, nbytes))
 
     def finish(self, d: int, t: float) -> None:
         op = self.ops[d][self.ptr[d]]
@@ -253,9 +287,9 @@ class _Sim:
             done = self.net.next_done() if self.net is not None else None
             if done is not None and (not self.events or done[0] <= self.events[0][0]):
                 start, item = self.net.finish(*done)
-                self.streams.discard((item[1], item[2], item[3]))
+                self.streams.discard((item.src, item.dst, item.kind))
                 self.record(item, start, done[0])
-                t, kind, payload = done[0], "xfer", (item[2], item[3], item[4], item[7])
+                t, kind, payload = done[0], "xfer", _Arrival(item.dst, item.kind, item.mb, item.links)
             else:
                 t, _, kind, payload = heapq.heappop(self.events)
             if kind == "op":

@@ -12,18 +12,24 @@ if TYPE_CHECKING:
 
 
 def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
-    """A lower bound on :func:`simulator.simulate`'s latency of ``plan`` (``cm``: the CostModel of its micro-batch
-    size, as the simulator makes it), from each device of stage s with forward f and backward b of its slice:
+    """A lower bound on :func:`events.simulate`'s latency of ``plan``: transfers take no time here and nothing
+    else waits, so every simulated plan takes at least this long (the search skips simulating a candidate
+    whose floor is already above the best simulated).
+
+    For each device of stage s, with forward f and backward b of its slice:
     - its first forward waits for micro-batch 0's forwards in every stage above (the fastest replica of each), W_s;
     - it runs its 2M ops one at a time: W_s + M (f + b);
-    - its last forward follows M - 1 forwards and M - K backwards (``schedule.stage_ops``: K its warmup, M for
-      gpipe), and its last backward (micro-batch M - 1) waits for that micro-batch's round trip through the
+    - its last forward follows M - 1 forwards and M - K backwards (``core.schedule.stage_ops``: K its warmup, M
+      for gpipe), and its last backward (micro-batch M - 1) waits for that micro-batch's round trip through the
       stages below (each stage's fastest F and B): W_s + M f + (M - K) b + the round trip + b;
     - after that backward come the backwards of the stages above, one after another, and (not ``overlap``) its
       stage's AllReduce, which starts once every replica is done.
-    Transfers take no time here and nothing else waits, so every simulated plan takes at least this long
-    (tests/planner/test_sim_floor.py); ``choice.choose`` skips the simulation of a candidate whose floor is
-    already above the best simulated."""
+
+    Args:
+        plan: the plan to bound.
+        cm: the CostModel of its micro-batch size, as the simulator makes it.
+        overlap: AllReduce overlapped with the last backward.
+    """
     M = plan.num_micro_batches
     slices = []  # per stage, per replica: (F, B) ms of its slice
     for st in plan.stages:

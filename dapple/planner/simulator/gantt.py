@@ -39,14 +39,23 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
     Forward blue, backward green (as in the paper), idle grey hatched, AllReduce red; in the transfer lane
     sends orange, receive waits yellow and AllReduce buckets in flight red (events too short to see are drawn
     a hair wide, so every transfer shows). Micro-batch ids are written in the cells wide enough to hold them;
-    with several steps, dashed lines mark where each starts. ``span_ms``: the time axis length (at least the
-    events'), so two charts drawn with the same value share a scale.
+    with several steps, dashed lines mark where each starts.
+
+    Args:
+        events: the timeline (a measured trace, or :func:`events.from_simulation`).
+        path: the PNG to write.
+        title: drawn above the chart.
+        rank_labels: rank -> its row's label (default "rank r").
+        span_ms: the time axis length (at least the events'), so two charts drawn with the same value share a
+            scale.
+
+    Returns:
+        ``path``, as a Path.
     """
-    import matplotlib
+    import matplotlib  # (heavy: loaded only when a chart is drawn)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     events = list(events)
     drawn = [e for e in events if e.end > e.start and lane_of(e) != "step"]
@@ -57,9 +66,23 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
     ranks = sorted({e.rank for e in drawn})
     row = {r: len(ranks) - 1 - i for i, r in enumerate(ranks)}  # rank 0 on top
     fig, ax = plt.subplots(figsize=(12, 1.1 + 0.62 * len(ranks)), dpi=120)
+    _draw_bars(ax, _bars(ax, drawn, row, t0, span_ms))
+    for s in _first_per_step(events):
+        ax.axvline((s - t0) * 1e3, color="#888888", linestyle="--", linewidth=0.8, zorder=0)
+    _axes(ax, ranks, row, rank_labels or {}, span_ms, drawn, title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _bars(ax, drawn: list[Event], row: dict, t0: float, span_ms: float) -> dict[tuple, list[tuple[float, float]]]:
+    """The events' (x, width) ms grouped by (phase, bottom, height, colour, idle, thin): one broken_barh call
+    each (each call rescales the axes); writes the micro-batch ids in the cells wide enough."""
     hair = span_ms / 900  # the narrowest a transfer is drawn
-    bars: dict[tuple, list[tuple[float, float]]] = {}  # one broken_barh per (phase, row, lane, colour): each
-    for e in sorted(drawn, key=lambda e: (lane_of(e) != "allreduce", e.start)):  # call rescales the axes
+    bars: dict[tuple, list[tuple[float, float]]] = {}
+    for e in sorted(drawn, key=lambda e: (lane_of(e) != "allreduce", e.start)):
         thin = lane_of(e) != "compute"
         off, height = TRANSFER if thin else COMPUTE
         lo = row[e.rank] * ROW + off
@@ -71,15 +94,23 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
         if text and w >= span_ms * (CHAR_WIDTH * len(text) + 0.004):
             ax.text(x + w / 2, lo + height / 2, text, ha="center", va="center", fontsize=7, color="white",
                     fontweight="bold")
-    for (_, lo, height, colour, idle, thin), spans in sorted(bars.items(), key=lambda kv: kv[0][0]):  # buckets
-        if idle:  # under transfers
+    return bars
+
+
+def _draw_bars(ax, bars: dict[tuple, list[tuple[float, float]]]) -> None:
+    """AllReduce buckets in flight first, under the transfers; idle hatched."""
+    for (_, lo, height, colour, idle, thin), spans in sorted(bars.items(), key=lambda kv: kv[0][0]):
+        if idle:
             ax.broken_barh(spans, (lo, height), facecolors=colour, edgecolor="#BBBBBB", linewidth=0, hatch="///")
         else:
             ax.broken_barh(spans, (lo, height), facecolors=colour, edgecolor="white" if not thin else "none",
                            linewidth=0.5)
-    for s in _first_per_step(events):
-        ax.axvline((s - t0) * 1e3, color="#888888", linestyle="--", linewidth=0.8, zorder=0)
-    labels = rank_labels or {}
+
+
+def _axes(ax, ranks: list, row: dict, labels: dict, span_ms: float, drawn: list[Event], title: str) -> None:
+    """Rank labels, the time axis, the legend of the kinds drawn, and the title."""
+    from matplotlib.patches import Patch  # (with matplotlib itself, only when a chart is drawn)
+
     ax.set_yticks([row[r] * ROW + COMPUTE[0] + COMPUTE[1] / 2 for r in ranks])
     ax.set_yticklabels([labels.get(r, f"rank {r}") for r in ranks], fontsize=9)
     ax.set_ylim(-0.55, (len(ranks) - 1) * ROW + 0.55)
@@ -93,11 +124,6 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
               frameon=False, handlelength=1.5, columnspacing=1.2)
     if title:
         ax.set_title(title, fontsize=10, loc="left", pad=18 if len(title) > 50 else 6)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def _first_per_step(events: list[Event]) -> list[float]:
@@ -113,8 +139,17 @@ def _first_per_step(events: list[Event]) -> list[float]:
 def draw_plan(plan: "Plan", profile: "Profile", cluster: "Cluster", path: str | Path, *, overlap: bool | None = None,
               title: str | None = None) -> "SimResult":
     """Simulate ``plan`` on ``profile`` and ``cluster`` and draw its schedule to a PNG like a measured trace
-    (one row per device); returns the simulation (its ``latency_ms``, timeline, ...). ``overlap``: as
-    :func:`simulate` (default: as the plan was made)."""
+    (one row per device).
+
+    Args:
+        plan, profile, cluster: as :func:`simulate`.
+        path: the PNG to write.
+        overlap: as :func:`simulate` (default: as the plan was made).
+        title: drawn above the chart (default: the schedule, its stages and micro-batches, the latency).
+
+    Returns:
+        The simulation (its ``latency_ms``, timeline, ...).
+    """
     sim = simulate(plan, profile, cluster, overlap=overlap)
     if title is None:
         title = (f"{plan.schedule} schedule, simulated: {plan.num_stages} stage{'s' if plan.num_stages != 1 else ''}"
@@ -125,4 +160,5 @@ def draw_plan(plan: "Plan", profile: "Profile", cluster: "Cluster", path: str | 
 
 
 def device_labels(sim: "SimResult") -> dict[int, str]:
+    """Row labels of a simulated timeline: "device d · stage s"."""
     return {d: f"device {d} · stage {s}" for d, s in sim.stage_of_device.items()}

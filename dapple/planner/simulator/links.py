@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable
+
+
+@dataclass(slots=True)
+class Flow:
+    """A transfer in flight over shared links."""
+
+    work: float  # ms left at full rate
+    links: tuple[Hashable, ...]
+    payload: object  # what :meth:`SharedLinks.finish` gives back
 
 
 class SharedLinks:
     """Transfers in flight over unit-capacity links. A transfer's ``work`` is its time alone on its path (ms at
     full rate); while others share one of its links it gets a max-min fair share of that link (every link on a
-    path has the same bandwidth class: ``comm.route_links`` gives device links to intra-server routes only and
-    network links to cross-server routes only). :meth:`add` and :meth:`finish` move time to their ``t``."""
+    path has the same bandwidth class: ``transfers.route_links`` gives device links to intra-server routes only
+    and network links to cross-server routes only). :meth:`add` and :meth:`finish` move time to their ``t``."""
 
     def __init__(self) -> None:
         self.t = 0.0
-        self.flows: dict[int, list] = {}  # id -> [work left (ms at full rate), links, payload]
+        self.flows: dict[int, Flow] = {}  # id -> its flow
         self._rate: dict[int, float] = {}  # id -> share of its bottleneck link, in (0, 1]
         self.stale = False  # flows added or removed since the rates were shared out
 
@@ -26,7 +36,7 @@ class SharedLinks:
 
     def add(self, t: float, fid: int, work: float, links: tuple[Hashable, ...], payload: object) -> None:
         self.advance(t)
-        self.flows[fid] = [work, links, payload]
+        self.flows[fid] = Flow(work, links, payload)
         self.stale = True  # re-shared once time moves on or the next finish is asked for (many start at once)
 
     def advance(self, t: float) -> None:
@@ -35,14 +45,14 @@ class SharedLinks:
         if dt > 0:
             rate = self.rate
             for fid, f in self.flows.items():
-                f[0] -= rate[fid] * dt
+                f.work -= rate[fid] * dt
         self.t = max(self.t, t)
 
     def next_done(self) -> tuple[float, int] | None:
         """(time, id) of the transfer that finishes first at the current rates, or None when idle."""
         rate, best = self.rate, None
         for fid, f in self.flows.items():
-            t = self.t + max(f[0], 0.0) / rate[fid]
+            t = self.t + max(f.work, 0.0) / rate[fid]
             if best is None or t < best[0]:
                 best = (t, fid)
         return best
@@ -50,7 +60,7 @@ class SharedLinks:
     def finish(self, t: float, fid: int) -> object:
         """Remove transfer ``fid`` (done at ``t``; its links are shared out again); returns its payload."""
         self.advance(t)
-        payload = self.flows.pop(fid)[2]
+        payload = self.flows.pop(fid).payload
         self.stale = True
         return payload
 
@@ -58,7 +68,7 @@ class SharedLinks:
         """Progressive filling: the link with the least capacity per unfrozen transfer fixes their rate."""
         users: dict[Hashable, list[int]] = {}
         for fid, f in self.flows.items():
-            for link in f[1]:
+            for link in f.links:
                 users.setdefault(link, []).append(fid)
         left = {link: 1.0 for link in users}
         rate: dict[int, float] = {}
@@ -68,7 +78,7 @@ class SharedLinks:
             for fid in users[bottleneck]:
                 if fid not in rate:
                     rate[fid] = share
-                    for link in self.flows[fid][1]:
+                    for link in self.flows[fid].links:
                         left[link] -= share
         self._rate = rate
         self.stale = False

@@ -290,7 +290,7 @@ def test_levels_from_cluster_and_explicit():
 def test_activation_sizes_recovered_from_boundary_bytes():
     for name in ("vgg19", "bert_large", "xlnet_36", "amoebanet_36"):
         prof = pipedream_profile(name)
-        got = pdm._activation_sizes(prof, prof.batch_sizes[0])
+        got = pdm.layer_activation_sizes(prof, prof.batch_sizes[0])
         assert got == pytest.approx([float(layer.saved_bytes[0]) for layer in prof.layers], abs=1.0)  # file's sizes
 
 

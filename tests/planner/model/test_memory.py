@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from dapple.planner import evaluate
-from dapple.planner.model.memory import check_stage_memory, max_in_flight, stage_memory
+from dapple.planner.model.memory import check_stage_memory, slices_that_fit, stage_memory
 
 from ..helpers import cluster, linear_profile
 
 
-def test_max_in_flight():
-    assert max_in_flight(4e9, 1e9, 16e9) == 12
-    assert max_in_flight(15.5e9, 1e9, 16e9) == 0  # not even one slice fits
-    assert max_in_flight(17e9, 0, 16e9) == 0
-    assert max_in_flight(1e9, 0, 16e9) > 1000  # nothing saved: unbounded
+def test_slices_that_fit():
+    assert slices_that_fit(4e9, 1e9, 16e9) == 12
+    assert slices_that_fit(15.5e9, 1e9, 16e9) == 0  # not even one slice fits
+    assert slices_that_fit(17e9, 0, 16e9) == 0
+    assert slices_that_fit(1e9, 0, 16e9) > 1000  # nothing saved: unbounded
     assert stage_memory(4e9, 1e9, 3) == 7e9
 
 

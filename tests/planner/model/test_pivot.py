@@ -122,6 +122,6 @@ def test_a_transfer_queues_at_the_link_period():
     stages' transfers too), also with fewer micro-batches than the upstream warmup, where the arrivals follow
     the slowest forward: each of the M - 1 later transfers waits the extra (period - own time)."""
     F, B, AR = [1.0, 10.0, 1.0], [2.0, 10.0, 2.0], [0.0] * 3
-    alone = refined_chains(F, B, AR, None, [[2, 1]], 2, 10.0)[0][0]
-    shared = refined_chains(F, B, AR, None, [[2, 1]], 2, 30.0)[0][0]
+    alone = refined_chains(F, B, AR, None, [[2, 1]], 2, 10.0)[0].total
+    shared = refined_chains(F, B, AR, None, [[2, 1]], 2, 30.0)[0].total
     assert shared >= alone + (2 - 1) * (30.0 - 10.0) - 1e-9

@@ -55,13 +55,13 @@ def test_a_split_credits_the_early_receivers_gradients_unless_links_are_shared()
     assert busiest == pytest.approx(80.0)
     assert chain == pytest.approx(40.0)  # the second receiver's 40 ms back, after its data at 80 ms
     assert window == pytest.approx(40.0)  # max(longest 40, 80 - (80 - 40))
-    assert CommPair(routes(8, 1, 2), (0,), (1, 2), _times, shared=True).at(1)[4] == pytest.approx(busiest)
+    assert CommPair(routes(8, 1, 2), (0,), (1, 2), _times, shared=True).at(1).chain == pytest.approx(busiest)
 
 
 def test_cuts_with_other_bytes_get_their_own_numbers():
     # route times that differ by cut: each cut is priced on its own, cuts with equal times share one answer
     pair = CommPair(routes(8, 2, 1), (0, 0), (1,), lambda rows, same: np.array([1.0, 2.0, 1.0]) * rows)
-    assert [pair.at(cut)[0] for cut in range(3)] == pytest.approx([8.0, 16.0, 8.0])
+    assert [pair.at(cut).busiest for cut in range(3)] == pytest.approx([8.0, 16.0, 8.0])
     assert pair.at(0) is pair.at(2)
     # a pair over many servers (keep=False) keeps no answer: the same numbers, made anew
     wide = CommPair(routes(8, 2, 1), (0, 0), (1,), lambda rows, same: np.array([1.0, 2.0, 1.0]) * rows, keep=False)
@@ -106,23 +106,23 @@ def test_gradients_queue_only_where_the_activations_hold_their_busiest_link():
     # CommPair's hot links and gradient_ports, through CostModel, on 3 servers of 2 devices
     cm = CostModel(linear_profile([1.0, 1.0], boundary=1e6), cluster(3, 2), 8)
     # 1 replica on server 0 -> 1 on server 1: its uplink and server 1's downlink carry the same load (hot)
-    hot = cm.comm_links(0, (0,), (1,))[6]
+    hot = cm.comm_links(0, (0,), (1,)).hot
     assert ("down", 1) in hot
     assert queues(hot, cm.comm_pair((1,), (2,)).ports)  # gradients from server 2 come in on that downlink
     assert not queues(hot, cm.comm_pair((1,), (1,)).ports)  # from server 1 itself: on the device link
     # 2 replicas on server 0 -> one on server 1 and one on server 2: server 0's uplink carries both (busiest)
-    hot = cm.comm_links(0, (0, 0), (1, 2))[6]
+    hot = cm.comm_links(0, (0, 0), (1, 2)).hot
     assert not any(k == "down" for k, _ in hot)
     assert not queues(hot, cm.comm_pair((1, 2), (0, 0)).ports)
     # 2 replicas on server 0 -> 2 on server 0: each receiver's own device link is a busiest link
-    hot = cm.comm_links(0, (0, 0), (0, 0))[6]
+    hot = cm.comm_links(0, (0, 0), (0, 0)).hot
     assert set(hot) == {("in", 0), ("in", 1)}
     assert gradient_ports(routes(8, 2, 1), (0, 0), (0,)) == (frozenset({0, 1}), frozenset())
     assert queues(hot, cm.comm_pair((0, 0), (0,)).ports)
     assert not queues(hot, cm.comm_pair((0, 0), (1,)).ports)
     # shared links: transfers start at once, nothing queues
     shared = CostModel(linear_profile([1.0, 1.0], boundary=1e6), cluster(3, 2, link_sharing="shared"), 8)
-    assert shared.comm_links(0, (0,), (1,))[6] == ()
+    assert shared.comm_links(0, (0,), (1,)).hot == ()
 
 
 def test_a_shared_server_link_paces_the_warmup_of_the_stages_on_it():
