@@ -1,10 +1,15 @@
-"""Peak activation memory per stage at a fixed micro-batch size: dapple (early backward) vs gpipe, M = 4..32.
+"""Peak memory per stage at a fixed micro-batch size as M grows: dapple (early backward) vs gpipe.
 
-What is measured: the bytes of the tensors autograd saves for backward and holds at once (the activations
-a stage keeps alive between a micro-batch's forward and its backward), via
-``dapple.runtime.ActivationMeter`` (saved-tensor hooks) around ``train_step``; parameters are excluded, a view counts
-its own bytes, a tensor saved twice counts once. The CPU allocator has no peak statistics, and this is the
-quantity early backward bounds (paper Table 5: dapple's peak stays flat in M, gpipe's grows with M).
+Two measures per rank, each (schedule, M) in fresh processes (a clean allocator):
+
+- saved activations: the bytes of the tensors autograd saves for backward and holds at once
+  (``dapple.runtime.ActivationMeter``: parameters excluded, a view counts its own bytes, a tensor saved twice once);
+- process peak: what two steps add to the process at their peak over the memory held before the first (model,
+  the global batch): the RSS high-water mark on the CPU (reset through /proc/self/clear_refs), or
+  ``torch.cuda.max_memory_allocated`` on a GPU. Everything a step holds counts: activations, gradients, buffers in
+  flight, sends not yet known delivered, what the first step sets up.
+
+Early backward bounds both by K_i whatever M is (paper Table 5); gpipe's grow with M.
 
     PYTHONPATH=$PWD python benchmarks/activation_memory.py
 """
@@ -23,57 +28,92 @@ from dapple.models import GPT, lm_loss, random_tokens
 from dapple.planner import Stage
 from dapple.profiler import trace_layers
 
-S = 4
+
+def _rss() -> tuple[int, int]:
+    """(resident bytes now, high-water mark) of this process."""
+    kb = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            if value.strip().endswith("kB"):
+                kb[key] = int(value.split()[0]) * 1024
+    return kb["VmRSS"], kb["VmHWM"]
 
 
-def run(args: argparse.Namespace) -> dict:
+def _process_peak(steps, device: torch.device) -> int:
+    """Bytes ``steps()`` adds to this process at its peak."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        steps()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark restarts from the current RSS
+    base, _ = _rss()
+    steps()
+    return _rss()[1] - base
+
+
+def run(args: argparse.Namespace, m: int, schedule: str) -> dict[str, int]:
     torch.set_num_threads(1)
-    out: dict[str, int] = {}
-    for m in args.micro_batches:
-        for schedule in ("dapple", "gpipe"):
-            torch.manual_seed(0)
-            model = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=S, n_head=4, n_embd=args.embd)
-            names = trace_layers(model).names
-            first, last = names.index("blocks.1"), names.index("blocks.3")
-            stages = [Stage((0, first), [0]), Stage((first, first + 1), [1]), Stage((first + 1, last), [2]),
-                      Stage((last, len(names)), [3])]
-            g = args.micro_batch * m
-            plan = dapple.Plan(global_batch_size=g, micro_batch_size=args.micro_batch, schedule=schedule,
-                               stages=stages, layer_names=names)
-            pipe = dapple.pipeline(model, plan, lm_loss, timeout=300)
-            x, y = random_tokens(g, args.seq, args.vocab, generator=torch.Generator().manual_seed(0))
-            pipe.train_step(x, y)  # first step: shapes, buffers
-            with dapple.runtime.ActivationMeter(pipe.parameters()) as meter:
-                pipe.train_step(x, y)
-            out[f"{schedule}/{m}"] = meter.peak
-            dist.barrier()
-    return out
+    torch.manual_seed(0)
+    model = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.stages * args.blocks, n_head=4,
+                n_embd=args.embd)
+    names = trace_layers(model).names
+    cuts = [0] + [names.index(f"blocks.{args.blocks * s}") for s in range(1, args.stages)] + [len(names)]
+    stages = [Stage((cuts[s], cuts[s + 1]), [s]) for s in range(args.stages)]
+    g = args.micro_batch * m
+    plan = dapple.Plan(global_batch_size=g, micro_batch_size=args.micro_batch, schedule=schedule, stages=stages,
+                       layer_names=names)
+    pipe = dapple.pipeline(model, plan, lm_loss, timeout=600)
+    x, y = random_tokens(g, args.seq, args.vocab, generator=torch.Generator().manual_seed(0))
+    dist.barrier()
+    # from before the first step (the allocator keeps what a step frees, so a later baseline would hide it)
+    process = _process_peak(lambda: [pipe.train_step(x, y) for _ in range(2)], pipe.ctx.device)
+    with dapple.runtime.ActivationMeter(pipe.parameters()) as meter:
+        pipe.train_step(x, y)
+    dist.barrier()
+    return {"saved": meter.peak, "process": process}
+
+
+def _median_of(repeats: int, once) -> dict[int, dict[str, int]]:
+    """Per rank, the run whose process peak is the median of ``repeats`` fresh runs (the allocator's reuse of
+    freed memory varies from run to run)."""
+    runs = [once() for _ in range(repeats)]
+    return {r: sorted((run[r] for run in runs), key=lambda v: v["process"])[repeats // 2] for r in runs[0]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16, 32])
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=128, help="rows per micro-batch (fixed)")
+    p.add_argument("--stages", type=int, default=2, help="stages, one rank each")
+    p.add_argument("--blocks", type=int, default=2, help="GPT blocks per stage")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1, help="fresh runs per point; the median process peak is shown")
     p.add_argument("--json", help="also write the raw peaks here")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    res = dapple.runtime.launch(run, S, args)
-    print(f"GPT 4 blocks, one per stage on 4 ranks, micro-batch {args.micro_batch} x seq {args.seq}; peak saved "
-          f"activations per stage (KiB)")
-    print(f"{'schedule/M':<14}" + "".join(f"{'stage ' + str(s):>10}" for s in range(S)) + f"{'max':>10}")
-    for key in res[0]:
-        row = [res[r][key] / 1024 for r in range(S)]
-        print(f"{key:<14}" + "".join(f"{v:>10.0f}" for v in row) + f"{max(row):>10.0f}")
-    d = {m: max(res[r][f"dapple/{m}"] for r in range(S)) for m in args.micro_batches}
-    gp = {m: max(res[r][f"gpipe/{m}"] for r in range(S)) for m in args.micro_batches}
+    res = {(s, m): _median_of(args.repeats, lambda: dapple.runtime.launch(run, args.stages, args, m, s))
+           for s in ("dapple", "gpipe") for m in args.micro_batches}
+    print(f"GPT, {args.blocks} blocks per stage on {args.stages} ranks, micro-batch {args.micro_batch} x seq "
+          f"{args.seq}; per stage: saved activations (MiB) / process peak over the memory before the first step (MiB)")
+    print(f"{'schedule/M':<14}" + "".join(f"{'stage ' + str(s):>18}" for s in range(args.stages)))
+    for (sched, m), per in res.items():
+        print(f"{sched + '/' + str(m):<14}" + "".join(
+            f"{per[r]['saved'] / 2**20:>9.1f} /{per[r]['process'] / 2**20:>7.1f}" for r in range(args.stages)))
     lo, hi = min(args.micro_batches), max(args.micro_batches)
-    print(f"dapple M={hi} vs M={lo}: {d[hi] / d[lo]:.3f}x; dapple vs gpipe at M={hi}: {d[hi] / gp[hi]:.3f}x")
+    for what in ("saved", "process"):
+        first = {k: v[0][what] for k, v in res.items()}
+        print(f"{what}, stage 0: dapple M={hi} / M={lo} = {first['dapple', hi] / first['dapple', lo]:.3f}x; "
+              f"dapple / gpipe at M={hi} = {first['dapple', hi] / first['gpipe', hi]:.3f}x")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "peak_bytes": {r: res[r] for r in range(S)}}, fh, indent=1)
+            json.dump({"args": vars(args), "peaks": {f"{s}/{m}": v for (s, m), v in res.items()}}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,10 @@ def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str
                        timeout=group_timeout(timeout, ctx.backend)) if plan.num_stages > 1 else None
     groups = make_grad_groups(plan, graphs, names, ctx.rank, timeout, where)
     start_equal(groups, timeout, where)
-    return Channels(groups, GradReducer(groups), P2P(ctx.rank, plan.stage_of_device, None, grad_p2p, timeout,
-                                                     value_name))
+    # early backward: stage i runs K_i forwards ahead of its backwards (what lets P2P free delivered sends early)
+    ahead = (lambda s: plan.stages[s].warmup) if plan.schedule == "dapple" else (lambda s: None)
+    p2p = P2P(ctx.rank, plan.stage_of_device, None, grad_p2p, timeout, value_name, ahead)
+    return Channels(groups, GradReducer(groups), p2p)
 
 
 def handshake(plan: Plan, ctx: DistContext, stage: int, channels: Channels, timeout: float) -> None:

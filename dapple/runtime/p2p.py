@@ -25,10 +25,14 @@ class P2P:
     """
 
     def __init__(self, rank: int, stage_of: Callable[[int], int], act_group: dist.ProcessGroup | None,
-                 grad_group: dist.ProcessGroup | None, timeout: float, value_name: Callable[[Transfer], str]):
+                 grad_group: dist.ProcessGroup | None, timeout: float, value_name: Callable[[Transfer], str],
+                 ahead: Callable[[int], int | None] = lambda stage: None):
         self.rank, self.stage_of, self.timeout = rank, stage_of, timeout
         self.groups = {"act": act_group, "grad": grad_group}
         self.value_name = value_name
+        # per stage: how many forwards it runs before the backward of a micro-batch (K_i, early backward), or None
+        # (all forwards first): what a received activation tells of the gradients that stage already took
+        self.ahead = ahead
         self.step = 0
         self._recvs: dict[Transfer, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: list[tuple[Transfer, dist.Work, torch.Tensor]] = []
@@ -54,6 +58,7 @@ class P2P:
             raise self._error(t, t.src, "waiting for", e) from e
         if rec is not None:
             rec.transfer("recv", t, buffer.numel() * buffer.element_size(), start, rec.clock())
+        self._reap_answered(t)
         return buffer
 
     # ---- sends --------------------------------------------------------------------------------
@@ -69,6 +74,34 @@ class P2P:
         if rec is not None:
             rec.transfer("send", t, tensor.numel() * tensor.element_size(), start, rec.clock())
         self._reap()
+
+    def _reap_answered(self, got: Transfer) -> None:
+        """Forget the sends that message ``got`` proves delivered, so their tensors are freed during the step (a
+        gloo send reports itself complete only once waited on; holding every send to the step's end grew memory
+        with the number of micro-batches). The peer sent ``got`` only after receiving them:
+
+        - a gradient of micro-batch j from the next stage: it ran the backward of j, so it had received the
+          activations of every micro-batch up to j;
+        - an activation of micro-batch j from the previous stage, which runs K forwards ahead of its backwards
+          (early backward): it had run the backward of j - K, so it had received its gradients up to j - K.
+        """
+        keep = []
+        for sent in self._sends:
+            t, work, _ = sent
+            if self._delivered(t, got):
+                self._check_sent(t, work)  # delivered: returns at once (or raises what failed it)
+            else:
+                keep.append(sent)
+        self._sends = keep
+
+    def _delivered(self, sent: Transfer, got: Transfer) -> bool:
+        """Whether receiving ``got`` proves that the peer already received ``sent`` (see :meth:`_reap_answered`)."""
+        if sent.dst != got.src:
+            return False
+        if got.kind == "grad":
+            return sent.kind == "act" and sent.micro_batch <= got.micro_batch
+        k = self.ahead(self.stage_of(got.src))
+        return k is not None and sent.kind == "grad" and sent.micro_batch <= got.micro_batch - k
 
     def _reap(self) -> None:
         """Forget sends that completed, so their buffers can be freed; a send that failed raises here."""

@@ -57,3 +57,40 @@ def test_sends_that_succeeded_are_reaped_quietly(monkeypatch):
     assert len(link._sends) < 12  # reaped on the way
     link.finish()
     assert link._sends == []
+
+
+class _Gloo:
+    """A send as gloo reports it: never "completed" until waited on."""
+
+    def __init__(self, log: list, mb: int):
+        self.log, self.mb = log, mb
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        self.log.append(self.mb)
+        return True
+
+
+def test_sends_are_freed_once_an_answer_proves_them_delivered(monkeypatch):
+    """Stage 1 of 3 (rank 1; K = 2 on stage 0): gradient sends to stage 0 and activation sends to stage 2 are
+    freed during the step, as the answers come, not held to its end (memory would grow with M)."""
+    waited: list = []
+    monkeypatch.setattr(p2p.dist, "isend", lambda tensor, dst, group: _Gloo(waited, (dst, int(tensor[0]))))
+    monkeypatch.setattr(p2p.dist, "irecv", lambda buffer, src, group: _Gloo([], None))
+    link = P2P(1, lambda r: r, None, None, 5.0, lambda t: "x", ahead=lambda stage: {0: 2, 1: 1, 2: 1}[stage])
+    for mb in range(6):
+        link.send(Transfer("act", 1, mb, 0, 1, 2, 0, 2), torch.full((2,), float(mb)))
+        link.send(Transfer("grad", 0, mb, 0, 1, 0, 0, 2), torch.full((2,), float(mb)))
+    got = Transfer("grad", 1, 2, 0, 2, 1, 0, 2)  # stage 2 ran the backward of micro-batch 2
+    link.post_recv(got, torch.empty(2))
+    link.wait_recv(got)
+    assert sorted(waited) == [(2, 0), (2, 1), (2, 2)]
+    got = Transfer("act", 0, 4, 0, 0, 1, 0, 2)  # stage 0 ran F4, so (K = 2) it had run B2
+    link.post_recv(got, torch.empty(2))
+    link.wait_recv(got)
+    assert sorted(waited) == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2)]
+    assert len(link._sends) == 6  # act 3-5 to stage 2, grad 3-5 to stage 0: waited at the end of the step
+    link.finish()
+    assert len(waited) == 12
