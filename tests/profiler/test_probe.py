@@ -6,6 +6,7 @@ import pytest
 
 from dapple import Cluster
 from dapple.profiler.probe.links import fit_line, probe_local
+from tests.runtime._spawn import STALL_LIMIT, reported, stall_until_reported
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -107,7 +108,7 @@ def test_probe_rounds_time_every_size_once():
 
 
 def _probe_without_a_peer(what: str) -> str | None:
-    """Rank 1 stalls past the timeout instead of probing; rank 0 runs ``what`` ("ping_pong" or "measure", 1 s
+    """Rank 1 stalls until rank 0 has reported instead of probing; rank 0 runs ``what`` ("ping_pong" or "measure", 1 s
     timeout) and returns the error it gets, after how many seconds."""
     import time
 
@@ -116,7 +117,7 @@ def _probe_without_a_peer(what: str) -> str | None:
     from dapple.profiler.probe import links as bandwidth
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
-        time.sleep(4)
+        stall_until_reported("probe", 1)
         return None
     start = time.perf_counter()
     try:
@@ -125,7 +126,9 @@ def _probe_without_a_peer(what: str) -> str | None:
         else:
             bandwidth.measure(sizes=(1024, 4096), repeats=1, timeout=1.0)
     except Exception as e:
-        return f"{time.perf_counter() - start:.1f} {type(e).__name__}: {e}"
+        seen = f"{time.perf_counter() - start:.1f} {type(e).__name__}: {e}"
+        reported("probe")
+        return seen
     return "no error"
 
 
@@ -134,7 +137,7 @@ def test_measure_is_bounded_from_its_first_exchange():
 
     msg = run_ranks(_probe_without_a_peer, 2, "measure", timeout=120)[0]
     seconds, text = msg.split(" ", 1)
-    assert float(seconds) < 3.5, msg  # the timeout, not the peer's 4 s stall
+    assert float(seconds) < STALL_LIMIT, msg  # the timeout, not the end of the peer's stall
     assert text.startswith("PipelineError: bandwidth probe, rank 0: creating its gloo group (does every rank call "
                            "measure?) failed or timed out (timeout 1s)"), msg
 
@@ -146,7 +149,7 @@ def test_probe_waits_are_bounded_and_say_what_they_waited_for():
     seconds, text = msg.split(" ", 1)
     assert text.startswith("PipelineError: bandwidth probe, rank 0: barrier (before the 1024-byte ping-pong of "
                            "ranks 0 and 1) failed or timed out (timeout 1s)"), msg
-    assert float(seconds) < 3.5, msg  # the timeout, not the peer's 4 s stall
+    assert float(seconds) < STALL_LIMIT, msg  # the timeout, not the end of the peer's stall
 
 
 def test_cli_probe_writes_a_cluster(tmp_path):

@@ -86,3 +86,37 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 150.0) -> l
     if failed:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items())))
     return [results[r][1] for r in range(world)]
+
+
+STALL_LIMIT = 90.0  # seconds a stalling rank waits at most for the others to report (well past any timeout here)
+
+
+def stall_until_reported(key: str, others: int, limit: float = STALL_LIMIT) -> float:
+    """Stall (as a stuck peer) until ``others`` ranks called :func:`reported` with ``key``, or ``limit`` seconds.
+
+    A test that asserts "the others raised within the timeout, not when the peer came back" then bounds their time
+    by ``limit``, however loaded the machine, instead of by a guess of how late a short stall may end. Returns
+    the seconds stalled.
+    """
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        try:
+            if store.add(key, 0) >= others:
+                break
+        except Exception:  # the store's host (rank 0) reported and left
+            break
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def reported(key: str) -> None:
+    """Tell a rank stalling in :func:`stall_until_reported` that this one is done."""
+    import torch.distributed as dist
+
+    try:
+        dist.distributed_c10d._get_default_store().add(key, 1)
+    except Exception:  # the store's host (rank 0) already left: nobody is stalling on it any more
+        pass

@@ -18,6 +18,7 @@ from dapple.planner import Plan, Stage
 from dapple.profiler import trace_layers
 from dapple.runtime.distributed import init_distributed
 from tests.conftest import EXPORT_OK
+from tests.runtime._spawn import reported, stall_until_reported
 
 
 class Chain(nn.Module):
@@ -431,20 +432,21 @@ def run_cases(cases: dict[str, tuple[Callable, tuple, dict]]) -> dict[str, Any]:
     return {name: fn(*args, **kw) for name, (fn, args, kw) in cases.items()}
 
 
-def _vanish_hook(rank: int, after: int, stall: float) -> Callable:
+def _vanish_hook(rank: int, after: int, stall: bool) -> Callable:
     calls = [0]
 
     def hook(module: nn.Module, args: Any) -> None:
         calls[0] += 1
         if int(os.environ["RANK"]) == rank and calls[0] >= after:
-            time.sleep(stall)  # a stuck peer first (0: none), then a vanished one
+            if stall:  # a stuck peer first, until the others have raised, then a vanished one
+                stall_until_reported("failing_peer", int(os.environ["WORLD_SIZE"]) - 1)
             os._exit(0)
     return hook
 
 
-def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall: float = 0.0) -> str:
-    """Straight stages, one per rank; ``dying_rank`` stalls ``stall`` s then exits in its n-th forward.
-    Returns what this rank saw: the error message and how long after the step started it came."""
+def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall: bool = False) -> str:
+    """Straight stages, one per rank; ``dying_rank`` exits in its n-th forward (with ``stall``, once the others
+    have raised). Returns what this rank saw: the error message and how long after the step started it came."""
     torch.manual_seed(0)
     world = int(os.environ["WORLD_SIZE"])
     model = Chain(depth=world - 1).double()
@@ -462,7 +464,9 @@ def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall
         try:
             pipe.train_step(x, y)
         except dapple.runtime.PipelineError as e:
-            return f"after {time.monotonic() - t0:.1f}s: {e}"
+            seen = f"after {time.monotonic() - t0:.1f}s: {e}"
+            reported("failing_peer")
+            return seen
     return "no error"
 
 
