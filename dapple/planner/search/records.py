@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from ..model.cost import Layout
 
@@ -226,4 +226,3 @@ class RunOutcome(NamedTuple):
 
 
 Outcome = SeedOutcome | RefineOutcome | BoundOutcome | RunOutcome
-LatencyOf = Callable[[tuple], "float | None"]

@@ -13,14 +13,15 @@ if TYPE_CHECKING:
     from .pruning import Pruner
 
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
-# an end of a new stage that passes the bounds (Expander.reach), a plain tuple (the search makes ~100k of them):
+# an end of a new stage that passes the bounds (Expander.reach), a plain tuple (the search makes very many):
 # (j2, F, B, AllReduce, slices that fit, the rest bounds' least L of a completion)
 End = tuple
 
 
 class Arrival:
-    """A prefix and the transfer into a new stage after it: the interleaved costs up to the new stage, the links'
-    loads (refined model) and what is priced once asked (the server link users, the period bound's ts)."""
+    """A prefix and the transfer into a new stage after it: the interleaved costs up to the new stage (F0, B0, ...),
+    the transfer's own (busy1, chain1, ...: names ending in 1 hold the prefix with the transfer), the links' loads
+    (refined model) and what is priced once asked (the server link users, the period bound's ts)."""
 
     __slots__ = ("pre", "base", "busy1", "chain1", "hot1", "servers1", "queue0", "F0", "B0", "AR0", "E0", "C0",
                  "Cw0", "dev1", "devd1", "srv1", "srvmax1", "srvd1", "W1", "Bsum1", "last_in1", "queue", "n_all",
@@ -178,8 +179,8 @@ class Expander:
         return self.pruner.with_period(low, j2, n_rest, ts, f, bb, arr.W1, arr.Bsum1)
 
     def _ends(self, states: list, arr: Arrival, option: Option, j: int, ends: list[End], deferred: bool) -> None:
-        """Each end: the cheap checks here (most ends stop at them), the transition in :meth:`_outside` (a prefix
-        that would not enter its state) or :meth:`_transition`."""
+        """Each of ``ends`` after the transfer into the new stage: the cheap checks here (most ends stop at them),
+        then :meth:`_transition`, through :meth:`_outside` where the prefix would not enter its state."""
         inc, M, refined, ar_less, beam = self.incumbent, self.M, self.refined, self.pruner.ar_less, self.beam
         quick_floor = self.pruner.quick_floor
         W1, Bsum1, base, n_rest, comm_to_rest = arr.W1, arr.Bsum1, arr.base, option.n_rest, option.comms[1]
@@ -207,7 +208,8 @@ class Expander:
                 self._transition(states, arr, option, j, end, lb, floor, link, rest, skey, bucket, full, True,
                                  None if self.overlap else bb, None if refined else (0.0, 0.0))
             else:  # its prefix would not enter: it matters only as a complete plan that beats the best
-                quick = quick_floor(f, bb, link[0], link[4], W1, Bsum1, rest)  # (most stop here)
+                busy2, _, _, _, chain2, _, _ = link
+                quick = quick_floor(f, bb, busy2, chain2, W1, Bsum1, rest)  # (most stop here)
                 if quick < inc.cut:
                     self._outside(states, arr, option, j, end, lb, rest_lb, link, rest, skey, bucket, deferred, quick)
 
