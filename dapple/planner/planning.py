@@ -100,15 +100,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     auto = workers == "auto"
     workers = resolve_workers(workers, len(searches), search == "compact")
     spare = resolve_workers("auto", len(searches), True) if auto else workers  # what forking would use
-    t_seed = time.perf_counter()
-    in_workers(searches, workers, Step.SEED)
-    seeding = time.perf_counter() - t_seed
-    if workers < spare and seeding > forking.FORK_WORTH:
-        workers = spare  # auto, a full search whose seeds took long: so will its searches (the plan is the same)
-    refine_promising(searches, workers)
-    seeds = [Candidate(s.best.latency, s.b, s.best.found.spans, s.best.found.policies)
-             for s in searches if s.best.found is not None]
-    searches.sort(key=lambda s: s.best.latency)  # most promising first: its plans bound the others' search
+    workers, seeding, seeds = _seeded(searches, workers, spare)
     deadline = t0 + time_limit if time_limit is not None else None
     # full search: each other size's own best within VERIFY_WITHIN is a candidate too (the compact search of large
     # clusters keeps the tight bound: it would take far longer)
@@ -198,6 +190,22 @@ def _searches(profile: "Profile", cluster: "Cluster", g: int, sizes: list[int],
                          f"at most one replica per micro-batch row: need a micro-batch of at least "
                          f"{-(-cluster.num_devices // depth)} rows")
     return out
+
+
+def _seeded(searches: list[DPSearch], workers: int, spare: int) -> tuple[int, float, list[Candidate]]:
+    """Every size's seeds, the promising ones refined; the searches sorted most promising first (their plans bound
+    the others' search). Returns the workers from now on (auto, a full search whose seeds took long: so will its
+    searches, which then fork too; the plan is the same), the seconds the seeds took, and the seed plans."""
+    t_seed = time.perf_counter()
+    in_workers(searches, workers, Step.SEED)
+    seeding = time.perf_counter() - t_seed
+    if workers < spare and seeding > forking.FORK_WORTH:
+        workers = spare
+    refine_promising(searches, workers)
+    seeds = [Candidate(s.best.latency, s.b, s.best.found.spans, s.best.found.policies)
+             for s in searches if s.best.found is not None]
+    searches.sort(key=lambda s: s.best.latency)
+    return workers, seeding, seeds
 
 
 @dataclass

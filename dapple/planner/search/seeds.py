@@ -7,11 +7,11 @@ import bisect
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ..model.cost import Layout
+from .records import Incumbent
+from .stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
-    from .records import Incumbent
-    from .stage_costs import StageCosts
 
 REFINED_SEEDS = 3  # seed plans whose cuts Seeder.refine_seeds improves by local search
 
@@ -180,7 +180,7 @@ class Seeder:
     (:func:`even_seeds`), the best the incumbent, the best REFINED_SEEDS kept for :meth:`refine_seeds`."""
 
     def __init__(self, cm: "CostModel", rho: Sequence[float], devices: int, per_server: int, max_stages: int | None,
-                 costs: "StageCosts", incumbent: "Incumbent", refined: bool):
+                 costs: StageCosts, incumbent: Incumbent, refined: bool):
         self.cm, self.rho, self.G, self.dps, self.max_stages = cm, rho, devices, per_server, max_stages
         self.M, self.refined = costs.M, refined
         self.costs, self.incumbent = costs, incumbent

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..model.transfers import NO_USERS, add_users, feeds, queues
+from .pruning import Pruner
 from .records import Incumbent, Job, Option, Prefix, SearchConfig
 from .stage_costs import StageCosts, same_costs
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
-    from .pruning import Pruner
 
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
 # an end of a new stage that passes the bounds (Expander.reach), a plain tuple (the search makes very many):
@@ -110,7 +110,7 @@ class Expander:
     let through, priced, and the prefixes that enter the states of their ends. ``count``: transitions made."""
 
     def __init__(self, cm: "CostModel", config: SearchConfig, M: int, servers: int, costs: StageCosts,
-                 pruner: "Pruner", incumbent: Incumbent):
+                 pruner: Pruner, incumbent: Incumbent):
         self.cm, self.M, self.N, self.ns = cm, M, cm.num_layers, servers
         self.refined, self.overlap = config.refined, config.overlap
         self.beam, self.max_stages = config.beam, config.max_stages
