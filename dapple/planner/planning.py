@@ -94,8 +94,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     search, time_limit = _checked(profile, cluster, global_batch_size, model, schedule, warmup_policy,
                                   optimizer_factor, beam, max_stages, search, time_limit, gap, verify, overlap)
     sizes = _micro_batch_sizes(global_batch_size, micro_batch_size, micro_batch_sizes)
-    config = SearchConfig(model, overlap, warmup_policy if model == "refined" else None, optimizer_factor, beam,
-                          max_stages, 1 if search == "compact" else None, float(gap))
+    config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy if model == "refined" else None,
+                          optimizer_factor=optimizer_factor, beam=beam, max_stages=max_stages,
+                          partial_kinds=1 if search == "compact" else None, gap=float(gap))
     searches = _searches(profile, cluster, global_batch_size, sizes, config)
     auto = workers == "auto"
     workers = resolve_workers(workers, len(searches), search == "compact")

@@ -10,8 +10,8 @@ from ..model.cost import CostModel
 from .bounds import least_work
 from .memo import Memo, gc_paused
 from .pruning import BUCKETS_AFTER, TIGHTEN_AFTER, Pruner
-from .records import (INF, Best, BoundOutcome, Incumbent, Outcome, Prefix, RefineOutcome, RunOutcome, SearchConfig,
-                      SearchResult, SeedOutcome)
+from .records import (INF, Best, BoundOutcome, Found, Incumbent, Outcome, Prefix, RefineOutcome, RunOutcome,
+                      SearchConfig, SearchResult, SeedOutcome)
 from .seeds import Seeder
 from .stage_costs import StageCosts
 from .transitions import Expander
@@ -47,8 +47,7 @@ class DPSearch:
         self.costs = StageCosts(self.cm, config, self.M, self.incumbent)
         self.pruner = Pruner(self.cm, config, self.M, self.G, self.rho, self.incumbent)
         self.memo = Memo(self.ns, self.dps, self.b, config.partial_kinds)
-        self.seeder = Seeder(self.cm, self.rho, self.G, self.dps, config.max_stages, self.costs, self.incumbent,
-                             config.refined)
+        self.seeder = Seeder(self.costs, self.rho, self.G, self.dps, config.max_stages, self.incumbent)
         self.expander = Expander(self.cm, config, self.M, self.ns, self.costs, self.pruner, self.incumbent)
         self.states = 0  # DP states expanded
         self.complete = True  # whether run() finished (not stopped by the deadline)
@@ -63,7 +62,7 @@ class DPSearch:
     def cut(self) -> float:
         return self.incumbent.cut
 
-    def set_best(self, latency: float, found) -> None:
+    def set_best(self, latency: float, found: Found | None) -> None:
         """The incumbent: prune what cannot beat it by more than ``gap`` (relative)."""
         self.incumbent.set(latency, found)
 
@@ -254,7 +253,8 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     if global_batch_size % micro_batch_size or not can_occupy(cluster.num_devices, profile.num_layers,
                                                               micro_batch_size, max_stages):
         return None  # no plan of this micro-batch size: decided before the DP's tables are built
-    config = SearchConfig(model, overlap, warmup_policy, optimizer_factor, beam, max_stages, partial_kinds, gap)
+    config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor,
+                          beam=beam, max_stages=max_stages, partial_kinds=partial_kinds, gap=gap)
     search = DPSearch(profile, cluster, global_batch_size, micro_batch_size, config, incumbent)
     if seed:
         search.seed()

@@ -179,10 +179,10 @@ class Seeder:
     """A few simple complete plans give the search's bound something to prune with: the even-split seeds
     (:func:`even_seeds`), the best the incumbent, the best REFINED_SEEDS kept for :meth:`refine_seeds`."""
 
-    def __init__(self, cm: "CostModel", rho: Sequence[float], devices: int, per_server: int, max_stages: int | None,
-                 costs: StageCosts, incumbent: Incumbent, refined: bool):
-        self.cm, self.rho, self.G, self.dps, self.max_stages = cm, rho, devices, per_server, max_stages
-        self.M, self.refined = costs.M, refined
+    def __init__(self, costs: StageCosts, rho: Sequence[float], devices: int, per_server: int,
+                 max_stages: int | None, incumbent: Incumbent):
+        self.cm, self.M, self.refined = costs.cm, costs.M, costs.refined  # (priced by ``costs``)
+        self.rho, self.G, self.dps, self.max_stages = rho, devices, per_server, max_stages
         self.costs, self.incumbent = costs, incumbent
         self.kept: list = []  # (L, spans) of the best seed plans, for refine_seeds
         self.priced = 0  # seed plans seed() priced (the rest were past its bound)
