@@ -90,9 +90,9 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     replicas of max(M T + AR, offset + Q[c, R - r]), Q[N, .] = 0. Stages whose parameters x optimizer factor
     + one saved slice exceed device memory are excluded, and with ``cut`` (refined model) stages
     whose M T + least AllReduce reaches it (their own chain does: the bound then holds for every plan below
-    ``cut``). Computed with numpy over all (c, r, R) at once per j: about 10 N vector operations (per (j, r), as
-    :func:`period_sums` does, it took 2.5x longer for bert_48 on 2x8); from ROW_WISE_DEVICES devices on, per
-    (j, r) (:func:`_rest_row`), which is faster there.
+    ``cut``). Computed with numpy over all (c, r, R) at once per j: about 10 N vector operations (fewer and
+    larger than per (j, r), as :func:`period_sums` does); from ROW_WISE_DEVICES devices on, per (j, r)
+    (:func:`_rest_row`), which is faster there.
     """
     N, G = cm.num_layers, devices
     Q = np.full((N + 1, G + 2), INF)  # column G + 1: INF, what a stage of r replicas leaves for R < r
@@ -126,9 +126,9 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
 def _rest_row(Q: np.ndarray, j: int, first: "_FirstStages", T: np.ndarray, ok: np.ndarray, ar: np.ndarray | None,
               M: int, fill: bool, allreduce: bool) -> None:
     """Row ``Q[j]`` of :func:`rest_bound` one replica count r at a time: Q[c, R - r] for R = r..G is a slice of Q
-    (no gather) and r's own allowed ends are all it looks at. The same numbers; on 128 x 8 (every slice size of a
-    large micro-batch is a replica count of its own, most allowed only short stages) 5 to 7 times faster than
-    all counts at once, on 2 x 8 2 to 4 times slower (ROW_WISE_DEVICES)."""
+    (no gather) and r's own allowed ends are all it looks at. The same numbers; faster than all counts at once on
+    many devices (every slice size of a large micro-batch is a replica count of its own, most allowed only short
+    stages), slower on few (ROW_WISE_DEVICES)."""
     G = Q.shape[1] - 2  # (column G + 1: rest_bound's INF column)
     row = Q[j, : G + 1]
     for i, r in enumerate(first.reps):
@@ -214,7 +214,7 @@ def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, th
     (M - 1) max(t, max U). Over thresholds ``taus`` (``thresholds`` of them from ``lo`` to ``hi``, then
     infinity) a split whose largest U lies in (taus[k-1], taus[k]] adds at least V[k][c][j][R] + (M - 1)
     max(t_c, taus[k-1]) (:func:`period_sums`); returns (taus, V, S) with S[k] = min over k' >= k of V[k'] +
-    (M - 1) taus[k'-1] (taus[-1] = 0); returns (taus, :class:`PeriodRows`), read by ``_DP.period_rest``."""
+    (M - 1) taus[k'-1] (taus[-1] = 0); returns (taus, :class:`PeriodRows`), read by ``Pruner.period_rest``."""
     taus = np.linspace(lo, hi, thresholds)
     V = period_sums(cm, M, devices, np.concatenate([taus, [INF]]), cut, overlap, counts)  # (K + 1, C, N + 1, G + 1)
     low = np.concatenate([[0.0], taus]) * (M - 1)  # (K + 1,): each threshold's lower limit x (M - 1)

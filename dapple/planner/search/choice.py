@@ -3,20 +3,61 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ...core.plan import Plan, Stage
 from ..model.cost import CostModel, ServerLayout
-from ..model.evaluate import pipeline_costs
+from ..model.evaluate import PipelineCosts, pipeline_costs
+from ..simulator.events import simulate
 from ..simulator.floor import latency_floor
 from . import forking
 from .forking import forked_map
 
 if TYPE_CHECKING:
     from ...core.cluster import Cluster
+    from ...core.profile import Profile
 
 VERIFY_WITHIN = 0.1  # plan(verify=): candidates modelled more than this fraction above the DP's plan are not simulated
 SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
+
+
+class Candidate(NamedTuple):
+    """A plan the final choice may take: its modelled latency, micro-batch size, stages and their placement."""
+
+    latency: float
+    micro_batch_size: int
+    spans: tuple  # ((a, c, server of each replica), ...)
+    policies: tuple  # how each stage was placed
+
+
+class Chosen(NamedTuple):
+    """The plan chosen: micro-batch size, stages, their placement and the warmup policy."""
+
+    micro_batch_size: int
+    spans: tuple
+    policies: tuple
+    warmup_policy: str
+
+
+class Choice(NamedTuple):
+    """What :func:`choose` did: the plan chosen, its simulated ms (None: the model's choice, nothing simulated),
+    the trials (candidate x warmup policy) listed, those simulated, and the processes that ran them."""
+
+    chosen: Chosen
+    simulated_ms: float | None
+    listed: int
+    simulated: int
+    workers: int
+
+
+class Trial(NamedTuple):
+    """A candidate with one warmup policy, as the Plan the simulator runs."""
+
+    micro_batch_size: int
+    spans: tuple
+    policies: tuple
+    warmup_policy: str
+    plan: Plan
 
 
 def devices_of(spans: Sequence[tuple[int, int, ServerLayout]], cluster: "Cluster") -> list[list[int]]:
@@ -33,106 +74,158 @@ def devices_of(spans: Sequence[tuple[int, int, ServerLayout]], cluster: "Cluster
     return out
 
 
-def choose(profile, cluster, g, cands, model, overlap, schedule, warmup_policy, optimizer_factor, verify,
-           deadline=None, workers=1, spare=None):
-    """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator among the first
-    ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan x warmup policies modelled within
-    VERIFY_WITHIN of the candidate's better one (the DP's plan first: it wins ties; none listed past ``deadline``
-    but the DP's own, and none at all where the search itself ran past it: the model's choice), simulated by
-    ``workers`` processes (forking.forked_map), or by ``spare`` (more) once the first simulation took
-    forking.FORK_WORTH / the rest; a candidate whose floor (floor.latency_floor) is above the best simulated
-    before it is not simulated, for it could not win. Returns (chosen, its simulated ms, candidates listed, those
-    simulated, the processes that ran them)."""
-    from ..simulator.events import simulate
+def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candidates: Sequence[Candidate], *,
+           model: str, overlap: bool, schedule: str, warmup_policy: str | None, optimizer_factor: float,
+           verify: int, deadline: float | None = None, workers: int = 1, spare: int | None = None) -> Choice:
+    """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator.
 
+    Args:
+        profile, cluster, global_batch_size: the instance.
+        candidates: the DP's plan first (it wins ties), then the others, by modelled latency.
+        model, overlap, schedule, optimizer_factor: how the plans are modelled and run (model is unused here:
+            the warmup policies are compared under the refined model, the one that tracks the simulator).
+        warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties).
+        verify: simulate the first ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan,
+            each with the warmup policies modelled within VERIFY_WITHIN of its better one (0: trust the model).
+        deadline: a time.perf_counter() value past which no candidate but the DP's own is listed; a search that
+            ran past it simulates nothing (the model's choice).
+        workers: processes simulating side by side (forking.forked_map); ``spare`` (more): used instead once the
+            first simulation says the rest would take forking.FORK_WORTH.
+
+    A candidate whose floor (floor.latency_floor) is above the best simulated before it is not simulated: it
+    could not win.
+    """
     pols = (warmup_policy,) if warmup_policy else ("A", "B")
 
-    def priced(b, spans) -> dict:  # the candidate's pipeline costs per warmup policy (none where it does not fit)
+    def priced(b: int, spans: tuple) -> dict[str, PipelineCosts]:  # per warmup policy (none where it does not fit)
         cm, out = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor), {}
         for pol in pols:
             try:
-                out[pol] = pipeline_costs(cm, spans, g // b, pol)[0]
+                out[pol] = pipeline_costs(cm, spans, global_batch_size // b, pol)[0]
             except ValueError:
                 continue
         return out
 
-    best_lat, b, (spans, policies) = cands[0]
-    first = priced(b, spans)
-    policy = warmup_policy
-    if policy is None:  # the better policy under the refined model (formula 2 ignores K_i); A on ties
-        lat = {pol: pc.latency("refined", overlap).total for pol, pc in first.items()}
-        policy = "B" if lat["B"] < lat["A"] * (1 - 1e-3) else "A"
-    chosen = (b, spans, policies, policy)
-    too_big = cluster.num_devices * (g // b) > SIMULATE_LIMIT
-    late = deadline is not None and time.perf_counter() > deadline  # (16 x 8: a simulation of 0.9 s after 60 s)
+    top = candidates[0]
+    first = priced(top.micro_batch_size, top.spans)
+    chosen = Chosen(top.micro_batch_size, top.spans, top.policies, warmup_policy or better_policy(first, overlap))
+    too_big = cluster.num_devices * (global_batch_size // top.micro_batch_size) > SIMULATE_LIMIT
+    late = deadline is not None and time.perf_counter() > deadline  # (no time left for simulations)
     if not verify or too_big or late:
-        return chosen, None, 0, 0, 1
-    seen, trials = set(), []  # (b, spans, policies, warmup policy, the plan to simulate), in order
-    for lat, b, (spans, policies) in cands:
-        if lat > best_lat * (1 + VERIFY_WITHIN):
+        return Choice(chosen, None, 0, 0, 1)
+    trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size, schedule)
+    return Simulations(profile, cluster, overlap, trials, workers).judge(chosen, spare)
+
+
+def better_policy(costs: dict[str, PipelineCosts], overlap: bool) -> str:
+    """The warmup policy the refined model prefers for a plan (formula 2 ignores K_i); A on ties (it holds fewer
+    activations)."""
+    lat = {pol: pc.latency("refined", overlap).total for pol, pc in costs.items()}
+    return "B" if lat["B"] < lat["A"] * (1 - 1e-3) else "A"
+
+
+def trial_plan(cluster: "Cluster", global_batch_size: int, b: int, spans: tuple, pc: PipelineCosts,
+               pol: str, schedule: str) -> Plan:
+    """The Plan of a candidate with warmup policy ``pol`` (its K_i from ``pc``)."""
+    devs = devices_of(spans, cluster)
+    return Plan(global_batch_size, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)],
+                schedule=schedule, warmup_policy=pol)
+
+
+def list_trials(candidates: Sequence[Candidate], first: dict, priced: Callable[[int, tuple], dict], verify: int,
+                deadline: float | None, overlap: bool, cluster: "Cluster", global_batch_size: int,
+                schedule: str) -> list[Trial]:
+    """The trials to simulate, in order: the first ``verify`` distinct candidates within VERIFY_WITHIN of the
+    first (none past ``deadline`` but the first) x their warmup policies within VERIFY_WITHIN of the better one
+    (``first``: the first candidate's pipeline costs per policy; ``priced(b, spans)`` gives another's)."""
+    seen, trials = set(), []
+    top = candidates[0].latency
+    for lat, b, spans, policies in candidates:
+        if lat > top * (1 + VERIFY_WITHIN):
             break  # the rest are sorted by modelled latency: all further off
         if (b, spans) in seen or len(seen) >= verify or (seen and deadline and time.perf_counter() > deadline):
             continue
         costs = first if not seen else priced(b, spans)
         seen.add((b, spans))
         # a policy the refined model puts more than VERIFY_WITHIN above the other on this plan is not simulated
-        # (as for plans: benchmarks/planner_regret.py)
         lats = {pol: pc.latency("refined", overlap).total for pol, pc in costs.items()}
         for pol, pc in costs.items():
             if lats[pol] > min(lats.values()) * (1 + VERIFY_WITHIN):
                 continue
-            devs = devices_of(spans, cluster)
-            trials.append((b, spans, policies, pol, Plan(g, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in
-                                                               zip(spans, devs, pc.K)],
-                                                          schedule=schedule, warmup_policy=pol)))
-    def simulated(trial) -> float:
-        return simulate(trial[-1], profile, cluster, overlap=overlap).latency_ms
-    took: dict = {}  # trial index -> simulated ms (one left out was skipped: its floor was above the best)
-    if spare is not None and workers < spare and len(trials) > 2:  # auto: fork the rest if they take long
+            trials.append(Trial(b, spans, policies, pol, trial_plan(cluster, global_batch_size, b, spans, pc, pol,
+                                                                    schedule)))
+    return trials
+
+
+class Simulations:
+    """The trials' simulations: run in order, side by side by ``workers`` processes, and skipped where a trial's
+    floor shows it cannot beat the best simulated so far."""
+
+    def __init__(self, profile: "Profile", cluster: "Cluster", overlap: bool, trials: list[Trial], workers: int):
+        self.profile, self.cluster, self.overlap = profile, cluster, overlap
+        self.trials, self.workers = trials, workers
+        self.took: dict[int, float] = {}  # trial index -> simulated ms (one left out was skipped)
+        self.used = 1  # the most processes that ran simulations side by side
+        self.cms: dict[int, CostModel] = {}  # micro-batch size -> CostModel, as simulate() makes it
+        self.floors: dict[int, float] = {}  # trial index -> its floor
+
+    def simulated(self, trial: Trial) -> float:
+        return simulate(trial.plan, self.profile, self.cluster, overlap=self.overlap).latency_ms
+
+    def judge(self, chosen: Chosen, spare: int | None) -> Choice:
+        """The fastest simulated trial (the DP's plan, ``chosen``, wins ties): first the DP's own trials and as many
+        more as run side by side, then the others whose floor is below the best so far, which only falls from
+        there (so a skipped one could not have won)."""
+        trials = self.trials
+        if spare is not None and self.workers < spare and len(trials) > 2:
+            self.widen(spare)
+        own = sum((t.micro_batch_size, t.spans) == chosen[:2] for t in trials)  # (listed first)
+        self.settle([k for k in range(min(len(trials), max(own, self.workers))) if k not in self.took])
+        rest = [k for k in range(len(trials)) if k not in self.took]
+        while rest:
+            below = self.pick(chosen)[1] * (1 - 1e-3)  # what a trial must simulate below to win
+            rest = [k for k in rest if self.floor(k) < below]
+            batch = rest[:1] if self.workers == 1 else rest  # one at a time in-process: the best falls as they go
+            self.settle(batch)
+            rest = rest[len(batch):]
+        chosen, best_sim = self.pick(chosen)
+        return Choice(chosen, best_sim, len(trials), len(self.took), self.used)
+
+    def widen(self, spare: int) -> None:
+        """Simulate the first trial here; fork the rest (``spare`` workers) if at that pace they take
+        forking.FORK_WORTH (each trial's ops: as many per device as micro-batches, g / b)."""
+        trials = self.trials
         t = time.perf_counter()
-        took[0] = simulated(trials[0])  # (bert_48 at 128 on 2 x 8: 12 simulations of 27 ms)
-        # the rest's ops: as many per device as micro-batches, g / b (trial[0]: b)
-        if (time.perf_counter() - t) * sum(trials[0][0] / trial[0] for trial in trials[1:]) > forking.FORK_WORTH:
-            workers = spare
-    used = 1
+        self.took[0] = self.simulated(trials[0])
+        b0 = trials[0].micro_batch_size
+        if (time.perf_counter() - t) * sum(b0 / trial.micro_batch_size for trial in trials[1:]) > forking.FORK_WORTH:
+            self.workers = spare
 
-    def settle(ks: list) -> None:  # simulate trials[k] for k in ks, ``workers`` side by side
-        nonlocal used
-        for k, t in zip(ks, forked_map(simulated, [trials[k] for k in ks], workers,
+    def settle(self, ks: list[int]) -> None:
+        """Simulate trials[k] for k in ``ks``, ``workers`` side by side."""
+        trials, workers = self.trials, self.workers
+        for k, t in zip(ks, forked_map(self.simulated, [trials[k] for k in ks], workers,
                                        f"simulating {len(trials)} candidate plans")):
-            took[k] = t
-        used = max(used, min(workers, len(ks)) if len(ks) > 1 else 1)
+            self.took[k] = t
+        self.used = max(self.used, min(workers, len(ks)) if len(ks) > 1 else 1)
 
-    def pick(chosen):  # the fastest simulated trial, in order (the DP's plan wins ties) and its ms
+    def pick(self, chosen: Chosen) -> tuple[Chosen, float | None]:
+        """The fastest simulated trial, in order (``chosen`` wins ties), and its ms."""
         best_sim = None
-        for k, (b, spans, policies, pol, _) in enumerate(trials):
-            t = took.get(k)
+        for k, (b, spans, policies, pol, _) in enumerate(self.trials):
+            t = self.took.get(k)
             if t is not None and (best_sim is None or t < best_sim * (1 - 1e-3) or (
                     t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],))):
                 best_sim = t
-                chosen = (b, spans, policies, pol)
+                chosen = Chosen(b, spans, policies, pol)
         return chosen, best_sim
-    # first the DP's own plan (its warmup policies, the only trials a tie can keep) and as many more as run side by
-    # side; then the others whose floor (floor.latency_floor: no simulation is faster) is below the best so far,
-    # which only falls from there, so a skipped one could not have won (8 x 8: the two of micro-batch 4, 0.38 s each)
-    own = sum((b, spans) == chosen[:2] for b, spans, *_ in trials)  # (listed first)
-    settle([k for k in range(min(len(trials), max(own, workers))) if k not in took])
-    rest = [k for k in range(len(trials)) if k not in took]
-    cms: dict = {}  # micro-batch size -> CostModel, as simulate() makes it
-    floors: dict = {}  # trial index -> its floor (one at a time, the rest are filtered again after each)
 
-    def floor(k: int) -> float:  # (less 1e-9 of it: its sums run in another order than the simulator's)
-        if k not in floors:
-            b = trials[k][0]
-            if b not in cms:
-                cms[b] = CostModel(profile, cluster, b)
-            floors[k] = latency_floor(trials[k][-1], cms[b], overlap) * (1 - 1e-9)
-        return floors[k]
-    while rest:
-        below = pick(chosen)[1] * (1 - 1e-3)  # what a trial must simulate below to win
-        rest = [k for k in rest if floor(k) < below]
-        batch = rest[:1] if workers == 1 else rest  # one at a time in-process: the best falls as they go
-        settle(batch)
-        rest = rest[len(batch):]
-    chosen, best_sim = pick(chosen)
-    return chosen, best_sim, len(trials), len(took), used
+    def floor(self, k: int) -> float:
+        """No simulation of trials[k] is faster (floor.latency_floor, less 1e-9 of it: its sums run in another
+        order than the simulator's)."""
+        if k not in self.floors:
+            b = self.trials[k].micro_batch_size
+            if b not in self.cms:
+                self.cms[b] = CostModel(self.profile, self.cluster, b)
+            self.floors[k] = latency_floor(self.trials[k].plan, self.cms[b], self.overlap) * (1 - 1e-9)
+        return self.floors[k]

@@ -8,156 +8,205 @@ from typing import TYPE_CHECKING
 
 from ..model.cost import CostModel
 from .bounds import least_work
-from .memo import SearchResult, _gc_paused, _Memo, _Prefix
-from .pruning import BUCKETS_AFTER, INF, TIGHTEN_AFTER, _Pruning
-from .seeds import _Seeding
-from .stage_costs import _StageCosts
-from .transitions import _Transitions
+from .memo import Memo, gc_paused
+from .pruning import BUCKETS_AFTER, TIGHTEN_AFTER, Pruner
+from .records import (INF, Best, BoundOutcome, Found, Incumbent, Outcome, Prefix, RefineOutcome, RunOutcome,
+                      SearchConfig, SearchResult, SeedOutcome)
+from .seeds import Seeder
+from .stage_costs import StageCosts
+from .transitions import Expander
 
 if TYPE_CHECKING:
     from ...core.cluster import Cluster
     from ...core.profile import Profile
 
+__all__ = ["DPSearch", "INF", "SearchConfig", "SearchResult", "can_occupy", "dp_search", "most_stages"]
 
 # memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both
-# are recomputed on use): 8 x 8 needs ~7k, 128 x 8 makes ~1k a second, each a few kB
+# are recomputed on use): each takes a few kB, and a search over many servers makes them faster than it reuses them
 COMM_CACHE_LIMIT = 30_000
 
 
-class _DP(_Transitions, _Pruning, _StageCosts, _Memo, _Seeding):
-    """Formulas 4-5 for one micro-batch size (see :func:`dp_search`)."""
+class DPSearch:
+    """Formulas 4-5 for one micro-batch size (see :func:`dp_search`): the incumbent, the stage costs, the bounds,
+    the memo, the seeds and the transitions it is built from, and the DP over them.
+
+    Its steps, each returning a typed outcome (what a forked worker sends back, :meth:`adopt`): :meth:`seed`,
+    :meth:`refine_seeds`, :meth:`bound_tables`, :meth:`run`. ``deadline``: a time.perf_counter() value at which
+    run() stops with the best plan so far (None: none)."""
 
     def __init__(self, profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int,
-                 model: str, overlap: bool, warmup_policy: str | None, optimizer_factor: float, beam: int,
-                 incumbent: float, max_stages: int | None = None, partial_kinds: int | None = None,
-                 gap: float = 0.0):
+                 config: SearchConfig, incumbent: float = INF):
+        self.config, self.refined = config, config.refined
         self.N, self.G, self.b = profile.num_layers, cluster.num_devices, micro_batch_size
         self.M = global_batch_size // micro_batch_size
         self.dps, self.ns = cluster.devices_per_server, cluster.servers
-        self.cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
-        self.mem = cluster.device_memory
-        self.model, self.overlap, self.policy, self.beam = model, overlap, warmup_policy, beam
-        self.refined = model == "refined"
-        self.max_stages = max_stages
-        # search="compact": at most this many kinds (free devices, replicas of the new stage) of partly used server
-        # after each stage (None: any)
-        self.partial_kinds = partial_kinds
-        self.gap = gap
-        self.set_best(incumbent, None)
-        self.states = self.transitions = 0
-        self._seeds: list = []  # (L, spans) of the best seed plans, for refine_seeds
-        self._priced = 0  # seed plans seed() priced (the rest were past its bound)
-        self.pv = None  # the period bound's tables (bounds.period_bound), made by tighten()
-        self.deadline: float | None = None  # time.perf_counter() value at which run() stops (anytime search)
-        self.complete = True
-        self._options: dict = {}  # (free, previous layout, m) -> _Memo.options
-        self._placements: dict = {}  # (free, the previous layout's servers in order, m) -> _Memo._placed
-        self._kid: dict = {}  # state key -> int id (states[j] is keyed by the id)
-        self._canon: dict = {}  # (free devices, new stage's layout) -> (state key id, server relabelling)
-        self._stage_costs: dict = {}  # (j, m, spans servers) -> stage_costs
-        self._tails: dict = {}  # rest layout -> [tail(a, layout) for a in 0..N] (filled on use)
+        self.cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=config.optimizer_factor)
         self.rho = least_work(self.cm, min(self.b, self.G))
-        self.fill = 1.0 if self.refined else 0.0
-        # refined: a stage's chain ends with the longer of the way down and its AllReduce; overlapped, the AllReduce
-        # ends E >= AR after its last backward starts (CostModel.overlapped_ending), so at least AR - B after it ends
-        self.ar_less = 1.0 if overlap else 0.0  # x B: what of a stage's AllReduce its last backward may hide
-        self.root_bound = 0.0  # bound_tables() sets it
+        self.incumbent = Incumbent(incumbent, config.gap)
+        self.costs = StageCosts(self.cm, config, self.M, self.incumbent)
+        self.pruner = Pruner(self.cm, config, self.M, self.G, self.rho, self.incumbent)
+        self.memo = Memo(self.ns, self.dps, self.b, config.partial_kinds)
+        self.seeder = Seeder(self.costs, self.rho, self.G, self.dps, config.max_stages, self.incumbent)
+        self.expander = Expander(self.cm, config, self.M, self.ns, self.costs, self.pruner, self.incumbent)
+        self.states = 0  # DP states expanded
+        self.complete = True  # whether run() finished (not stopped by the deadline)
+        self.deadline: float | None = None
 
-    # ---- helpers -------------------------------------------------------------------------------
-    def record(self, latency: float, spans: tuple, policies: tuple, pol: str) -> None:
-        if latency < self.best[0]:
-            self.set_best(latency, (spans, policies, pol))
+    # ---- what the search has found -----------------------------------------------------------------------
+    @property
+    def best(self) -> Best:
+        return self.incumbent.best
 
-    def set_best(self, latency: float, found) -> None:
+    @property
+    def cut(self) -> float:
+        return self.incumbent.cut
+
+    def set_best(self, latency: float, found: Found | None) -> None:
         """The incumbent: prune what cannot beat it by more than ``gap`` (relative)."""
-        self.best = (latency, found)
-        self.cut = latency / (1.0 + self.gap)
+        self.incumbent.set(latency, found)
 
-    # ---- the DP ----------------------------------------------------------------------------------------
-    def run(self) -> None:
-        with _gc_paused():
+    @property
+    def transitions(self) -> int:
+        return self.expander.count
+
+    @property
+    def root_bound(self) -> float:
+        return self.pruner.root_bound
+
+    def result(self) -> SearchResult | None:
+        """The best plan found (None: nothing beats the incumbent it was given)."""
+        found = self.incumbent.found
+        if found is None:
+            return None
+        return SearchResult(self.incumbent.latency, found.spans, found.policies, found.warmup_policy, self.b,
+                            self.states, self.transitions)
+
+    # ---- its steps ---------------------------------------------------------------------------------------
+    def seed(self) -> SeedOutcome:
+        """The even-split seed plans (Seeder.seed): the best is the incumbent."""
+        self.seeder.seed()
+        return SeedOutcome(self.best, self.seeder.kept, self.seeder.priced)
+
+    def refine_seeds(self) -> RefineOutcome:
+        """Local search over the cuts of the best seeds (Seeder.refine_seeds)."""
+        self.seeder.refine_seeds()
+        return RefineOutcome(self.best, self.seeder.kept)
+
+    def bound_tables(self) -> BoundOutcome:
+        """The rest bounds' tables for plans below the cut as it is now, and the root bound (Pruner.bound_tables)."""
+        self.pruner.bound_tables()
+        return BoundOutcome(self.best, self.root_bound)
+
+    def run(self) -> RunOutcome:
+        """The DP (anytime: it stops at ``deadline`` with the best plan so far, ``complete`` False)."""
+        with gc_paused():
             self._run()
+        return RunOutcome(self.best, self.states, self.transitions, self.complete, self.root_bound)
 
-    def bound_tables(self) -> None:
-        """The rest bounds' tables (_rest_tables) for plans below the cut as it is now (the seeds' or an earlier
-        search's: built once, not again by tighten() unless the cut falls) and the root bound."""
-        self._rest_tables(self.cut)
-        # no plan below the cut has L below this (after tighten(): below the cut then)
-        self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G])
+    def adopt(self, outcome: Outcome) -> None:
+        """Stand as if a step whose ``outcome`` a forked worker sent back had run here (what later steps and
+        the caller read of it)."""
+        self.set_best(*outcome.best)
+        if isinstance(outcome, (SeedOutcome, RefineOutcome)):
+            self.seeder.kept = outcome.seeds
+        if isinstance(outcome, SeedOutcome):
+            self.seeder.priced = outcome.priced
+        if isinstance(outcome, (BoundOutcome, RunOutcome)):
+            self.pruner.root_bound = outcome.root_bound
+        if isinstance(outcome, RunOutcome):
+            self.states, self.expander.count, self.complete = outcome.states, outcome.transitions, outcome.complete
+
+    # ---- the DP ------------------------------------------------------------------------------------------
+    def _late(self) -> bool:
+        """Whether the deadline has passed (then the search is not complete)."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.complete = False
+            return True
+        return False
 
     def _run(self) -> None:
-        if self.root_bound and self.deadline is not None and time.perf_counter() > self.deadline:
-            self.complete = False  # bound before (plan()'s late sizes) and out of time: the tables would only
-            return  # raise the root bound a little, for its cut is now lower
-        self.bound_tables()
-        N, M, b, ns, dps, cm, rho = self.N, self.M, self.b, self.ns, self.dps, self.cm, self.rho
-        states: list[dict] = [dict() for _ in range(N + 1)]
-        all_free = tuple([dps] * ns)
-        lay0 = tuple(s for s in range(ns) for _ in range(dps))
-        if self.G <= b:  # j = 0: pure data parallelism, the whole model as one stage on every device
-            f, bb, ar, e, d = self.tail(0, lay0)
-            if d >= 1:
-                lat, pol = self.latency([f], [bb], [ar], [e], [bb], [d], 0.0)
-                self.record(lat, ((0, N, lay0),), ("fresh",), pol)
-        root = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, all_free, INF, {}, 0.0, 0.0, 0.0,
-                       Cw=[])
+        if self.pruner.root_bound and self._late():
+            return  # bound before (plan()'s late sizes) and out of time: the tables would only raise the root bound
+        self.pruner.bound_tables()
+        states: list[dict] = [dict() for _ in range(self.N + 1)]
+        self._one_stage()
+        root = Prefix(free=tuple([self.dps] * self.ns), latency=INF)
         tighten_at, buckets_at = self.states + TIGHTEN_AFTER, self.states + BUCKETS_AFTER
-        deadline = self.deadline
-        for j in range(N):
-            for pre in ([root] if j == 0 else self.frontier(states[j])):
+        pruner, incumbent, cm = self.pruner, self.incumbent, self.cm
+        for j in range(self.N):
+            for pre in ([root] if j == 0 else Memo.frontier(states[j])):
                 self.states += 1
-                if self.states == tighten_at and self.root_bound < self.cut:
-                    self.tighten()  # a search this large pays for the tighter bounds' tables
-                elif self.states == buckets_at and self.root_bound < self.cut:
-                    self.tighten(buckets=True)  # and this large, for their stage-count buckets
-                if deadline is not None and time.perf_counter() > deadline:
-                    self.complete = False
+                if self.states == tighten_at and pruner.root_bound < incumbent.cut:
+                    pruner.tighten()  # a search this large pays for the tighter bounds' tables
+                elif self.states == buckets_at and pruner.root_bound < incumbent.cut:
+                    pruner.tighten(buckets=True)  # and this large, for their stage-count buckets
+                if self._late():
                     return
                 if cm.cached_pairs() > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
-                    self._options.clear()
-                    self._placements.clear()
+                    self.memo.forget()
                     cm.forget_comm()
-                free = pre.free
-                R = sum(free)
-                if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= self.cut:
-                    continue
-                if pre.W + max(pre.Bsum + self.Q[j][R], self.Qar[j][R]) >= self.cut:
-                    continue
-                links = max(pre.server_max, pre.dev)
-                if self.pv is not None and pre.W + pre.Bsum + self.period_rest(
-                        j, R, self.period_ts(pre, 0, min(R, N - j), links), add=pre.W + pre.Bsum,
-                        stop=self.cut) >= self.cut:
-                    continue
-                if self.max_stages is not None and pre.depth + 2 > self.max_stages:
-                    continue
-                prev = pre.last
-                bound = self.cut
-                W0, Bsum0 = (pre.W, pre.Bsum) if self.refined else (0.0, 0.0)  # formula 2: no fill/drain bound
-                most = max(free)
-                for m in range(1, min(R - 1, b) + 1):
-                    if deadline is not None and time.perf_counter() > deadline:
-                        self.complete = False  # within a state too: one takes up to a second on 128 x 8
-                        return
-                    # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m
-                    # devices: M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
-                    lo = bisect.bisect_right(rho, rho[N] - bound * (R - m) / M, j + 1)
-                    lo = max(lo, bisect.bisect_right(self.Qcol[R - m], pre.W + pre.Bsum - bound, j + 1),
-                             bisect.bisect_right(self.Qarcol[R - m], pre.W - bound, j + 1))
-                    if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
-                        continue
-                    # reach() without the incoming transfer, shared by this m's placements (>= 0): most m end here,
-                    # before their placements are listed (the ends of a stage within one server or across servers)
-                    kinds = ([False] if m <= most else []) + ([True] if m > 1 and ns > 1 else [])
-                    placed = self._options.get((free, prev, m))  # listed before: only the kinds they have
-                    if placed is not None:  # (an option's [8]: whether it spans servers, _Memo.options)
-                        kinds = [multi for multi in kinds if any(option[8] == multi for option in placed)]
-                    ts = self.period_ts(pre, 1, min(R - m, N - j - 1), links) if self.pv is not None else None
-                    gate = {multi: self.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts, prev is not None)
-                            for multi in kinds}
-                    if not any(gate.values()):
-                        continue
-                    for option in (placed if placed is not None else self.options(free, prev, m)):
-                        self.expand(states, pre, j, m, option, prev, lo, gate)
+                if not self._pruned(pre, j) and not self._expand_state(states, pre, j):
+                    return  # out of time
+
+    def _one_stage(self) -> None:
+        """j = 0 as the whole plan: pure data parallelism, the whole model as one stage on every device."""
+        if self.G > self.b:
+            return
+        lay0 = tuple(s for s in range(self.ns) for _ in range(self.dps))
+        f, bb, ar, e, d = self.costs.tail(0, lay0)
+        if d >= 1:
+            lat, pol = self.costs.latency([f], [bb], [ar], [e], [bb], [d], 0.0)
+            self.incumbent.offer(lat, ((0, self.N, lay0),), ("fresh",), pol)
+
+    def _pruned(self, pre: Prefix, j: int) -> bool:
+        """Whether no completion of ``pre`` (layers [0, j) planned) can beat the cut: the rest's least work over
+        the free devices, the rest bounds, the period bound, or one more stage than ``max_stages`` allows."""
+        N, M, rho, pruner, cut = self.N, self.M, self.rho, self.pruner, self.incumbent.cut
+        R = sum(pre.free)
+        if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= cut:
+            return True
+        if pre.W + max(pre.Bsum + pruner.Q[j][R], pruner.Qar[j][R]) >= cut:
+            return True
+        if pruner.pv is not None and pre.W + pre.Bsum + pruner.period_rest(
+                j, R, pruner.period_ts(pre, 0, min(R, N - j), max(pre.server_max, pre.dev)), add=pre.W + pre.Bsum,
+                stop=cut) >= cut:
+            return True
+        return self.config.max_stages is not None and pre.depth + 2 > self.config.max_stages
+
+    def _expand_state(self, states: list, pre: Prefix, j: int) -> bool:
+        """Every new stage [j, j2) on m replicas after ``pre`` whose ends pass the bounds (False: out of time)."""
+        N, M, rho, cm, pruner, memo, expander = self.N, self.M, self.rho, self.cm, self.pruner, self.memo, self.expander
+        free, prev, deadline = pre.free, pre.last, self.deadline
+        R, most, links = sum(free), max(free), max(pre.server_max, pre.dev)
+        bound = self.incumbent.cut  # (the cut when the state is reached: its ends below are read against it)
+        W0, Bsum0 = (pre.W, pre.Bsum) if self.refined else (0.0, 0.0)  # formula 2: no fill/drain bound
+        for m in range(1, min(R - 1, self.b) + 1):
+            if deadline is not None and time.perf_counter() > deadline:
+                self.complete = False  # within a state too: one can take long on many servers
+                return False
+            # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m devices:
+            # M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
+            lo = bisect.bisect_right(rho, rho[N] - bound * (R - m) / M, j + 1)
+            lo = max(lo, bisect.bisect_right(pruner.Qcol[R - m], pre.W + pre.Bsum - bound, j + 1),
+                     bisect.bisect_right(pruner.Qarcol[R - m], pre.W - bound, j + 1))
+            if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
+                continue
+            # the ends from lo that pass the bounds before the transfer into the stage is priced, per whether it
+            # spans servers, shared by this m's placements: most m end here, before their placements are listed
+            kinds = ([False] if m <= most else []) + ([True] if m > 1 and self.ns > 1 else [])
+            placed = memo.listed.get((free, prev, m))  # listed before: only the kinds its placements have
+            if placed is not None:
+                kinds = [multi for multi in kinds if any(option.multi == multi for option in placed)]
+            ts = pruner.period_ts(pre, 1, min(R - m, N - j - 1), links) if pruner.pv is not None else None
+            gate = {multi: expander.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts, prev is not None)
+                    for multi in kinds}
+            if not any(gate.values()):
+                continue
+            for option in (placed if placed is not None else memo.options(free, prev, m)):
+                expander.expand(states, pre, j, m, option, prev, gate)
+        return True
+
 
 def most_stages(num_layers: int, max_stages: int | None) -> int:
     """How many stages a plan can have: one layer each at least, and no more than ``max_stages``."""
@@ -182,37 +231,35 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
     stage's replica positions decide the split-concat routes to the next stage (the free counts alone do
     not). Each key keeps the ``beam`` best prefixes (the paper keeps one): exact only if a longer plan's L
     were a function of the key, which it is not, so this is where the DP is heuristic (brute force on small
-    clusters: see tests/planner/test_search.py). Best means the lowest floor, the least L any completion can
-    have by the bounds below, then formula 5's L (the prefix + the rest as one stage): the paper ranks by
-    formula 5 alone, but with many layers left the rest-as-one-stage dominates it and prefixes differing by
-    0.002% in it differed by 4% in their own stages' bound on 8x8 (RESULTS.md "Planning time": plans up to 19%
-    faster). Replica order inside a stage: two candidates (aligned with the previous stage; fullest remaining
-    servers first).
+    clusters: tests/planner/search/test_dp.py). Best means the lowest floor, the least L any completion can
+    have by the bounds, then formula 5's L (the prefix + the rest as one stage): the paper ranks by formula 5
+    alone, but with many layers left the rest-as-one-stage dominates it. Replica order inside a stage: two
+    candidates (aligned with the previous stage; fullest remaining servers first).
 
-    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the ``seed`` plans
-    with their cuts refined by local search, and every complete plan the DP meets): L >= M (F_s+B_s) for every
-    stage under both models, and under the refined model L >= (first micro-batch's way to a stage) + M (F+B) +
-    (last gradient's way back), the remaining layers' least work over the free devices, one micro-batch's round
-    trip, and that round trip + (M - 1) max(F_s, B_s) + (M - K_s) min(F_s, B_s) for every stage s
-    (bounds.period_bound, per count of the rest's stages).
-    ``partial_kinds``: only placements after which the partly used servers come in at most this many kinds
-    (free devices, replicas of the new stage): the compact search of :func:`dapple.plan` (1). ``time_limit``:
-    stop after that many seconds with the best plan so far (SearchResult via the seeds). ``gap``: prune what
-    cannot beat the best plan so far by more than this fraction (the result is within 1 + gap of the search's
-    without it). Returns None when nothing beats ``incumbent``.
+    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the seed plans
+    with their cuts refined by local search, and every complete plan the DP meets): see pruning.Pruner.
+
+    Args:
+        profile, cluster, global_batch_size, micro_batch_size: the instance (M = global / micro micro-batches).
+        model, overlap, warmup_policy, optimizer_factor, beam, max_stages, partial_kinds, gap: see SearchConfig.
+        incumbent: only plans faster than this are of interest.
+        seed: start from the seed plans (Seeder) as the incumbent.
+        time_limit: stop after that many seconds (after the seeds) with the best plan so far.
+
+    Returns:
+        The best plan found, or None when nothing beats ``incumbent`` (or no plan of this micro-batch size
+        can use every device).
     """
     if global_batch_size % micro_batch_size or not can_occupy(cluster.num_devices, profile.num_layers,
                                                               micro_batch_size, max_stages):
         return None  # no plan of this micro-batch size: decided before the DP's tables are built
-    dp = _DP(profile, cluster, global_batch_size, micro_batch_size, model, overlap, warmup_policy,
-             optimizer_factor, beam, incumbent, max_stages, partial_kinds, gap)
+    config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor,
+                          beam=beam, max_stages=max_stages, partial_kinds=partial_kinds, gap=gap)
+    search = DPSearch(profile, cluster, global_batch_size, micro_batch_size, config, incumbent)
     if seed:
-        dp.seed()
-        dp.refine_seeds()
+        search.seed()
+        search.refine_seeds()
     if time_limit is not None:
-        dp.deadline = time.perf_counter() + time_limit
-    dp.run()
-    if dp.best[1] is None:
-        return None
-    spans, policies, pol = dp.best[1]
-    return SearchResult(dp.best[0], spans, policies, pol, micro_batch_size, dp.states, dp.transitions)
+        search.deadline = time.perf_counter() + time_limit
+    search.run()
+    return search.result()

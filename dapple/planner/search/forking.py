@@ -9,12 +9,14 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from enum import Enum
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ...core.checks import is_int
 
 if TYPE_CHECKING:
-    from .dp import _DP
+    from .dp import DPSearch
+    from .records import Outcome
 
 _RUNNING: tuple = ()  # (task, items) of the running call: a forked worker inherits them (lambdas too), unpickled
 WORKER_MEMORY = 2e9  # bytes a worker may need: workers="auto" starts no more than fit (128 x 8 at 60 s: 1.4 GB)
@@ -142,24 +144,35 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         proc.join(5)
 
 
-# what a worker sends back of a search after each step it can take (best: through set_best, which sets the cut)
-KEPT = {"seed": ("best", "_seeds", "_priced"), "run": ("best", "states", "transitions", "complete", "root_bound"),
-        "bound_tables": ("best", "root_bound"), "refine_seeds": ("best", "_seeds")}
+class Step(str, Enum):
+    """A step of a micro-batch size's search that workers can take (DPSearch's method of the same name)."""
+
+    SEED = "seed"
+    REFINE_SEEDS = "refine_seeds"
+    BOUND_TABLES = "bound_tables"
+    RUN = "run"
 
 
-def in_workers(dps: Sequence["_DP"], workers: int, step: str,
-               accept: Callable[["_DP", tuple], bool] | None = None) -> None:
-    """``dp.seed()``, ``dp.refine_seeds()``, ``dp.bound_tables()`` or ``dp.run()`` (``step``) for every search in
-    ``dps``, ``workers`` at a time, in order (the most promising first), with what KEPT names copied back, where
-    ``accept(dp, what it kept)``, asked in order, does not say False (the search then stays as it was). Every
-    search keeps the incumbent it was given (they share none while running: the plan does not depend on timing or
-    on the number of workers)."""
-    def call(dp):
-        getattr(dp, step)()
-        return tuple(getattr(dp, name) for name in KEPT[step])
-    for dp, kept in zip(dps, forked_map(call, dps, workers, f"{step}() of micro-batch sizes {[dp.b for dp in dps]}")):
-        if accept is not None and not accept(dp, kept):
+def take(search: "DPSearch", step: Step) -> "Outcome":
+    """``step`` on ``search``: its outcome, what a worker sends back (DPSearch.adopt takes it in the parent)."""
+    if step is Step.SEED:
+        return search.seed()
+    if step is Step.REFINE_SEEDS:
+        return search.refine_seeds()
+    if step is Step.BOUND_TABLES:
+        return search.bound_tables()
+    return search.run()
+
+
+def in_workers(searches: Sequence["DPSearch"], workers: int, step: Step | str,
+               accept: Callable[["DPSearch", "Outcome"], bool] | None = None) -> None:
+    """``step`` for every search in ``searches``, ``workers`` at a time, in order (the most promising first), each
+    search adopting its outcome where ``accept(search, outcome)``, asked in order, does not say False (the search
+    then stays as it was). Every search keeps the incumbent it was given (they share none while running: the plan
+    does not depend on timing or on the number of workers)."""
+    step = Step(step)
+    what = f"{step.value}() of micro-batch sizes {[search.b for search in searches]}"
+    for search, outcome in zip(searches, forked_map(lambda search: take(search, step), searches, workers, what)):
+        if accept is not None and not accept(search, outcome):
             continue
-        dp.set_best(*kept[0])
-        for name, value in zip(KEPT[step][1:], kept[1:]):
-            setattr(dp, name, value)
+        search.adopt(outcome)

@@ -7,11 +7,13 @@ import bisect
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ..model.cost import ServerLayout
+from .records import Incumbent
+from .stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
 
-REFINED_SEEDS = 3  # seed plans whose cuts _Seeding.refine_seeds improves by local search
+REFINED_SEEDS = 3  # seed plans whose cuts Seeder.refine_seeds improves by local search
 
 
 def consecutive_layouts(reps: Sequence[int], per_server: int) -> list[ServerLayout]:
@@ -98,9 +100,8 @@ def scatter_layouts(servers: int, per_server: int) -> Iterator[list[ServerLayout
     """Scatter First seeds: one stage per server on the first servers, then the last k (2, 4, 8, ...) shared by
     stages that each take q devices on every one of them, q = [d, ..., d] or halved at the ends [d/2, d, ..., d/2]
     for d a proper divisor of ``per_server``. The transfers between them stay inside servers and their AllReduce
-    rings cross all k. On the 8x8 case of benchmarks/planning_time.py the best plans end so (4, 8, 8, 8, 4 replicas
-    over the last 4 servers); the consecutive seeds' incumbent was 0.75% above the optimum, these seeds' 0.2%, and
-    plan() takes 0.93x as long (RESULTS.md, "Planning time")."""
+    rings cross all k. The best plans of deep uniform stacks on many servers end so (e.g. 4, 8, 8, 8, 4 replicas over
+    the last 4 servers), which the consecutive seeds miss."""
     qs = []
     for d in range(1, per_server):
         if per_server % d == 0:
@@ -146,8 +147,7 @@ def even_seeds(cm: "CostModel", rho: Sequence[float], devices: int, per_server: 
 def refine_cuts(latency: Callable[[tuple], float | None], spans: tuple, budget: int = 400) -> tuple[float, tuple]:
     """Local search over the cuts of ``spans`` (layouts kept): move one cut, or every cut from or up to one,
     by 2 layers then 1 while ``latency`` (None: infeasible) improves, at most ``budget`` evaluations. Balanced
-    stage times are not the fastest plan (the last stage's chain is longer, so it wants fewer layers): on the
-    8x8 case of benchmarks/planning_time.py one layer less on the last stage is 4% faster."""
+    stage times are not the fastest plan: the last stage's chain is longer, so it wants fewer layers."""
     cuts = [a for a, _, _ in spans] + [spans[-1][1]]
     lays = [lay for _, _, lay in spans]
     S = len(lays)
@@ -175,30 +175,42 @@ def refine_cuts(latency: Callable[[tuple], float | None], spans: tuple, budget: 
     return best, tuple((cuts[i], cuts[i + 1], lays[i]) for i in range(S))
 
 
-class _Seeding:
-    """The seeds' side of ``search._DP``: a few simple complete plans give its bound something to prune with (it
-    provides the cost model, the pricing of spans and the incumbent)."""
+class Seeder:
+    """A few simple complete plans give the search's bound something to prune with: the even-split seeds
+    (:func:`even_seeds`), the best the incumbent, the best REFINED_SEEDS kept for :meth:`refine_seeds`."""
+
+    def __init__(self, costs: StageCosts, rho: Sequence[float], devices: int, per_server: int,
+                 max_stages: int | None, incumbent: Incumbent):
+        self.cm, self.M, self.refined = costs.cm, costs.M, costs.refined  # (priced by ``costs``)
+        self.rho, self.G, self.dps, self.max_stages = rho, devices, per_server, max_stages
+        self.costs, self.incumbent = costs, incumbent
+        self.kept: list = []  # (L, spans) of the best seed plans, for refine_seeds
+        self.priced = 0  # seed plans seed() priced (the rest were past its bound)
 
     def seed(self) -> None:
-        """The even-split seed plans (seeds.even_seeds): the best is the incumbent, the best REFINED_SEEDS are kept
-        for refine_seeds. Priced in order of a cheap lower bound (seed_bound) and only while it is below the
+        """Price the seeds in order of a cheap lower bound (:meth:`seed_bound`) and only while it is below the
         REFINED_SEEDS-th best priced so far (a plan past it could be neither): the same incumbent and kept seeds
         as pricing them all, in generation order (the first of equal L wins)."""
         spans_of = list(even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages))
+        found = self._price(spans_of)
+        self.priced = len(found)
+        for lat, _, spans, pol in sorted(found, key=lambda x: x[1]):  # generation order
+            self.incumbent.offer(lat, spans, ("even",) * len(spans), pol)
+        found.sort(key=lambda x: (x[0], x[1]))
+        self.kept = [(lat, spans) for lat, _, spans, _ in found[:REFINED_SEEDS]]
+
+    def _price(self, spans_of: list) -> list:
+        """(L, generation index, spans, warmup policy) of the seeds that may be among the best REFINED_SEEDS."""
         bounds = [self.seed_bound(spans) for spans in spans_of]
-        found, keep = [], []  # (L, generation index, spans, policy); the best REFINED_SEEDS Ls so far
+        found, keep = [], []  # the priced seeds; the best REFINED_SEEDS Ls so far
         for i in sorted(range(len(spans_of)), key=bounds.__getitem__):
             if len(keep) >= REFINED_SEEDS and bounds[i] > keep[-1]:
                 break  # and every later one: L >= its bound > the kept ones'
-            res = self.evaluate_spans(spans_of[i])
+            res = self.costs.evaluate_spans(spans_of[i])
             if res is not None:
                 found.append((res[0], i, spans_of[i], res[1]))
                 keep = sorted(keep + [res[0]])[:REFINED_SEEDS]
-        self._priced = len(found)
-        for lat, _, spans, pol in sorted(found, key=lambda x: x[1]):  # generation order
-            self.record(lat, spans, ("even",) * len(spans), pol)
-        found.sort(key=lambda x: (x[0], x[1]))
-        self._seeds = [(lat, spans) for lat, _, spans, _ in found[:REFINED_SEEDS]]
+        return found
 
     def seed_bound(self, spans: tuple) -> float:
         """A lower bound on a plan's L under both models from its stages' compute alone: M (F+B) of every stage,
@@ -212,11 +224,12 @@ class _Seeding:
         return low
 
     def refine_seeds(self) -> None:
-        """Local search over the cuts of the best seeds (seeds.refine_cuts), once: a near-optimal incumbent
-        before the DP halves its states on the 8x8 case of benchmarks/planning_time.py."""
-        for _, spans in self._seeds:
-            lat, spans = refine_cuts(lambda sp: (self.evaluate_spans(sp) or (None,))[0], spans)
-            res = self.evaluate_spans(spans) if lat < self.best[0] else None
+        """Local search over the cuts of the kept seeds (:func:`refine_cuts`), once: a near-optimal incumbent
+        before the DP prunes far more of its states."""
+        evaluate = self.costs.evaluate_spans
+        for _, spans in self.kept:
+            lat, spans = refine_cuts(lambda sp: (evaluate(sp) or (None,))[0], spans)
+            res = evaluate(spans) if lat < self.incumbent.latency else None
             if res is not None:
-                self.record(res[0], spans, ("even",) * len(spans), res[1])
-        self._seeds = []
+                self.incumbent.offer(res[0], spans, ("even",) * len(spans), res[1])
+        self.kept = []

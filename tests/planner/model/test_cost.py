@@ -94,10 +94,10 @@ def test_a_stage_pays_the_call_once():
     assert cm.compute(2, 3, 2) == pytest.approx((8.0, 16.0))  # 4 rows: 8 - 1 + 1, 16 - 3 + 3
     assert [r for r, _ in cm.bucket_ready(0, 3, 8)] == pytest.approx([3.0 + 29.0, 3.0 + 29.0 + 0.0 + 13.0])
 
-    from dapple.planner.search.dp import _DP
-    dp = _DP(prof, cluster(1, 4), 32, 8, "refined", False, None, 4.0, 1, float("inf"))
+    from dapple.planner.search.dp import DPSearch, SearchConfig
+    dp = DPSearch(prof, cluster(1, 4), 32, 8, SearchConfig(model="refined"))
     for j in range(3):
-        fs, bs, _, _ = dp.stage_costs(j, 2, False)
+        fs, bs, _, _ = dp.costs.stage_costs(j, 2, False)
         for j2 in range(j + 1, len(fs)):
             assert (fs[j2], bs[j2]) == pytest.approx(cm.compute(j, j2, 2))
 

@@ -12,7 +12,9 @@ from dapple.planner.search import bounds
 from dapple.planner.baselines.exhaustive import every_plan, exhaustive_search
 from dapple.planner.model.cost import CostModel
 from dapple.planner.search.bounds import allreduce_floor, efficient_replicas, rest_bound
-from dapple.planner.search.dp import _DP
+from dapple.planner.search.dp import DPSearch, SearchConfig
+from dapple.planner.search.pruning import prefix_u_table
+from dapple.planner.search.records import Prefix
 
 from ..helpers import cluster, random_profile, small_instances
 
@@ -29,10 +31,10 @@ def test_root_bounds_are_below_every_plan(overlap):
         best = exhaustive_search(prof, c, g, b, model="refined", overlap=overlap)[0]
         if best == float("inf"):
             continue
-        dp = _DP(prof, c, g, b, "refined", overlap, None, 4.0, 1, float("inf"))
+        dp = DPSearch(prof, c, g, b, SearchConfig("refined", overlap), float("inf"))
         dp.bound_tables()
-        assert dp.Q[0][dp.G] <= best * (1 + 1e-9)
-        assert dp.Qar[0][dp.G] <= best * (1 + 1e-9)
+        assert dp.pruner.Q[0][dp.G] <= best * (1 + 1e-9)
+        assert dp.pruner.Qar[0][dp.G] <= best * (1 + 1e-9)
         checked += 1
     assert checked >= 20
 
@@ -43,10 +45,10 @@ def test_the_allreduce_bound_sees_what_replication_costs():
     prof = random_profile(random.Random(0), 1)
     prof.layers[0].param_bytes = int(1e9)
     c = cluster(1, 2, intra=1e9)
-    dp = _DP(prof, c, 64, 4, "refined", False, None, 1.0, 1, float("inf"))
+    dp = DPSearch(prof, c, 64, 4, SearchConfig("refined", optimizer_factor=1.0), float("inf"))
     dp.bound_tables()
     best = exhaustive_search(prof, c, 64, 4, model="refined", optimizer_factor=1.0)[0]
-    assert dp.Q[0][dp.G] < dp.Qar[0][dp.G] <= best
+    assert dp.pruner.Q[0][dp.G] < dp.pruner.Qar[0][dp.G] <= best
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4, 6])
@@ -130,21 +132,26 @@ def test_rest_bound_row_wise_gives_the_same_table(monkeypatch):
             assert np.array_equal(tables[0], tables[1]), (allreduce, cut)
 
 
-class _Checked(_DP):
+def _checked(dp: DPSearch) -> DPSearch:
     """The DP with its rest-chain rejection turned into an assertion: every candidate that reaches the check is
-    evaluated in full, and its latency must not be below the bound that would have rejected it."""
+    evaluated in full, and its latency must not be below the bound that would have rejected it (its pruner's
+    rest_chain and its stage costs' latency wrapped)."""
+    rest_chain, latency = dp.pruner.rest_chain, dp.costs.latency
 
-    def rest_chain(self, *args):
-        self.pending = super().rest_chain(*args)
-        self.checks = getattr(self, "checks", 0) + 1
+    def checked_rest_chain(*args):
+        dp.pending = rest_chain(*args)
+        dp.checks = getattr(dp, "checks", 0) + 1
         return -float("inf")
 
-    def latency(self, F, B, AR, E, C, D, link_period, limit=float("inf"), W=None, drain=None, queue=None, feed=None):
-        lat, pol = super().latency(F, B, AR, E, C, D, link_period, W=W, drain=drain, queue=queue, feed=feed)
-        bound, self.pending = getattr(self, "pending", None), None
+    def checked_latency(F, B, AR, E, C, D, link_period, limit=float("inf"), W=None, drain=None, queue=None,
+                        feed=None):
+        lat, pol = latency(F, B, AR, E, C, D, link_period, W=W, drain=drain, queue=queue, feed=feed)
+        bound, dp.pending = getattr(dp, "pending", None), None
         if bound is not None:
             assert bound <= lat * (1 + 1e-9), (bound, lat)
         return lat, pol
+    dp.pruner.rest_chain, dp.costs.latency = checked_rest_chain, checked_latency
+    return dp
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -154,7 +161,7 @@ def test_the_rest_chain_bound_is_below_the_plans_latency(overlap):
     cases = [(random_profile(rng, rng.randint(6, 12)), cluster(s, d, inter=rng.choice([3e9, 1e8])), 32, 8)
              for s, d in [(2, 4), (4, 2), (2, 3), (3, 2)] * 8]
     for prof, c, g, b in cases:
-        dp = _Checked(prof, c, g, b, "refined", overlap, None, 4.0, 1, float("inf"))
+        dp = _checked(DPSearch(prof, c, g, b, SearchConfig("refined", overlap), float("inf")))
         dp.run()
         checks += getattr(dp, "checks", 0)
     assert checks >= 500, checks
@@ -171,10 +178,10 @@ def _every_plan(prof, c, g, b, overlap=False):
 
 def _period_ts(dp, pc, D, k, new=False):
     """period_rest's t per stage-count bucket of the rest after the plan's first k stages (``new``: and stage k,
-    as _DP.reach adds it with its bucket's share, dp.new_share), at least what the search knows
-    (_DP.period_ts: the prefix's U with K at most 2 (stages from it) - 1, D and M; the last bucket with the
+    as Expander.reach adds it with its bucket's share, pruner.new_share), at least what the search knows
+    (Pruner.period_ts: the prefix's U with K at most 2 (stages from it) - 1, D and M; the last bucket with the
     plan's own stage count), raised to every stage's max(F, B) and the plan's link period."""
-    M, C, S = dp.M, dp.counts, len(D)
+    M, C, S = dp.M, dp.pruner.counts, len(D)
     every = max(max(pc.F[a], pc.B[a]) for a in range(0, len(pc.F), 2))
     before = k + 1 if new else k  # stages before the rest
     ts = []
@@ -185,10 +192,10 @@ def _period_ts(dp, pc, D, k, new=False):
             f, b = pc.F[2 * i], pc.B[2 * i]
             kk = min(M, max(1, D[i]), 2 * (total - i) - 1)
             u = max(u, max(f, b) + (M - kk) / (M - 1) * min(f, b))
-        t = dp.period_floor(u, pc.link_period)
+        t = dp.pruner.period_floor(u, pc.link_period)
         if new:
             f, b = pc.F[2 * k], pc.B[2 * k]
-            t = max(t, max(f, b) + dp.new_share[cc] * min(f, b))
+            t = max(t, max(f, b) + dp.pruner.new_share[cc] * min(f, b))
         ts.append(t)
     return ts
 
@@ -208,10 +215,10 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
         if not plans:
             continue
         cut = min(lat for *_, lat in plans) * 1.2
-        dp = _DP(prof, c, g, b, "refined", overlap, None, 4.0, 1, cut)
-        dp.tighten(buckets=True)
-        assert dp.pv is not None and dp.root_bound <= cut
-        counts.add(dp.counts)
+        dp = DPSearch(prof, c, g, b, SearchConfig("refined", overlap), cut)
+        dp.pruner.tighten(buckets=True)
+        assert dp.pruner.pv is not None and dp.root_bound <= cut
+        counts.add(dp.pruner.counts)
         for spans, pc, D, lat in plans:
             if lat >= cut:
                 excluded += 1
@@ -219,38 +226,31 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
             for k in range(len(spans)):  # stages [0, k) planned, [k, S) the rest
                 j, R = spans[k][0], c.num_devices - sum(len(lay) for _, _, lay in spans[:k])
                 W, Bsum = sum(pc.F[:2 * k - 1]) if k else 0.0, sum(pc.chain[:2 * k - 1]) if k else 0.0
-                assert W + Bsum + dp.period_rest(j, R, _period_ts(dp, pc, D, k)) <= lat * (1 + 1e-9), (spans, k)
-                assert W + max(Bsum + dp.Q[j][R], dp.Qar[j][R]) <= lat * (1 + 1e-9), (spans, k)
+                assert W + Bsum + dp.pruner.period_rest(j, R, _period_ts(dp, pc, D, k)) <= lat * (1 + 1e-9), (spans, k)
+                assert W + max(Bsum + dp.pruner.Q[j][R], dp.pruner.Qar[j][R]) <= lat * (1 + 1e-9), (spans, k)
                 checked += 1
-                if k + 1 < len(spans):  # as _DP.reach: stage k new, [k + 1, S) the rest
+                if k + 1 < len(spans):  # as Expander.reach: stage k new, [k + 1, S) the rest
                     j2, R2 = spans[k + 1][0], R - len(spans[k][2])
                     way = sum(pc.F[:2 * k + 1]) + sum(pc.chain[:2 * k + 1])
-                    assert way + dp.period_rest(j2, R2, _period_ts(dp, pc, D, k, True)) <= lat * (1 + 1e-9), (spans, k)
+                    assert way + dp.pruner.period_rest(j2, R2, _period_ts(dp, pc, D, k, True)) <= lat * (1 + 1e-9), \
+                        (spans, k)
     assert max(counts) >= 4, counts  # stage-count buckets exercised (bounds.period_sums' counts)
     assert checked >= 2000 and excluded >= 1000, (checked, excluded)
 
 
 def test_the_prefix_u_table_is_the_largest_u_of_the_prefix_stages():
-    """_DP.prefix_u_table (built stage by stage from the parent's) equals its definition: the largest over the
+    """pruning.prefix_u_table (built stage by stage from the parent's) equals its definition: the largest over the
     prefix's stages b of max(F_b, B_b) + (M - K) / (M - 1) min(F_b, B_b), K = min(2 (S - b) - 1, D_b, M) for S =
     depth + more stages, for every count of stages after the prefix."""
-    from dapple.planner.search.memo import _Prefix
-    from dapple.planner.search.pruning import _Pruning
-
-    class Bounds(_Pruning):
-        def __init__(self, M):
-            self.M = M
-
     rng = random.Random(5)
     for _ in range(200):
         M = rng.choice([2, 3, 8, 16, 64])
-        pre = _Prefix(None, None, None, None, 0, (), [], [], [], [], [], [], 0.0, (), 0.0, {}, 0.0, 0.0, 0.0)
+        pre = Prefix(latency=0.0)
         for depth in range(1, rng.randint(2, 9)):
             f, b, d = rng.uniform(0, 5), rng.uniform(0, 5), rng.choice([0, 1, 2, 5, 40, 100])
             F, B = pre.F + ([rng.uniform(0, 1)] if depth > 1 else []) + [f], pre.B + ([0.5] if depth > 1 else []) + [b]
-            pre = _Prefix(pre, None, None, None, depth, (), F, B, [], [], [], pre.D + [d], 0.0, (), 0.0, {}, 0.0,
-                          0.0, 0.0)
-        table = Bounds(M).prefix_u_table(pre)
+            pre = Prefix(parent=pre, depth=depth, F=F, B=B, D=pre.D + [d], latency=0.0)
+        table = prefix_u_table(pre, M)
         for more in range(80):
             u = table[min(more, len(table) - 1)]
             want = 0.0
@@ -271,15 +271,15 @@ def test_the_rest_tables_are_built_once_per_cut(monkeypatch):
     monkeypatch.setattr(pruning, "rest_bound", lambda *a, **k: calls.append(k["cut"]) or real(*a, **k))
     prof = random_profile(random.Random(2), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
-    dp = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, 500.0)
+    dp = DPSearch(prof, c, 64, 8, SearchConfig("refined"), 500.0)
     dp.bound_tables()
     dp.bound_tables()
-    dp.tighten()
+    dp.pruner.tighten()
     assert calls == [500.0, 500.0]
     dp.set_best(400.0, None)
-    dp.tighten()
+    dp.pruner.tighten()
     assert calls == [500.0, 500.0, 400.0, 400.0]
-    assert dp.root_bound >= max(dp.Q[0][dp.G], dp.Qar[0][dp.G])
+    assert dp.root_bound >= max(dp.pruner.Q[0][dp.G], dp.pruner.Qar[0][dp.G])
 
 
 def test_no_allreduce_table_when_the_rest_table_prunes_the_root(monkeypatch):
@@ -293,15 +293,15 @@ def test_no_allreduce_table_when_the_rest_table_prunes_the_root(monkeypatch):
                         or real(*a, **k))
     prof = random_profile(random.Random(2), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
-    low = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, float("inf"))
+    low = DPSearch(prof, c, 64, 8, SearchConfig("refined"), float("inf"))
     low.bound_tables()
-    q0 = low.Q[0][low.G]
-    dp = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, q0)
+    q0 = low.pruner.Q[0][low.G]
+    dp = DPSearch(prof, c, 64, 8, SearchConfig("refined"), q0)
     calls.clear()
     dp.run()
     assert calls == [False] and dp.best[1] is None and dp.states == 1
-    assert dp.root_bound >= q0 and max(map(max, dp.Qar)) == 0.0
-    dp = _DP(prof, c, 64, 8, "refined", False, None, 4.0, 1, q0 * 1.5)
+    assert dp.root_bound >= q0 and max(map(max, dp.pruner.Qar)) == 0.0
+    dp = DPSearch(prof, c, 64, 8, SearchConfig("refined"), q0 * 1.5)
     calls.clear()
     dp.bound_tables()
     assert calls == [False, True]

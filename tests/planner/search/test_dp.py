@@ -14,9 +14,14 @@ import dapple
 from dapple.core.schedule import warmup_counts
 from dapple.planner import evaluate, simulate
 from dapple.planner.baselines.exhaustive import exhaustive_search
-from dapple.planner.search.dp import _DP, INF, dp_search
+from dapple.planner.search.choice import Candidate
+from dapple.planner.search.dp import INF, DPSearch, SearchConfig, dp_search
+from dapple.planner.search.records import Best
 
 from ..helpers import cluster, linear_profile, random_profile, small_instances
+
+# choice.choose's settings in these tests
+CHOOSE = dict(model="refined", overlap=False, schedule="dapple", warmup_policy=None, optimizer_factor=4.0, verify=6)
 
 
 @pytest.mark.parametrize("model, beam", [("refined", 1), ("paper", 2)])
@@ -94,7 +99,7 @@ def test_overlapped_search_ranks_prefixes_with_their_allreduce():
         assert (ov is None) == (no is None), i
         if ov is None:
             continue
-        plain_plan = _DP(prof, c, g, b, "refined", True, None, 4.0, 1, float("inf")).evaluate_spans(no.spans)[0]
+        plain_plan = DPSearch(prof, c, g, b, SearchConfig("refined", True)).costs.evaluate_spans(no.spans)[0]
         if ov.latency > plain_plan * (1 + 1e-9):
             worse.append((i, ov.latency / plain_plan))
     assert len(worse) <= 3 and all(r < 1.05 for _, r in worse), worse
@@ -186,11 +191,11 @@ def test_the_simulator_judges_only_candidates_near_the_dp_plan(monkeypatch):
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
     edge = 100.0 * (1 + choice.VERIFY_WITHIN)
-    cands = [(100.0, 8, split), (edge - 1e-6, 4, split), (edge + 1e-6, 2, split)]
-    args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6)
-    assert choice.choose(*args)[2] == 4  # two candidates x warmup policies A and B: the third is 10% off
+    cands = [Candidate(100.0, 8, *split), Candidate(edge - 1e-6, 4, *split), Candidate(edge + 1e-6, 2, *split)]
+    args = (prof, c, 64, cands)
+    assert choice.choose(*args, **CHOOSE)[2] == 4  # two candidates x warmup policies A and B: the third is 10% off
     monkeypatch.setattr(choice, "VERIFY_WITHIN", 1.0)
-    assert choice.choose(*args)[2] == 6
+    assert choice.choose(*args, **CHOOSE)[2] == 6
 
 
 def test_the_simulator_judges_only_warmup_policies_near_the_better_one(monkeypatch):
@@ -201,10 +206,10 @@ def test_the_simulator_judges_only_warmup_policies_near_the_better_one(monkeypat
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
-    args = (prof, c, 64, [(100.0, 8, split)], "refined", False, "dapple", None, 4.0, 6)
-    assert choice.choose(*args)[2] == 2
+    args = (prof, c, 64, [Candidate(100.0, 8, *split)])
+    assert choice.choose(*args, **CHOOSE)[2] == 2
     monkeypatch.setattr(choice, "VERIFY_WITHIN", 0.01)
-    chosen, _, n, _, _ = choice.choose(*args)
+    chosen, _, n, _, _ = choice.choose(*args, **CHOOSE)
     assert n == 1 and chosen[3] == "B"
 
 
@@ -226,14 +231,14 @@ def test_the_simulator_skips_only_candidates_that_cannot_win(monkeypatch):
             lays = rng.choice(layouts)
             cuts = [0, *sorted(rng.sample(range(1, 8), len(lays) - 1)), 8]
             spans = tuple((cuts[s], cuts[s + 1], lay) for s, lay in enumerate(lays))
-            cands.append((100.0 + k, rng.choice([b for b in (2, 4, 8, 16) if b >= max(map(len, lays))]),
-                          (spans, ("even",) * len(lays))))
+            cands.append(Candidate(100.0 + k, rng.choice([b for b in (2, 4, 8, 16) if b >= max(map(len, lays))]),
+                                   spans, ("even",) * len(lays)))
         workers = 2 if i % 4 == 0 and forking.can_fork() else 1
-        args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6, None, workers)
-        chosen, ms, listed, simulated, _ = choice.choose(*args)
+        args = (prof, c, 64, cands)
+        chosen, ms, listed, simulated, _ = choice.choose(*args, **CHOOSE, deadline=None, workers=workers)
         with monkeypatch.context() as m:
             m.setattr(choice, "latency_floor", lambda *a: 0.0)
-            every = choice.choose(*args)
+            every = choice.choose(*args, **CHOOSE, deadline=None, workers=workers)
         assert (chosen, ms, listed) == every[:3] and every[3] == listed
         skipped += listed - simulated
     assert skipped >= 30  # (78 here)
@@ -419,7 +424,7 @@ def test_a_search_past_its_deadline_simulates_nothing():
 
 def test_a_size_bound_before_and_out_of_time_does_not_search():
     prof, c = random_profile(random.Random(2), 12), cluster(6, 2)
-    dp = _DP(prof, c, 48, 8, "refined", False, None, 4.0, 1, INF, None, 1)
+    dp = DPSearch(prof, c, 48, 8, SearchConfig("refined", partial_kinds=1), INF)
     dp.seed()
     dp.bound_tables()
     root = dp.root_bound
@@ -466,7 +471,7 @@ def test_a_gap_keeps_the_plan_within_it_and_prunes():
 
 
 def test_plan_leaves_the_garbage_collector_as_it_found_it():
-    """The search pauses the cyclic collector (memo._gc_paused) and restores it, also when it raises."""
+    """The search pauses the cyclic collector (memo.gc_paused) and restores it, also when it raises."""
     import gc
 
     prof = random_profile(random.Random(4), 6)
@@ -491,11 +496,11 @@ def test_seeds_are_refined_within_refine_within_of_the_best_plan_so_far():
 
     class Size:
         def __init__(self, b, seed, refined):
-            self.b, self.best, self.refined = b, (seed, None), refined
+            self.b, self.best, self.refined = b, Best(seed, None), refined
 
         def refine_seeds(self):
             order.append(self.b)
-            self.best = (self.refined, None)
+            self.best = Best(self.refined, None)
 
     order = []
     planning.refine_promising([Size(4, 104.0, 103.0), Size(8, 100.0, 96.0), Size(16, 100.5, 100.0)])

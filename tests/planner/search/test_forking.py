@@ -11,7 +11,9 @@ import pytest
 
 import dapple
 from dapple.planner.search import forking
-from dapple.planner.search.dp import _DP, INF
+from dapple.planner.search.choice import Candidate
+from dapple.planner.search.dp import INF, DPSearch, SearchConfig
+from dapple.planner.search.records import Best, RefineOutcome
 
 from ..helpers import cluster, random_profile
 
@@ -19,7 +21,7 @@ forks = pytest.mark.skipif(not forking.can_fork(), reason="workers are forked: L
 
 
 def searches(prof, c, g, sizes, workers=1):
-    dps = [_DP(prof, c, g, b, "refined", True, None, 4.0, 1, INF, None, 1) for b in sizes]
+    dps = [DPSearch(prof, c, g, b, SearchConfig("refined", True, partial_kinds=1), INF) for b in sizes]
     forking.in_workers(dps, workers, "seed")
     return dps
 
@@ -29,9 +31,9 @@ def test_workers_copy_back_what_the_seeds_and_the_search_found():
     """Each size's seeds, then its best plan, counts, completeness and root bound, as the same steps in-process."""
     prof, c = random_profile(random.Random(3), 10), cluster(6, 2, inter=3e8)
     here, there = searches(prof, c, 48, [2, 4, 8]), searches(prof, c, 48, [2, 4, 8], workers=2)
-    seeded = [(dp.best, dp.cut, dp._seeds, dp._priced) for dp in here]
-    assert [(dp.best, dp.cut, dp._seeds, dp._priced) for dp in there] == seeded
-    assert all(dp._priced > 0 and dp.best[1] is not None for dp in here)
+    seeded = [(dp.best, dp.cut, dp.seeder.kept, dp.seeder.priced) for dp in here]
+    assert [(dp.best, dp.cut, dp.seeder.kept, dp.seeder.priced) for dp in there] == seeded
+    assert all(dp.seeder.priced > 0 and dp.best[1] is not None for dp in here)
     forking.in_workers(here, 1, "run")
     forking.in_workers(there, 2, "run")
     got = [(dp.best, dp.cut, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in there]
@@ -114,14 +116,17 @@ def test_auto_forks_the_simulations_where_they_take_long(monkeypatch):
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
-    cands = [(100.0, 8, split), (101.0, 4, split), (102.0, 2, split)]
-    args = (prof, c, 64, cands, "refined", False, "dapple", None, 4.0, 6, None, 1)
-    alone = choice.choose(*args)
+    cands = [Candidate(100.0, 8, *split), Candidate(101.0, 4, *split), Candidate(102.0, 2, *split)]
+    args = (prof, c, 64, cands)
+    kw = dict(model="refined", overlap=False, schedule="dapple", warmup_policy=None, optimizer_factor=4.0, verify=6,
+              deadline=None, workers=1)
+    alone = choice.choose(*args, **kw)
     assert alone[2] == 6 and alone[4] == 1
     monkeypatch.setattr(forking, "FORK_WORTH", float("inf"))
-    assert choice.choose(*args, 2) == alone  # quick: in-process
+    assert choice.choose(*args, **kw, spare=2) == alone  # quick: in-process
     monkeypatch.setattr(forking, "FORK_WORTH", 0.0)
-    forked = choice.choose(*args, 2)  # the same choice, but it may simulate more (it skips a round at a time)
+    # the same choice, but it may simulate more (it skips a round at a time)
+    forked = choice.choose(*args, **kw, spare=2)
     assert forked[:3] + forked[4:] == alone[:3] + (2,) and forked[3] >= alone[3]
 
 
@@ -133,13 +138,14 @@ def test_sizes_refined_side_by_side_keep_what_one_at_a_time_would():
 
     class Size:
         def __init__(self, b, seed, refined):
-            self.b, self.best, self.refined, self._seeds = b, (seed, None), refined, ["seed"]
+            self.b, self.best, self.refined, self._seeds = b, Best(seed, None), refined, ["seed"]
 
         def refine_seeds(self):
-            self.best, self._seeds = (self.refined, "refined"), []
+            self.best, self._seeds = Best(self.refined, "refined"), []
+            return RefineOutcome(self.best, self._seeds)
 
-        def set_best(self, latency, found):
-            self.best = (latency, found)
+        def adopt(self, outcome):
+            self.best, self._seeds = outcome.best, outcome.seeds
 
     def refined(workers, spec):
         sizes = [Size(*x) for x in spec]

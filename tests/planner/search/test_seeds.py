@@ -8,7 +8,7 @@ import random
 from dapple import Cluster, Profile
 from dapple.planner.search import seeds
 from dapple.planner.model.cost import CostModel
-from dapple.planner.search.dp import _DP
+from dapple.planner.search.dp import DPSearch, SearchConfig
 from dapple.planner.search.seeds import balanced_cuts, even_seeds, refine_cuts, replica_patterns, scatter_layouts
 from dapple.profiler import LayerProfile
 
@@ -42,7 +42,7 @@ def test_scatter_seeds_give_a_deep_stack_a_better_incumbent(monkeypatch):
     """24 transformer-like layers on 4 x 8 with micro-batch 32: the best seed after refine_seeds shares servers
     between stages (Scatter First), 4% faster than the best on consecutive devices."""
     def incumbent():
-        dp = _DP(_stack(24), Cluster.preset("A", servers=4), 256, 32, "refined", False, None, 4.0, 1, float("inf"))
+        dp = DPSearch(_stack(24), Cluster.preset("A", servers=4), 256, 32, SearchConfig("refined"))
         dp.seed()
         dp.refine_seeds()
         return dp.best
@@ -64,13 +64,13 @@ def _stack(n: int) -> Profile:
     return Profile("stack", "synthetic", [1, 8], layers)
 
 
-def _dp(seed: int, layers: int, servers: int, per_server: int, g: int = 64, b: int = 8) -> _DP:
+def _dp(seed: int, layers: int, servers: int, per_server: int, g: int = 64, b: int = 8) -> DPSearch:
     prof = random_profile(random.Random(seed), layers)
-    return _DP(prof, cluster(servers, per_server), g, b, "refined", False, None, 4.0, 1, float("inf"))
+    return DPSearch(prof, cluster(servers, per_server), g, b, SearchConfig("refined"))
 
 
-def _lat(dp: _DP):
-    return lambda spans: (dp.evaluate_spans(spans) or (None,))[0]
+def _lat(dp: DPSearch):
+    return lambda spans: (dp.costs.evaluate_spans(spans) or (None,))[0]
 
 
 def test_refine_cuts_never_worsens_keeps_layouts_and_finds_a_better_split():
@@ -135,7 +135,7 @@ def test_balanced_cuts_give_the_least_slowest_stage():
 
 
 def test_seed_bound_is_below_every_seeds_latency_and_lazy_pricing_keeps_the_same_seeds():
-    """_DP.seed_bound <= the priced L of every seed (both models, overlapped or not, random profiles and clusters,
+    """Seeder.seed_bound <= the priced L of every seed (both models, overlapped or not, random profiles and clusters,
     micro-batches from 1 to 16 rows), and seed(), which prices seeds in order of the bound and stops past the kept
     ones, ends with the incumbent and kept seeds of pricing all of them in generation order."""
     rng = random.Random(11)
@@ -144,25 +144,25 @@ def test_seed_bound_is_below_every_seeds_latency_and_lazy_pricing_keeps_the_same
         c = cluster(rng.choice([1, 2, 4]), rng.choice([2, 4]))
         b = rng.choice([1, 2, 4, 8, 16])
         model, overlap = rng.choice(["refined", "paper"]), rng.random() < 0.5
-        dp = _DP(prof, c, 64, b, model, overlap, None, 4.0, 1, float("inf"))
+        dp = DPSearch(prof, c, 64, b, SearchConfig(model, overlap))
         every = []
         for i, spans in enumerate(even_seeds(dp.cm, dp.rho, dp.G, dp.dps)):
-            res = dp.evaluate_spans(spans)
+            res = dp.costs.evaluate_spans(spans)
             if res is not None:
-                assert dp.seed_bound(spans) <= res[0] * (1 + 1e-9), (trial, spans)
+                assert dp.seeder.seed_bound(spans) <= res[0] * (1 + 1e-9), (trial, spans)
                 every.append((res[0], i, spans, res[1]))
         dp.seed()
         first = min(every, key=lambda x: (x[0], x[1])) if every else None
         want = (first[0], (first[2], ("even",) * len(first[2]), first[3])) if first else (float("inf"), None)
         assert dp.best == want
         every.sort(key=lambda x: (x[0], x[1]))
-        assert dp._seeds == [(lat, spans) for lat, _, spans, _ in every[:3]]
+        assert dp.seeder.kept == [(lat, spans) for lat, _, spans, _ in every[:3]]
 
 
 def test_seed_prices_fewer_than_half_the_seeds_of_a_deep_uniform_stack():
     """A transformer-like stack (32 layers of +-30% compute) on 4 x 8 with micro-batch 32: most seeds' slowest stage
     or bubbles put them past the kept ones before they are priced."""
-    dp = _DP(_stack(32), Cluster.preset("A", servers=4), 256, 32, "refined", False, None, 4.0, 1, float("inf"))
-    n = sum(dp.evaluate_spans(spans) is not None for spans in even_seeds(dp.cm, dp.rho, dp.G, dp.dps))
+    dp = DPSearch(_stack(32), Cluster.preset("A", servers=4), 256, 32, SearchConfig("refined"))
+    n = sum(dp.costs.evaluate_spans(spans) is not None for spans in even_seeds(dp.cm, dp.rho, dp.G, dp.dps))
     dp.seed()
-    assert dp.best[1] is not None and dp._priced < n / 2, (dp._priced, n)
+    assert dp.best[1] is not None and dp.seeder.priced < n / 2, (dp.seeder.priced, n)
