@@ -197,21 +197,3 @@ def _with_original_names(sub: fx.Graph, prefix: str, qualnames: dict[str, str], 
             env[n] = graph.node_copy(n, env.__getitem__)
     graph.lint()
     return graph, args, outs
-
-
-def state_names(graphs: Sequence[StageGraph], module: nn.Module) -> tuple[dict[int, list[str]], list[str]]:
-    """id(tensor) -> its names in every stage's state_dict, for ``module``'s tensors; and all names in order.
-
-    A tied tensor has several names (``wte.weight`` in the first stage, ``lm_head.weight`` in the last).
-    """
-    mine = {id(t) for t in module.state_dict(keep_vars=True).values()}
-    names: dict[int, list[str]] = {}
-    order: dict[str, None] = {}  # insertion-ordered set
-    for g in graphs:
-        for name, t in g.module.state_dict(keep_vars=True).items():
-            if name in order:
-                continue
-            order[name] = None
-            if id(t) in mine:
-                names.setdefault(id(t), []).append(name)
-    return names, list(order)
