@@ -117,7 +117,8 @@ def views_as_reshapes(gm: fx.GraphModule) -> int:
 
 
 def retarget_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
-    """Point factory ops traced on one device (``arange(..., device='cpu')``) at ``device``; returns how many.
+    """Point factory ops and copies traced on one device (``arange(..., device='cpu')``, ``x.to('cpu')``) at
+    ``device``; returns how many.
 
     Export bakes the tracing device into ops that create tensors; fx graphs (no recorded device) are left alone.
     """
@@ -125,9 +126,15 @@ def retarget_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
     device = torch.device(device)
     changed = 0
     for n in gm.graph.nodes:
-        if traced is not None and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] == traced:
+        if traced is None:
+            break
+        if isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] == traced:
             n.update_kwarg("device", device)
             changed += 1
+        for i, a in enumerate(n.args):  # aten.to.device(x, device, dtype)
+            if isinstance(a, torch.device) and a == traced:
+                n.update_arg(i, device)
+                changed += 1
     if changed:
         gm.meta["dapple_trace"]["device"] = device
         gm.recompile()
