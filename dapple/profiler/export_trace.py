@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 import warnings
@@ -109,10 +110,11 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
     # A dim of size 1 would be specialised (export's 0/1 rule): trace with two rows; the graph still runs one.
     # Fresh copies: an input that is a view (tokens[:, :-1]) would get guards on its base (idx._base.size()).
     inputs = tuple((resize(t, 2) if t.dim() > 0 and t.shape[0] == 1 else t).detach().clone() for t in inputs)
-    spec = _dynamic_spec(model, inputs, dynamic_shapes, kwargs or {})
-    with _training(model):
+    named, extra = _split_kwargs(model, kwargs or {})
+    with _training(model), _bound_forward(model, extra):
+        spec = _dynamic_spec(model, inputs, dynamic_shapes, named)
         try:
-            ep = torch.export.export(model, inputs, kwargs=dict(kwargs or {}), dynamic_shapes=spec)
+            ep = torch.export.export(model, inputs, kwargs=named, dynamic_shapes=spec)
         except Exception as e:  # UserError, ValueError, data-dependent guards, unsupported ops...
             raise TraceError(_explain_export(model, e)) from e
     gm = ep.module()  # unlifted: parameters and buffers as get_attr; guards checked by a _guards_fn call
@@ -182,6 +184,33 @@ def _input_specs(inputs: tuple[torch.Tensor, ...], user: Any, names: list[str]) 
         return [with_batch(user.get(name)) for name in names]
     raise TypeError(f"dynamic_shapes: expected a tuple (one entry per input) or a dict by argument name, "
                     f"got {type(user).__name__}")
+
+
+def _split_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(values of ``forward``'s named parameters, values its ``**kwargs`` takes): export takes the first as
+    inputs with a fixed value; the second are bound into ``forward`` (export's dynamic_shapes cannot describe a
+    Python value inside ``**kwargs``)."""
+    params = inspect.signature(model.forward).parameters
+    named = {k for k, p in params.items() if p.kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                            inspect.Parameter.VAR_POSITIONAL)}
+    return {k: v for k, v in kwargs.items() if k in named}, {k: v for k, v in kwargs.items() if k not in named}
+
+
+@contextlib.contextmanager
+def _bound_forward(model: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
+    """``model.forward`` with ``extra`` keyword values bound, for the block; the model's own forward after it."""
+    if not extra:
+        yield
+        return
+    own = model.__dict__.get("forward")  # an instance attribute the model had (hooks replace forward so)
+    model.forward = functools.partial(model.forward, **extra)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 @contextlib.contextmanager

@@ -145,8 +145,9 @@ class BoundaryShapes:
         layer, stage = self.places.get(f.node.name, ("?", "?"))
         inputs = ", ".join(f"{name} {(rows, *shape)} {str(dtype).removeprefix('torch.')}"
                            for name, (shape, dtype) in zip(self.input_names, key))
-        return ShapeError(f"shape inference (meta device) failed in layer {layer!r} (stage {stage}) at "
-                          f"{f.node.format_node()}, for a slice of {rows} rows of inputs {inputs}: "
+        target = f.node.target if isinstance(f.node.target, str) else getattr(f.node.target, "__name__", "?")
+        return ShapeError(f"shape inference (meta device) failed in layer {layer!r} (stage {stage}) at node "
+                          f"{f.node.name!r} ({f.node.op} {target}), for a slice of {rows} rows of inputs {inputs}: "
                           f"{type(f.error).__name__}: {first_line(f.error)}")
 
     @staticmethod

@@ -75,6 +75,40 @@ def sliced_convnet(model: ConvNet, x: torch.Tensor) -> torch.Tensor:
     return model.head(h)
 
 
+class Checked(nn.Module):
+    """A block with a check on its values: torch.fx cannot trace the branch (its error says to make the block a
+    leaf module) and the meta device cannot run it (shape inference runs it on the CPU)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(x).all():
+            raise ValueError("non-finite activations")
+        return torch.tanh(self.fc(x))
+
+
+class CheckedNet(nn.Module):
+    """(B, T, 6) -> (B, T, 3); layers embed, blocks.0-2, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList([Checked(8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def sequences(rows: int, length: int, gen: torch.Generator
+              ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    return (torch.randn(rows, length, 6, generator=gen),), (torch.randint(0, 3, (rows, length), generator=gen),)
+
+
 class Case(NamedTuple):
     """A model, its loss, a batch maker (rows, length, generator) -> (inputs, targets) and how it is run."""
 
@@ -85,6 +119,7 @@ class Case(NamedTuple):
     train_mode: bool = True  # False: trained in eval mode (its dropout off), so single-process steps match
     tracer: str = "auto"
     sliced: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # the single-process training forward
+    leaf_modules: tuple = ()
 
 
 def tokens(rows: int, length: int, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -112,4 +147,6 @@ CASES = {
     "llama": Case(llama, causal_lm_loss, masked_tokens, (2, 3)),  # embed_tokens layers.0 | layers.1 | norm lm_head
     "cnn": Case(ConvNet, lambda out, y: F.cross_entropy(out, y), images, (3, 5), tracer="fx",
                 sliced=sliced_convnet),  # stem.0-2 | blocks.0-1 | head.0-2
+    "leaf": Case(CheckedNet, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), sequences, (2, 3),
+                 tracer="fx", leaf_modules=(Checked,)),  # embed blocks.0 | blocks.1 | blocks.2 head
 }

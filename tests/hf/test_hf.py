@@ -1,6 +1,7 @@
 """Real architectures as they come: transformers' GPT-2, BERT and Llama (tiny configs, unwrapped, ModelOutput and
-all) and a CNN with BatchNorm, pipelined on 4 ranks (1 -> 2 -> 1 replicas) in float64: loss and gradients of two
-steps (the second at another sequence length), evaluation, and state equal single-process runs."""
+all), a CNN with BatchNorm and a model whose blocks only run as fx leaf modules, pipelined on 4 ranks (1 -> 2 -> 1
+replicas) in float64: loss and gradients of two steps (the second at another sequence length), evaluation, and
+state equal single-process runs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytest.importorskip("transformers")
 pytestmark = [needs_export, pytest.mark.slow]
 
 TOL = 1e-9
-MODELS = ["gpt2", "bert", "llama", "cnn"]
+MODELS = ["gpt2", "bert", "llama", "cnn", "leaf"]
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +72,4 @@ def test_layers_of_each_model(results):
                              "dropout", "classifier"]
     assert names["llama"] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
     assert names["cnn"] == ["stem.0", "stem.1", "stem.2", "blocks.0", "blocks.1", "head.0", "head.1", "head.2"]
+    assert names["leaf"] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]

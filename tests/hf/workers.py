@@ -80,10 +80,11 @@ def run_case(case: Case) -> dict[str, Any]:
     model = case.make().double()
     gen = torch.Generator().manual_seed(1)
     example = case.batch(2, LENGTHS[0], gen)[0]
-    names = trace_layers(model, example_inputs=example, method=case.tracer).names
+    names = trace_layers(model, example_inputs=example, method=case.tracer, leaf_modules=case.leaf_modules).names
     ref = copy.deepcopy(model)
     pipe = dapple.pipeline(model, _plan(names, case.cuts), case.loss_fn, timeout=60, example_inputs=example,
-                           tracer=case.tracer, deferred_batch_norm=case.tracer == "fx")
+                           tracer=case.tracer, leaf_modules=case.leaf_modules,
+                           deferred_batch_norm=case.sliced is not None)
     pipe.train(case.train_mode)
     ref.train(case.train_mode)
     opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
