@@ -22,7 +22,7 @@ from .p2p import PipelineError
 from .program import Transfer
 from .shapes import BoundaryShapes, input_key
 from .modes import eval_graph
-from .stages import StageGraph, model_inputs, split_stages, stage_module
+from .stages import StageGraph, layer_paths, model_inputs, node_places, split_stages, stage_module
 from .state import LoadResult, held_keys, load_state, model_keys, own_tensors, stage_keys, state_names
 from .step import StepRunner
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder, write_trace
@@ -34,8 +34,9 @@ class Pipeline:
 
     Attributes: ``plan``, ``loss_fn``, ``timeout``; ``ctx`` (rank, world size, backend, device); ``stage`` and
     ``replica`` (this rank's place in the plan); ``graph`` and ``module`` (the stage's computation); ``step``
-    (steps run); ``state_names`` (id(tensor) -> its names in the original model's state_dict) and
-    ``state_order`` (all those names in order), for checkpoints; ``recorder`` (where steps are traced; None: off).
+    (steps run); ``training`` (the mode: :meth:`train`, :meth:`eval`); ``state_names`` (id(tensor) -> its keys in
+    the original model's state_dict) and ``state_order`` (the model's keys some stage holds, in order), for
+    :meth:`state_dict` and checkpoints; ``recorder`` (where steps are traced; None: off).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
@@ -73,8 +74,7 @@ class Pipeline:
         inputs = model_inputs(lg.gm)
         self._arity = inputs.arity
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
-        stage_of = lg.stage_of_node([lo for lo, _ in (s.layers for s in plan.stages)])
-        places = {n.name: (lg.names[k], stage_of[n]) for n, k in lg.layer_of.items()}
+        places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
         shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places)  # keeps a meta copy only
         self.step = 0
         self._failed: str | None = None
@@ -244,17 +244,6 @@ class Pipeline:
         return (f"Pipeline(rank={self.ctx.rank}, stage={self.stage}/{self.plan.num_stages}, replica={self.replica}"
                 f"/{s.replicas}, layers=[{s.layers[0]}, {s.layers[1]}), device={self.ctx.device}, "
                 f"schedule={self.plan.schedule}, K={s.warmup})")
-
-
-def layer_paths(model: nn.Module, plan: Plan, layers: Sequence[str] | None) -> Sequence[str] | None:
-    """The modules to make layers of: ``layers`` if given; else the plan's layer names where they are module paths
-    of ``model`` (the profile's layers, whatever rule made them); else None (the default rule)."""
-    if layers is not None or plan.layer_names is None:
-        return layers
-    modules = dict(model.named_modules())
-    names = list(plan.layer_names)
-    nested = len(set(names)) < len(names) or any(b.startswith(a + ".") for a in names for b in names)
-    return names if names and all(n and n in modules for n in names) and not nested else None
 
 
 def _checked_options(loss_fn: Any, timeout: Any, trace: Any, deferred_batch_norm: Any) -> float:

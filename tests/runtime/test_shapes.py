@@ -92,8 +92,8 @@ def test_a_leaf_the_meta_device_cannot_run_is_run_on_the_cpu():
 
 def test_a_failure_names_the_layer_the_stage_and_the_input_shapes():
     shapes = _leaf_shapes(Picky())
-    with pytest.raises(ShapeError, match=r"^shape inference \(meta device\) failed in layer '1' \(stage 1\) at node '_1' "
-                                         r"\(call_module 1\), "
+    with pytest.raises(ShapeError, match=r"^shape inference \(meta device\) failed in layer '1' \(stage 1\) at "
+                                         r"node '_1' \(call_module 1\), "
                                          r"for a slice of 3 rows of inputs input \(3, 5, 4\) float32: "
                                          r"ValueError: picky about \(3, 5, 4\)$"):
         shapes.specs(input_key([torch.zeros(8, 5, 4)]), 3)
