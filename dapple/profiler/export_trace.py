@@ -41,14 +41,15 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
     fx with a fall-back to export when fx fails (``"auto"``); failures raise TraceError naming what to do."""
     if method not in METHODS:
         raise ValueError(f"tracer: expected one of {METHODS}, got {method!r}")  # the public name of `method`
-    concrete_args = training_args(model, concrete_args)
+    fixed = training_args(model, concrete_args)  # under torch.export, bound into forward: not an input
     if method == "export":
         if list(leaf_modules):
             raise ValueError("leaf_modules apply to torch.fx only (torch.export traces through every module); "
                              "drop them or use method='fx'")
-        return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args)
+        return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args, bound=fixed)
     try:
-        gm = symbolic_trace(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
+        gm = symbolic_trace(model, concrete_args={**(concrete_args or {}), **fixed} or None,
+                            leaf_modules=leaf_modules)
     except TraceError as fx_error:
         if method == "fx":
             raise
@@ -56,7 +57,8 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
             raise TraceError(f"{fx_error}\n  - or pass example_inputs=... (a tensor or tuple of tensors) so the "
                              "model can be traced with torch.export instead (method='export')") from fx_error
         try:
-            return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args)
+            return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args,
+                                bound=fixed)
         except TraceError as export_error:
             raise TraceError(f"{fx_error}\n\ntorch.export could not trace it either:\n{export_error}"
                              ) from export_error
@@ -64,18 +66,18 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
     return gm
 
 
-def training_args(model: nn.Module, concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``concrete_args``, plus ``use_cache=False`` where ``forward`` takes ``use_cache`` and they do not set it:
-    training never wants a key/value cache, and a cache object in the output is no tensor (Hugging Face models)."""
+def training_args(model: nn.Module, concrete_args: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"use_cache": False}`` where ``forward`` takes ``use_cache`` and ``concrete_args`` do not set it: training
+    never wants a key/value cache, and a cache object in the output is no tensor (Hugging Face models)."""
     if not isinstance(model, nn.Module):
-        return concrete_args  # the tracer says what is wrong with it
+        return {}  # the tracer says what is wrong with it
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in (concrete_args or {}):
-        return {**(concrete_args or {}), "use_cache": False}
-    return concrete_args
+        return {"use_cache": False}
+    return {}
 
 
 def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any = None,
-                 kwargs: dict[str, Any] | None = None) -> fx.GraphModule:
+                 kwargs: dict[str, Any] | None = None, bound: dict[str, Any] | None = None) -> fx.GraphModule:
     """``torch.export.export`` in training mode, batch dim dynamic, unlifted and normalised for dapple.
 
     The graph it returns splits and runs like an fx graph; what differs:
@@ -94,8 +96,10 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
       breaks one fails in the first stage with ``Guard failed`` rather than taking another branch.
     - Factory ops carry the tracing device (``meta["dapple_trace"]["device"]``);
       :func:`~.export_graph.retarget_devices` points them at each stage's device.
-    - Inputs are positional placeholders named after ``forward``'s arguments; ``kwargs`` (``concrete_args``)
-      become placeholders with their value as default, as in fx. The output node holds the model's own structure.
+    - Inputs are positional placeholders named after ``forward``'s arguments; ``kwargs`` (``concrete_args``) that
+      ``forward`` names become placeholders with their value as default, as in fx; those its ``**kwargs`` takes,
+      and ``bound``, are bound into ``forward`` (no input). The output node holds the model's own structure, or
+      one node rebuilds it (a ``ModelOutput``: :mod:`~dapple.profiler.outputs`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module to trace, got {type(model).__name__}")
@@ -111,7 +115,7 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
     # Fresh copies: an input that is a view (tokens[:, :-1]) would get guards on its base (idx._base.size()).
     inputs = tuple((resize(t, 2) if t.dim() > 0 and t.shape[0] == 1 else t).detach().clone() for t in inputs)
     named, extra = _split_kwargs(model, kwargs or {})
-    with _training(model), _bound_forward(model, extra):
+    with _training(model), _bound_forward(model, {**extra, **(bound or {})}):
         spec = _dynamic_spec(model, inputs, dynamic_shapes, named)
         try:
             ep = torch.export.export(model, inputs, kwargs=named, dynamic_shapes=spec)

@@ -144,7 +144,7 @@ def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
 
 def _shape_only(nodes: list[fx.Node]) -> set[fx.Node]:
     """Nodes whose value depends on no input's values, only on sizes and attributes, without effects (no
-    in-place op, no module holding buffers: a BatchNorm would count its batches twice)."""
+    in-place op, no module holding buffers: a BatchNorm would count its batches twice; no random numbers)."""
     out: set[fx.Node] = set()
     for n in nodes:
         if n.op == "get_attr" or _is_size(n):
@@ -173,11 +173,17 @@ def _is_size(n: fx.Node) -> bool:
     return n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default)
 
 
+_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal")  # a copy would draw other numbers
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def _has_effects(n: fx.Node) -> bool:
+    """Whether computing ``n`` again elsewhere would change what the model computes."""
     if n.op == "call_module":
-        return any(True for _ in n.graph.owning_module.get_submodule(n.target).buffers())
+        module = n.graph.owning_module.get_submodule(n.target)
+        return isinstance(module, _DROPOUTS) or any(True for _ in module.buffers())
     name = str(getattr(n.target, "__name__", n.target)).split(".")[0]  # aten: "add_.Tensor"
-    return name.endswith("_") and not name.endswith("__")
+    return (name.endswith("_") and not name.endswith("__")) or any(w in name for w in _RANDOM)
 
 
 def _place_input_only_nodes(gm: fx.GraphModule, level: dict[fx.Node, int | None], last: int,

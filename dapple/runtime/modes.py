@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any, NamedTuple
 
 import torch
@@ -65,7 +64,8 @@ def eval_graph(gm: fx.GraphModule) -> fx.GraphModule | None:
     of functional ops turned off (dropout, batch norm, attention dropout: torch.export and functional calls bake
     them in) and BatchNorm's batch counting dropped; None if ``gm`` has none (its modules' own ``.eval()`` is
     enough). Module calls (fx leaves: ``nn.Dropout``, ``nn.BatchNorm2d``) follow their modules' flags."""
-    graph = copy.deepcopy(gm.graph)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node metadata shared, not copied (export's fake tensors)
     changed = False
     for n in list(graph.nodes):
         if n.op != "call_function":

@@ -115,6 +115,7 @@ class Case(NamedTuple):
     make: Callable[[], nn.Module]
     loss_fn: Callable[..., torch.Tensor]
     batch: Callable[[int, int, torch.Generator], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
+    layers: tuple[str, ...]  # what the default rule makes of the model
     cuts: tuple[int, int]  # stage 0 is layers [0, a), stage 1 (two replicas) [a, b), stage 2 [b, end)
     train_mode: bool = True  # False: trained in eval mode (its dropout off), so single-process steps match
     tracer: str = "auto"
@@ -140,13 +141,20 @@ def images(rows: int, size: int, gen: torch.Generator) -> tuple[tuple[torch.Tens
     return (torch.randn(rows, 3, size, size, generator=gen),), (torch.randint(0, 3, (rows,), generator=gen),)
 
 
+GPT2 = ("transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
+        "transformer.ln_f", "lm_head")
+BERT = ("bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "bert.pooler", "dropout", "classifier")
+LLAMA = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head")  # no rotary_emb layer
+
 CASES = {
-    "gpt2": Case(gpt2, causal_lm_loss, tokens, (4, 5)),  # wte wpe drop h.0 | h.1 | ln_f lm_head (tied to wte)
-    "bert": Case(bert, classifier_loss, lambda r, t, g: masked_tokens(r, t, g, classes=3), (2, 3),
+    "gpt2": Case(gpt2, causal_lm_loss, tokens, GPT2, (4, 5)),  # wte wpe drop h.0 | h.1 | ln_f lm_head (tied to wte)
+    "bert": Case(bert, classifier_loss, lambda r, t, g: masked_tokens(r, t, g, classes=3), BERT, (2, 3),
                  train_mode=False),  # embeddings layer.0 | layer.1 | pooler dropout classifier
-    "llama": Case(llama, causal_lm_loss, masked_tokens, (2, 3)),  # embed_tokens layers.0 | layers.1 | norm lm_head
-    "cnn": Case(ConvNet, lambda out, y: F.cross_entropy(out, y), images, (3, 5), tracer="fx",
-                sliced=sliced_convnet),  # stem.0-2 | blocks.0-1 | head.0-2
-    "leaf": Case(CheckedNet, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), sequences, (2, 3),
-                 tracer="fx", leaf_modules=(Checked,)),  # embed blocks.0 | blocks.1 | blocks.2 head
+    "llama": Case(llama, causal_lm_loss, masked_tokens, LLAMA, (2, 3)),  # embed_tokens layers.0 | layers.1 | ...
+    "cnn": Case(ConvNet, lambda out, y: F.cross_entropy(out, y), images,
+                ("stem.0", "stem.1", "stem.2", "blocks.0", "blocks.1", "head.0", "head.1", "head.2"), (3, 5),
+                tracer="fx", sliced=sliced_convnet),  # stem.0-2 | blocks.0-1 | head.0-2
+    "leaf": Case(CheckedNet, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), sequences,
+                 ("embed", "blocks.0", "blocks.1", "blocks.2", "head"), (2, 3), tracer="fx",
+                 leaf_modules=(Checked,)),  # embed blocks.0 | blocks.1 | blocks.2 head
 }

@@ -10,23 +10,19 @@ from torch import nn
 import dapple
 from dapple.profiler import trace_layers
 from tests.conftest import needs_export
-from tests.hf.models import VOCAB, bert, causal_lm_loss, classifier_loss, gpt2
+from tests.hf.models import BERT, CASES, GPT2, VOCAB, bert, causal_lm_loss, classifier_loss, gpt2
 
 pytest.importorskip("transformers")
 pytestmark = needs_export
-
-GPT2 = ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
-        "transformer.ln_f", "lm_head"]
-
 
 def test_profile_gives_the_loss_the_model_output_and_a_plan_names_the_blocks():
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (4, 8))
     prof = dapple.profile(gpt2(), ids, causal_lm_loss, [2, 4], targets=ids, repeats=1, warmup=0, device="cpu")
-    assert prof.layer_names == GPT2 and prof.meta["tracer"] == "export"
+    assert prof.layer_names == list(GPT2) and prof.meta["tracer"] == "export"
     assert prof.meta["layering"] == {"rule": "blocks", "blocks": ["transformer.h"]}
     plan = dapple.plan(prof, dapple.Cluster.local(4, measure=False), 8)
-    assert plan.layer_names == GPT2
+    assert plan.layer_names == list(GPT2)
 
 
 class Wrapper(nn.Module):
@@ -51,5 +47,14 @@ def test_concrete_args_reach_a_forward_that_takes_them_as_kwargs():
     ids, labels = torch.randint(0, VOCAB, (4, 8)), torch.randint(0, 3, (4,))
     prof = dapple.profile(bert(), ids, lambda out, y: classifier_loss(type("O", (), {"logits": out[0]}), y), [4],
                           targets=labels, repeats=1, warmup=0, device="cpu", concrete_args={"return_dict": False})
-    assert prof.layer_names == ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "bert.pooler",
-                                "dropout", "classifier"]
+    assert prof.layer_names == list(BERT)
+
+
+@pytest.mark.parametrize("name", ["llama", "cnn", "leaf"])
+def test_layers_by_the_default_rule(name):
+    """(GPT-2's and BERT's: above.) Llama's rotary embedding computes a table from positions alone, which each
+    block that uses it computes again: it is no layer. tests/hf/test_hf.py pipelines each model by these layers."""
+    case = CASES[name]
+    example = case.batch(2, 8, torch.Generator().manual_seed(0))[0]
+    lg = trace_layers(case.make(), example_inputs=example, method=case.tracer, leaf_modules=case.leaf_modules)
+    assert lg.names == list(case.layers)

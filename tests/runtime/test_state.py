@@ -135,3 +135,19 @@ def test_eval_step_outputs_and_bad_batches():
         pipe.eval_step(*_batch(6))
     with pytest.raises(ValueError, match=r"targets\[0\] has shape \(4,\); expected a batch of a multiple"):
         pipe.eval_step(ids, y[:4])
+
+
+def test_a_plan_from_a_profile_with_given_layers_gets_those_layers_without_being_told():
+    torch.manual_seed(0)
+    model = Positions().double()
+    ids, y = _batch(8)
+    prof = dapple.profile(model, ids, F.cross_entropy, [4], targets=y, repeats=1, warmup=0, device="cpu",
+                          layers=["tok", "head"])
+    assert prof.layer_names == ["tok", "head"] and prof.meta["layering"]["rule"] == "given"
+    plan = dapple.plan(prof, dapple.Cluster.local(1, measure=False), 8)
+    model.eval()  # (dropout off: the same loss)
+    pipe = dapple.pipeline(model, plan, F.cross_entropy)  # the plan's layer names are module paths: its layers
+    ref = copy.deepcopy(model)
+    assert pipe.train_step(ids, y) == pytest.approx(float(F.cross_entropy(ref(ids), y).detach()), rel=1e-12)
+    with pytest.raises(ValueError, match=r"plan covers 2 layers but the model has 4"):
+        dapple.pipeline(model, plan, F.cross_entropy, layers=["tok", "pos", "drop", "head"])
