@@ -143,7 +143,7 @@ class StepRunner:
             self._play(program, waits, key, layout, xs, ys, reduced[0], None, True, kept if outputs else None)
             self.p2p.finish()
             where = f"rank {self.ctx.rank} (stage {self.stage}), evaluation after step {self.step}"
-            deferred = self.stats.layers and self.forward_module.training  # BatchNorm counting rows, as in training
+            deferred = bool(self.stats.layers) and self.forward_module.training  # BatchNorm counts rows, as in training
             if deferred:
                 reduced[self.stats.slot] = gather_sums(self.stats.layers, where)
             wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
