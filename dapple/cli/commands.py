@@ -34,6 +34,10 @@ def _add_profile(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--quiet", action="store_true", help="do not print the profile")
     p.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
                    help="tracer: torch.fx, torch.export, or auto (fx, export where fx fails; default)")
+    p.add_argument("--layers", nargs="+", default=None, metavar="PATH",
+                   help="module paths that each become a layer (e.g. embed blocks.0 blocks.1 head), instead of the "
+                        "default: every block of the model's stacks of repeated blocks, at any depth, and the "
+                        "modules beside them (also a factory's .layers)")
     p.set_defaults(run=_run_profile)
 
 
@@ -46,7 +50,8 @@ def _run_profile(args: argparse.Namespace) -> int:
                    targets=targets if ex.loss_fn is not None else None, repeats=args.repeats, warmup=args.warmup,
                    device=args.device, concrete_args=getattr(ex, "concrete_args", None),
                    leaf_modules=getattr(ex, "leaf_modules", ()) or (), name=getattr(ex, "name", None) or None,
-                   tracer=args.tracer, dynamic_shapes=getattr(ex, "dynamic_shapes", None))
+                   tracer=args.tracer, dynamic_shapes=getattr(ex, "dynamic_shapes", None),
+                   layers=args.layers or getattr(ex, "layers", None))
     if not args.quiet:
         print(prof)
     if args.output:

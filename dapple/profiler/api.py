@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             repeats: int = 10, warmup: int = 3, device: str | torch.device | None = None,
             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), name: str | None = None,
             progress: bool | None = None, check_step: bool = False, tracer: str = "auto",
-            dynamic_shapes: Any = None) -> Profile:
+            dynamic_shapes: Any = None, layers: Sequence[str] | None = None) -> Profile:
     """Measure every layer of ``model`` (forward/backward ms, boundary/saved/param bytes) at each batch size.
 
     Layers are timed on their own, from inputs recorded in one run of the whole model per batch size, in rounds
@@ -42,13 +42,15 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         example_inputs: its positional inputs (a tensor or tuple of tensors) at any batch size; rows along dim 0
             are taken or repeated to make each batch size.
         loss_fn: ``loss_fn(model_output, *targets)`` (the runtime's convention), made part of the last layer
-            (forward and backward); None: backward starts from a gradient of ones on every output.
+            (forward and backward); it gets the output as the model returns it (a tensor, tuple, dict or
+            ``ModelOutput``); None: backward starts from a gradient of ones on every output.
         batch_sizes: the batch sizes to measure (default: half the example's and the example's).
         targets: the loss's targets, at the batch size of ``example_inputs`` (required with ``loss_fn``).
         repeats: timed runs of each layer per batch size (after ``warmup`` untimed ones).
         warmup: untimed runs of each layer per batch size.
         device: where to profile (default: cuda if available, else cpu); the model is moved there and back.
-        concrete_args: Python-level arguments fixed for torch.fx (see :class:`~dapple.profiler.TraceError`).
+        concrete_args: Python-level arguments fixed for the tracer (see :class:`~dapple.profiler.TraceError`);
+            ``use_cache=False`` is added where ``forward`` takes ``use_cache``.
         leaf_modules: module classes or qualified names torch.fx keeps as opaque calls.
         name: the profile's model name (default: the model's class name).
         progress: a progress bar over layers (None: only when stderr is a terminal).
@@ -59,6 +61,10 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         tracer: ``"fx"``, ``"export"`` (torch.export from ``example_inputs``, batch dim dynamic) or ``"auto"``
             (fx, torch.export where fx fails); see :func:`~dapple.profiler.trace_layers`.
         dynamic_shapes: torch.export's dynamic dims per input (dim 0 is always dynamic).
+        layers: module paths that each become a layer, instead of the default (every block of the model's stacks
+            of repeated blocks, at whatever depth, and the modules beside them); see
+            :func:`~dapple.profiler.trace_layers`. The rule is recorded in ``meta["layering"]``, and a plan
+            made from the profile names the layers, which ``dapple.pipeline`` then uses.
 
     Returns:
         The :class:`~dapple.Profile`. Its ``call_ms`` is an empty layer's forward and backward, timed in the same
@@ -71,7 +77,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
 
     cast = tuple(to_model(t, t.device, model_dtype(model)) for t in inputs)  # torch.export traces with these
     lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
-                      example_inputs=cast, dynamic_shapes=dynamic_shapes)  # TraceError before any work
+                      example_inputs=cast, dynamic_shapes=dynamic_shapes, layers=layers)  # errors before any work
     arity(lg.gm).check(len(inputs), "example_inputs")
     named = {f"example_inputs[{i}] ({lg.inputs[i]})": t for i, t in enumerate(inputs)}
     named.update({f"targets[{i}]" if len(target_list) > 1 else "targets": t for i, t in enumerate(target_list)})
@@ -95,7 +101,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "profiling_seconds": round(time.perf_counter() - started, 3),
-            "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx")}
+            "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
+            "layering": lg.layering.to_meta() if lg.layering is not None else None}
     prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
                    meta=meta, call_ms=call_ms)
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers

@@ -117,7 +117,8 @@ def views_as_reshapes(gm: fx.GraphModule) -> int:
 
 
 def retarget_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
-    """Point factory ops traced on one device (``arange(..., device='cpu')``) at ``device``; returns how many.
+    """Point factory ops and copies traced on one device (``arange(..., device='cpu')``, ``x.to('cpu')``) at
+    ``device``; returns how many.
 
     Export bakes the tracing device into ops that create tensors; fx graphs (no recorded device) are left alone.
     """
@@ -125,25 +126,35 @@ def retarget_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
     device = torch.device(device)
     changed = 0
     for n in gm.graph.nodes:
-        if traced is not None and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] == traced:
+        if traced is None:
+            break
+        if isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] == traced:
             n.update_kwarg("device", device)
             changed += 1
+        for i, a in enumerate(n.args):  # aten.to.device(x, device, dtype)
+            if isinstance(a, torch.device) and a == traced:
+                n.update_arg(i, device)
+                changed += 1
     if changed:
         gm.meta["dapple_trace"]["device"] = device
         gm.recompile()
     return changed
 
 
-def _is_size_of_input(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target is torch.ops.aten.sym_size.int
-            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
+def _is_size_of_input(n: fx.Node, layer_of: dict[fx.Node, int]) -> bool:
+    """A size read off a model input or off a value of an earlier layer than the size's own."""
+    if n.op != "call_function" or n.target is not torch.ops.aten.sym_size.int or not isinstance(n.args[0], fx.Node):
+        return False
+    t = n.args[0]
+    return t.op == "placeholder" or (t in layer_of and n in layer_of and layer_of[t] < layer_of[n])
 
 
 def localise_sizes(lg: LayerGraph) -> int:
     """Read each input size a layer uses off a tensor the layer already has; returns how many were moved.
 
     ``sym_size(idx, 0)`` copied into ``blocks.3`` becomes ``sym_size(x, 0)`` with ``x`` the block's input
-    (same symbol, so the same value for every input export accepts): the stage then needs no model input.
+    (same symbol, so the same value for every input export accepts): the stage then needs no model input, nor
+    an earlier layer's value it would otherwise read only for a size.
     """
     graph = lg.gm.graph
     order: dict[fx.Node, float] = {n: i for i, n in enumerate(graph.nodes)}
@@ -152,14 +163,14 @@ def localise_sizes(lg: LayerGraph) -> int:
         if n in lg.layer_of:
             members.setdefault(lg.layer_of[n], []).append(n)
     moved = 0
-    for s in [n for n in graph.nodes if _is_size_of_input(n)]:
+    for s in [n for n in graph.nodes if _is_size_of_input(n, lg.layer_of)]:
         k = lg.layer_of.get(s)
         if k is None or not s.users or any(u.op == "output" or lg.layer_of.get(u) != k for u in s.users):
             continue
-        if any(lg.layer_of.get(u) == k and not _is_size_of_input(u) for u in s.args[0].users):
+        if any(lg.layer_of.get(u) == k and not _is_size_of_input(u, lg.layer_of) for u in s.args[0].users):
             continue  # the layer reads the input anyway
         user = min(s.users, key=order.__getitem__)
-        anchor = _anchor(members[k], lg.layer_of, k, s.meta.get("val"), order, order[user])
+        anchor = _anchor(members[k], lg.layer_of, k, s, order, order[user])
         if anchor is None:
             continue
         with graph.inserting_before(user):
@@ -175,18 +186,19 @@ def localise_sizes(lg: LayerGraph) -> int:
     return moved
 
 
-def _anchor(own: list[fx.Node], layer_of: dict[fx.Node, int], k: int, size: Any, order: dict[fx.Node, float],
+def _anchor(own: list[fx.Node], layer_of: dict[fx.Node, int], k: int, s: fx.Node, order: dict[fx.Node, float],
             before: float) -> tuple[fx.Node, int] | None:
-    """(tensor, dim): a tensor that layer ``k`` reads from earlier layers or makes, before position ``before``,
-    whose dim ``dim`` is the symbolic ``size``; None if there is none."""
+    """(tensor, dim): a tensor that layer ``k`` reads from earlier layers (other than for size ``s``) or makes,
+    before position ``before``, whose dim ``dim`` is the symbolic size ``s`` reads; None if there is none."""
+    size = s.meta.get("val")
     if not is_dynamic_size(size):
         return None
-    inputs = [a for n in own for a in n.all_input_nodes if layer_of.get(a, k) < k and order[a] < before]
+    inputs = [a for n in own if n is not s for a in n.all_input_nodes if layer_of.get(a, k) < k and order[a] < before]
     for t in inputs + [n for n in own if order[n] < before]:
         val = t.meta.get("val")
         if isinstance(val, torch.Tensor):
-            for d, s in enumerate(val.shape):
-                if is_dynamic_size(s) and s.node.expr == size.node.expr:
+            for d, dim_size in enumerate(val.shape):
+                if is_dynamic_size(dim_size) and dim_size.node.expr == size.node.expr:
                     return t, d
     return None
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import re
 import warnings
 from typing import Any, Iterator
@@ -22,6 +24,7 @@ from .export_graph import (
     views_as_reshapes,
 )
 from .fx_trace import LeafSpec, TraceError, symbolic_trace, user_frame
+from .outputs import rebuild_output
 
 METHODS = ("auto", "fx", "export")
 EXPORT_MIN_TORCH = (2, 9)  # before it, ep.module() loses the input guards, and Dim.AUTO is missing or weaker
@@ -38,13 +41,15 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
     fx with a fall-back to export when fx fails (``"auto"``); failures raise TraceError naming what to do."""
     if method not in METHODS:
         raise ValueError(f"tracer: expected one of {METHODS}, got {method!r}")  # the public name of `method`
+    fixed = training_args(model, concrete_args)  # under torch.export, bound into forward: not an input
     if method == "export":
         if list(leaf_modules):
             raise ValueError("leaf_modules apply to torch.fx only (torch.export traces through every module); "
                              "drop them or use method='fx'")
-        return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args)
+        return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args, bound=fixed)
     try:
-        gm = symbolic_trace(model, concrete_args=concrete_args, leaf_modules=leaf_modules)
+        gm = symbolic_trace(model, concrete_args={**(concrete_args or {}), **fixed} or None,
+                            leaf_modules=leaf_modules)
     except TraceError as fx_error:
         if method == "fx":
             raise
@@ -52,7 +57,8 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
             raise TraceError(f"{fx_error}\n  - or pass example_inputs=... (a tensor or tuple of tensors) so the "
                              "model can be traced with torch.export instead (method='export')") from fx_error
         try:
-            return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args)
+            return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args,
+                                bound=fixed)
         except TraceError as export_error:
             raise TraceError(f"{fx_error}\n\ntorch.export could not trace it either:\n{export_error}"
                              ) from export_error
@@ -60,8 +66,18 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
     return gm
 
 
+def training_args(model: nn.Module, concrete_args: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"use_cache": False}`` where ``forward`` takes ``use_cache`` and ``concrete_args`` do not set it: training
+    never wants a key/value cache, and a cache object in the output is no tensor (Hugging Face models)."""
+    if not isinstance(model, nn.Module):
+        return {}  # the tracer says what is wrong with it
+    if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in (concrete_args or {}):
+        return {"use_cache": False}
+    return {}
+
+
 def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any = None,
-                 kwargs: dict[str, Any] | None = None) -> fx.GraphModule:
+                 kwargs: dict[str, Any] | None = None, bound: dict[str, Any] | None = None) -> fx.GraphModule:
     """``torch.export.export`` in training mode, batch dim dynamic, unlifted and normalised for dapple.
 
     The graph it returns splits and runs like an fx graph; what differs:
@@ -80,8 +96,10 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
       breaks one fails in the first stage with ``Guard failed`` rather than taking another branch.
     - Factory ops carry the tracing device (``meta["dapple_trace"]["device"]``);
       :func:`~.export_graph.retarget_devices` points them at each stage's device.
-    - Inputs are positional placeholders named after ``forward``'s arguments; ``kwargs`` (``concrete_args``)
-      become placeholders with their value as default, as in fx. The output node holds the model's own structure.
+    - Inputs are positional placeholders named after ``forward``'s arguments; ``kwargs`` (``concrete_args``) that
+      ``forward`` names become placeholders with their value as default, as in fx; those its ``**kwargs`` takes,
+      and ``bound``, are bound into ``forward`` (no input). The output node holds the model's own structure, or
+      one node rebuilds it (a ``ModelOutput``: :mod:`~dapple.profiler.outputs`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module to trace, got {type(model).__name__}")
@@ -96,16 +114,17 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
     # A dim of size 1 would be specialised (export's 0/1 rule): trace with two rows; the graph still runs one.
     # Fresh copies: an input that is a view (tokens[:, :-1]) would get guards on its base (idx._base.size()).
     inputs = tuple((resize(t, 2) if t.dim() > 0 and t.shape[0] == 1 else t).detach().clone() for t in inputs)
-    spec = _dynamic_spec(inputs, dynamic_shapes, kwargs or {})
-    with _training(model):
+    named, extra = _split_kwargs(model, kwargs or {})
+    with _training(model), _bound_forward(model, {**extra, **(bound or {})}):
+        spec = _dynamic_spec(model, inputs, dynamic_shapes, named)
         try:
-            ep = torch.export.export(model, inputs, kwargs=dict(kwargs or {}), dynamic_shapes=spec)
+            ep = torch.export.export(model, inputs, kwargs=named, dynamic_shapes=spec)
         except Exception as e:  # UserError, ValueError, data-dependent guards, unsupported ops...
             raise TraceError(_explain_export(model, e)) from e
     gm = ep.module()  # unlifted: parameters and buffers as get_attr; guards checked by a _guards_fn call
     names = _check_batch_dynamic(gm, model, dynamic_shapes is None)
     _warn_batch_guards(getattr(ep, "_guards_code", []), names)  # private in torch 2.13: used only for a warning
-    _plain_io(gm, kwargs or {}, type(model).__name__)
+    _plain_io(gm, kwargs or {})
     clean_module_stacks(gm)
     canonical_get_attrs(gm, model)
     rename_export_bodies(gm)
@@ -116,15 +135,40 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
     return plain
 
 
-def _dynamic_spec(inputs: tuple[torch.Tensor, ...], user: Any, kwargs: dict[str, Any]) -> Any:
+def _dynamic_spec(model: nn.Module, inputs: tuple[torch.Tensor, ...], user: Any, kwargs: dict[str, Any]) -> Any:
     """Per input: dim 0 dynamic; other dims Dim.AUTO by default, or as the user's spec says (dim 0 added).
 
-    Fixed keyword values (``concrete_args``) get ``None`` (static), as export wants an entry for every input.
+    Keyed by ``forward``'s argument names, as export binds them (keywords a ``**kwargs`` takes nest under its
+    name); fixed keyword values (``concrete_args``) get ``None`` (static).
     """
+    sig = inspect.signature(model.forward)
+    try:
+        bound = sig.bind(*inputs, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"{len(inputs)} example inputs and concrete_args {sorted(kwargs)} do not fit "
+                         f"{type(model).__name__}.forward{sig}: {e}") from None
+    slots: list[tuple[str, int | None]] = []  # per positional input: its argument, and its index in *args
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            slots.extend((name, j) for j in range(len(value)))
+        elif kind is not inspect.Parameter.VAR_KEYWORD and name not in kwargs:
+            slots.append((name, None))
+    per_input = _input_specs(inputs, user, [name for name, _ in slots])
+    spec: dict[str, Any] = {name: None for name in bound.arguments}
+    for (name, j), s in zip(slots, per_input):
+        spec[name] = s if j is None else (*spec[name], s) if spec[name] else (s,)
+    for name in bound.arguments:
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            spec[name] = {k: None for k in bound.arguments[name]}
+    return spec
+
+
+def _input_specs(inputs: tuple[torch.Tensor, ...], user: Any, names: list[str]) -> list[Any]:
+    """Each positional input's dynamic dims: the default, or the user's (a tuple, or a dict by argument name)."""
     dim = torch.export.Dim
-    fixed = (None,) * len(kwargs)
     if user is None:
-        return tuple({0: dim.DYNAMIC, **{d: dim.AUTO for d in range(1, t.dim())}} for t in inputs) + fixed
+        return [{0: dim.DYNAMIC, **{d: dim.AUTO for d in range(1, t.dim())}} for t in inputs]
 
     def with_batch(s: Any) -> Any:
         if s is None:
@@ -136,11 +180,41 @@ def _dynamic_spec(inputs: tuple[torch.Tensor, ...], user: Any, kwargs: dict[str,
     if isinstance(user, (tuple, list)):
         if len(user) != len(inputs):
             raise ValueError(f"dynamic_shapes: expected one entry per example input ({len(inputs)}), got {len(user)}")
-        return tuple(with_batch(s) for s in user) + fixed
+        return [with_batch(s) for s in user]
     if isinstance(user, dict):
-        return {**{name: with_batch(s) for name, s in user.items()}, **{k: None for k in kwargs if k not in user}}
+        unknown = sorted(set(user) - set(names))
+        if unknown:
+            raise ValueError(f"dynamic_shapes: {unknown} name no example input (the inputs are {names})")
+        return [with_batch(user.get(name)) for name in names]
     raise TypeError(f"dynamic_shapes: expected a tuple (one entry per input) or a dict by argument name, "
                     f"got {type(user).__name__}")
+
+
+def _split_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(values of ``forward``'s named parameters, values its ``**kwargs`` takes): export takes the first as
+    inputs with a fixed value; the second are bound into ``forward`` (export's dynamic_shapes cannot describe a
+    Python value inside ``**kwargs``)."""
+    params = inspect.signature(model.forward).parameters
+    named = {k for k, p in params.items() if p.kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                            inspect.Parameter.VAR_POSITIONAL)}
+    return {k: v for k, v in kwargs.items() if k in named}, {k: v for k, v in kwargs.items() if k not in named}
+
+
+@contextlib.contextmanager
+def _bound_forward(model: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
+    """``model.forward`` with ``extra`` keyword values bound, for the block; the model's own forward after it."""
+    if not extra:
+        yield
+        return
+    own = model.__dict__.get("forward")  # an instance attribute the model had (hooks replace forward so)
+    model.forward = functools.partial(model.forward, **extra)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 @contextlib.contextmanager
@@ -209,14 +283,17 @@ def _warn_batch_guards(guards: list[str], names: list[str]) -> None:
                       stacklevel=user_stacklevel())
 
 
-def _plain_io(gm: fx.GraphModule, kwargs: dict[str, Any], model_name: str) -> None:
-    """Positional placeholders (Python-level values as defaults) and the model's own output structure."""
+def _plain_io(gm: fx.GraphModule, kwargs: dict[str, Any]) -> None:
+    """Positional placeholders (Python-level values as defaults) and the model's own output structure: in the
+    output node where fx can hold it (tensors in tuples, lists, dicts), else rebuilt by one node (a
+    ``ModelOutput``, any pytree type)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    structure = pytree.tree_unflatten(list(out.args[0]), gm._out_spec)
-    if not _plain(structure):
-        raise TraceError(f"torch.export traced {model_name}, but its output {type(structure).__name__} is "
-                         "not a tensor or a tuple/list/dict of tensors; return one of those from forward()")
-    out.args = (structure,)
+    leaves = list(out.args[0])
+    structure = pytree.tree_unflatten(leaves, gm._out_spec)
+    if _plain(structure):
+        out.args = (structure,)
+    else:
+        rebuild_output(gm.graph, leaves, gm._out_spec)
     for n in _input_placeholders(gm):
         if not isinstance(n.meta.get("val"), torch.Tensor) and n.target in kwargs:
             n.args = (kwargs[n.target],)  # a fixed Python value: a default, as fx gives concrete_args

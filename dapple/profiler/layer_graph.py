@@ -8,6 +8,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from .units import Layering
+
 
 @dataclass
 class LayerGraph:
@@ -22,6 +24,7 @@ class LayerGraph:
     names: list[str]  # layer names: module paths in the original model, in execution order
     layer_of: dict[fx.Node, int]  # every node except placeholders and output -> its layer index
     inputs: list[str] = field(default_factory=list)  # the model's forward() argument names
+    layering: Layering | None = None  # how the layers were chosen (trace_layers sets it)
 
     @property
     def num_layers(self) -> int:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -12,9 +13,8 @@ from .export_graph import check_cuts, localise_sizes
 from .export_trace import trace_graph
 from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
-
-CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
+from .outputs import is_output_structure
+from .units import layering
 
 @dataclass(frozen=True)
 class Arity:
@@ -47,17 +47,6 @@ def arity(gm: fx.GraphModule) -> Arity:
     return Arity([n.name for n in nodes], need, traced_none)
 
 
-def layer_units(model: nn.Module) -> list[str]:
-    """Candidate layer paths: top-level children, containers (ModuleList/Sequential) expanded one level."""
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, CONTAINERS) and len(child) > 0:
-            units.extend(f"{name}.{sub}" for sub, _ in child.named_children())
-        else:
-            units.append(name)
-    return units
-
-
 def _owner(node: fx.Node, units: set[str]) -> str | None:
     """The layer unit a node belongs to: the outermost unit in its module stack, or None."""
     paths: list[str] = []
@@ -76,12 +65,16 @@ def _owner(node: fx.Node, units: set[str]) -> str | None:
 
 
 def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), *,
-                 method: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None) -> LayerGraph:
-    """Trace ``model`` and group its nodes into layers (top-level children, containers expanded one level).
+                 method: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None,
+                 layers: Sequence[str] | None = None) -> LayerGraph:
+    """Trace ``model`` and group its nodes into layers: by default each block of its stacks of repeated blocks
+    (``transformer.h.0``, ``bert.encoder.layer.0``, ``model.layers.0``) and, at each depth on the way down to
+    them, the modules beside them (embeddings, final norm, head); see :func:`~dapple.profiler.units.layering`.
 
     Args:
         model: the module to trace.
-        concrete_args: Python-level arguments fixed for torch.fx (``{"mask": None}``).
+        concrete_args: Python-level arguments fixed for the tracer (``{"mask": None}``); ``use_cache=False`` is
+            added for a ``forward`` that takes ``use_cache`` (training never wants a cache).
         leaf_modules: module classes or qualified names torch.fx keeps as opaque calls.
         method: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
             ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows;
@@ -89,13 +82,17 @@ def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, 
             inputs are given.
         example_inputs: the model's positional inputs (a tensor or tuple of tensors), for torch.export.
         dynamic_shapes: torch.export's per-input dynamic dims (dim 0 is always dynamic).
+        layers: module paths that each become a layer, instead of the default rule (operations of no listed
+            module join a neighbouring layer).
 
     Returns:
         The :class:`LayerGraph`. Raises :class:`~dapple.profiler.TraceError` if the model cannot be traced.
     """
+    rule = layering(model, layers)  # a bad path fails before tracing
     gm = trace_graph(model, method=method, concrete_args=concrete_args, leaf_modules=leaf_modules,
                      example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
-    lg = group_layers(gm, layer_units(model))
+    lg = group_layers(gm, rule.units)
+    lg.layering = rule
     if gm.meta.get("dapple_trace", {}).get("method") == "export":
         localise_sizes(lg)  # blocks read sizes off their own inputs, not the model's
         check_cuts(lg)
@@ -118,6 +115,7 @@ def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
     if not rank:
         raise ValueError(f"{type(gm).__name__}: no layer found; the model calls none of its children "
                          f"({sorted(units)}), so there is nothing to cut between")
+    last = max(rank.values())
 
     # Forward pass: a node sits no earlier than its own module's layer and any of its inputs' layers.
     level: dict[fx.Node, int | None] = {}
@@ -126,9 +124,12 @@ def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
             continue
         ins = [level[a] for a in n.all_input_nodes if level.get(a) is not None]
         own = [rank[owner[n]]] if owner[n] is not None else []
-        level[n] = max(own + ins) if own or ins else None
-    # Backward pass: input-only nodes (no owner, depend only on inputs/attributes) join their users.
-    _place_input_only_nodes(gm, level, last=max(rank.values()))
+        level[n] = last if is_output_structure(n) else max(own + ins) if own or ins else None
+    # Backward pass: values computed from sizes and attributes alone (positions, masks, rotary tables) and
+    # unowned ones computed from inputs alone never cross a cut: every other layer using one gets its own copy.
+    shape_only = _shape_only(nodes)
+    movable = {n for n in nodes if level.get(n) is None or (n in shape_only and n.op != "get_attr")}
+    _place_input_only_nodes(gm, level, last, movable, {n for n in shape_only if _disposable(n)})
     gm.recompile()
 
     # Layers are the ranks that kept nodes, renumbered densely (a module reused later joins later layers).
@@ -141,23 +142,79 @@ def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
     return LayerGraph(gm=gm, names=names, layer_of=layer_of, inputs=inputs)
 
 
-def _place_input_only_nodes(gm: fx.GraphModule, level: dict[fx.Node, int | None], last: int) -> None:
-    """Place each unplaced node in its users' layer, copying it for every further layer that uses it."""
+def _shape_only(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Nodes whose value depends on no input's values, only on sizes and attributes, without effects (no
+    in-place op, no module holding buffers: a BatchNorm would count its batches twice; no random numbers)."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "get_attr" or _is_size(n):
+            out.add(n)
+        elif n.op not in ("placeholder", "output") and all(a in out for a in n.all_input_nodes) \
+                and not _has_effects(n):
+            out.add(n)
+    return out
+
+
+def _disposable(n: fx.Node) -> bool:
+    """A call that may go when nothing uses it: not a check of sizes (``_assert_scalar``: a sequence too long)."""
+    name = str(getattr(n.target, "__name__", n.target))
+    return n.op == "call_function" and (name.startswith("_assert_tensor_metadata")
+                                        or not any(w in name for w in ("assert", "check", "constrain")))
+
+
+def _is_size(n: fx.Node) -> bool:
+    """A size query: ``aten.sym_size``, ``x.size(d)``, ``x.dim()``, ``x.shape``."""
+    if n.op == "call_method":
+        return n.target in ("size", "dim")
+    if n.op != "call_function":
+        return False
+    if n.target is getattr:
+        return len(n.args) > 1 and n.args[1] in ("shape", "ndim", "dtype", "device")
+    return n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default)
+
+
+_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal")  # a copy would draw other numbers
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _has_effects(n: fx.Node) -> bool:
+    """Whether computing ``n`` again elsewhere would change what the model computes."""
+    if n.op == "call_module":
+        module = n.graph.owning_module.get_submodule(n.target)
+        return isinstance(module, _DROPOUTS) or any(True for _ in module.buffers())
+    name = str(getattr(n.target, "__name__", n.target)).split(".")[0]  # aten: "add_.Tensor"
+    return (name.endswith("_") and not name.endswith("__")) or any(w in name for w in _RANDOM)
+
+
+def _place_input_only_nodes(gm: fx.GraphModule, level: dict[fx.Node, int | None], last: int,
+                            movable: set[fx.Node], disposable: set[fx.Node]) -> None:
+    """Place each unplaced node in its users' first layer, and give every later layer using a ``movable`` node
+    its own copy (a placed one stays in its layer, and goes if nothing there uses it). A ``disposable`` node
+    nothing uses (an assertion on a copied value's dtype) goes too."""
     graph = gm.graph
     for n in reversed(list(graph.nodes)):  # users come later, so they are placed before n is reached
-        if n.op in ("placeholder", "output") or level[n] is not None:
+        if n.op in ("placeholder", "output") or n not in movable:
             continue
         by_level: dict[int, list[fx.Node]] = {}
         for u in n.users:
             by_level.setdefault(last if u.op == "output" else level[u], []).append(u)
-        if not by_level:  # dead code: nothing uses it
-            level[n] = 0
+        if not by_level:
+            if n in disposable:
+                graph.erase_node(n)
+                del level[n]
+            elif level[n] is None:  # dead code: nothing uses it
+                level[n] = 0
             continue
-        first, *later = sorted(by_level)
-        level[n] = first
-        for k in later:  # a copy per later layer, so the value never crosses a cut
-            with graph.inserting_after(n):
+        home = level[n] if level[n] is not None else min(by_level)
+        for k in sorted(by_level):
+            if k == home:
+                continue
+            with graph.inserting_after(n):  # a copy per other layer, so the value never crosses a cut
                 copy = graph.node_copy(n, lambda a: a)
             level[copy] = k
             for u in by_level[k]:
                 u.replace_input_with(n, copy)
+        level[n] = home
+        if home not in by_level:  # an owned node whose every user got a copy
+            graph.erase_node(n)
+            del level[n]

@@ -35,14 +35,14 @@ class StageTensor:
 
 def stage_tensors(pipe: Pipeline) -> list[StageTensor]:
     """This rank's stage parameters and buffers, each once, with their checkpoint keys and all their names."""
-    aliases = pipe.state_names  # id(tensor) -> its names in the original model's state_dict, all stages
+    aliases = pipe.state_names  # id(tensor) -> its names in the original model's state_dict
     pname = {id(p): n for n, p in pipe.named_parameters()}
     out, seen = [], set()
     for name, t in pipe.module.state_dict(keep_vars=True).items():
-        if id(t) in seen:
+        if id(t) in seen or id(t) not in aliases:  # not in the model's state_dict: a non-persistent buffer
             continue
         seen.add(id(t))
-        names = aliases.get(id(t), [name])
+        names = aliases[id(t)]
         if isinstance(t, nn.Parameter):
             out.append(StageTensor(pname.get(id(t), name), "parameter", names, t))
         else:  # a buffer shared under several names: its smallest name, the same under any plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,9 @@ from .groups import canonical_names
 from .p2p import PipelineError
 from .program import Transfer
 from .shapes import BoundaryShapes, input_key
-from .stages import StageGraph, model_inputs, split_stages, stage_module, state_names
+from .modes import eval_graph
+from .stages import StageGraph, layer_paths, model_inputs, node_places, split_stages, stage_module
+from .state import LoadResult, held_keys, load_state, model_keys, own_tensors, stage_keys, state_names
 from .step import StepRunner
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder, write_trace
 from .validate import as_tuple, check_batch, check_plan, check_same_inputs, layout_mismatch
@@ -34,15 +36,16 @@ class Pipeline:
 
     Attributes: ``plan``, ``loss_fn``, ``timeout``; ``ctx`` (rank, world size, backend, device); ``stage`` and
     ``replica`` (this rank's place in the plan); ``graph`` and ``module`` (the stage's computation); ``step``
-    (steps run); ``state_names`` (id(tensor) -> its names in the original model's state_dict) and
-    ``state_order`` (all those names in order), for checkpoints; ``recorder`` (where steps are traced; None: off).
+    (steps run); ``training`` (the mode: :meth:`train`, :meth:`eval`); ``state_names`` (id(tensor) -> its keys in
+    the original model's state_dict) and ``state_order`` (the model's keys some stage holds, in order), for
+    :meth:`state_dict` and checkpoints; ``recorder`` (where steps are traced; None: off).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
                  *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
                  backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
-                 check_inputs: bool = True):
+                 layers: Sequence[str] | None = None, check_inputs: bool = True):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
         self.check_inputs = check_inputs
@@ -53,7 +56,8 @@ class Pipeline:
         if mismatch and self.ctx.rank == 0:
             warnings.warn(f"dapple.pipeline: {mismatch}", stacklevel=3)
         lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
-                          example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
+                          example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
+                          layers=layer_paths(model, plan, layers))
         plan.check_layers(lg.names)
         self.plan, self.loss_fn = plan, loss_fn
         graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
@@ -62,16 +66,20 @@ class Pipeline:
         self.stage = plan.stage_of_device(self.ctx.rank)
         self.replica = plan.stages[self.stage].devices.index(self.ctx.rank)
         self.graph: StageGraph = graphs[self.stage]
+        by_key = stage_keys(self.graph.module, model_keys(model))  # before buffers move to the device
+        order = held_keys(model, [g.module for g in graphs])
         self.module: nn.Module = stage_module(self.graph, lg.gm, self.ctx.device)
         stats = stats_slot(self.module, stats_sizes, self.stage, deferred_batch_norm)  # same tensors, same names
-        # every name each of this stage's tensors has in any stage's state_dict, and all those names in order
-        # (checkpoints map tensors by them; the other stages' modules are dropped below)
-        self.state_names, self.state_order = state_names(graphs, self.module)
+        # the model's state_dict keys of each of this stage's tensors, and all its keys in order (state_dict,
+        # checkpoints; the other stages' modules are dropped below)
+        self._state = state_names(self.module, by_key, order)
+        self.state_names, self.state_order = self._state.names, self._state.order
         self._names = canonical_names(model)
         inputs = model_inputs(lg.gm)
         self._arity = inputs.arity
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
-        shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary)  # keeps a meta copy only
+        places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
+        shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places)  # keeps a meta copy only
         self.step = 0
         self._failed: str | None = None
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
@@ -80,6 +88,10 @@ class Pipeline:
         self._counted: list[nn.Parameter] | None = None  # clip_grad_norm_'s share of the norm (on first use)
         self._runner = StepRunner(plan, self.ctx, self.stage, self.replica, self.graph, self.module, loss_fn, inputs,
                                   shapes, channels, stats, self.timeout)
+        self.training = bool(model.training)  # the model's mode; pipe.train() / pipe.eval() change it
+        self._eval_module: nn.Module | None = None  # made on the first eval(): the stage with training flags off
+        if not self.training:
+            self._runner.forward_module = self._evaluation_module()
         handshake(plan, self.ctx, self.stage, channels, self.timeout)
         self._own_rec: Recorder | None = start_recorder(self, KEEP_STEPS) if trace else None
         self.recorder: Recorder | None = self._own_rec  # tracing: None (off) or the recorder the steps log into
@@ -114,17 +126,7 @@ class Pipeline:
                 pipeline stays usable).
             PipelineError: a peer failed or timed out; the pipeline is unusable afterwards.
         """
-        if self._failed:
-            raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
-                                f"groups are unusable; restart the job ({self._failed})")
-        xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
-        check_batch(self.plan, xs, ys, self._arity)
-        try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable
-            check_same_inputs(xs, ys, input_key(xs), self.ctx.device, self.timeout,
-                              f"rank {self.ctx.rank} (stage {self.stage}), step {self.step + 1}", self.check_inputs)
-        except PipelineError as e:
-            self._failed = first_line(e)
-            raise
+        xs, ys = self._checked_batch(inputs, targets, f"step {self.step + 1}")
         self.step += 1
         try:
             return self._runner.run(xs, ys, self.step, self.recorder)
@@ -154,6 +156,91 @@ class Pipeline:
         return clip_grad_norm(self._counted, list(self.parameters()), float(max_norm), float(norm_type),
                               self.ctx.device, self.timeout, f"rank {self.ctx.rank} (stage {self.stage}), "
                               f"clip_grad_norm_ after step {self.step}", error_if_nonfinite)
+
+    def eval_step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | Sequence[torch.Tensor],
+                  *, outputs: bool = False) -> float | tuple[float, list[tuple[range, Any]]]:
+        """A pipelined forward-only pass under ``torch.no_grad`` (call on every rank): the mean loss over the batch,
+        as ``loss_fn(model(inputs), *targets)`` of the model in the pipeline's mode (:meth:`eval` first for a
+        validation loss: no dropout, BatchNorm's running statistics). No gradient, no step counted.
+
+        Args:
+            inputs: the model's positional inputs, a batch of any multiple of ``plan.micro_batch_size`` rows in
+                dim 0 (identical on every rank).
+            targets: the loss's targets, the same rows.
+            outputs: also return this rank's model outputs.
+
+        Returns:
+            The mean loss (the same on every rank); with ``outputs``, ``(loss, slices)``: on the ranks of the last
+            stage, one ``(rows, output)`` per micro-batch slice this replica computed (``rows``: a ``range`` of the
+            batch's rows; ``output``: the model's output for them, as the model returns it), elsewhere ``[]``.
+
+        Raises:
+            ValueError, PipelineError: as :meth:`train_step`.
+        """
+        xs, ys = self._checked_batch(inputs, targets, f"evaluation after step {self.step}", any_rows=True)
+        try:
+            loss, kept = self._runner.evaluate(xs, ys, self.step, outputs)
+        except BaseException as e:
+            self._failed = first_line(e)
+            raise
+        return (loss, kept) if outputs else loss
+
+    def _checked_batch(self, inputs: Any, targets: Any, what: str, any_rows: bool = False
+                       ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The batch as tuples, checked against the plan and against every rank's (errors name the values)."""
+        if self._failed:
+            raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
+                                f"groups are unusable; restart the job ({self._failed})")
+        xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
+        check_batch(self.plan, xs, ys, self._arity, any_rows)
+        try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable
+            check_same_inputs(xs, ys, input_key(xs), self.ctx.device, self.timeout,
+                              f"rank {self.ctx.rank} (stage {self.stage}), {what}", self.check_inputs)
+        except PipelineError as e:
+            self._failed = first_line(e)
+            raise
+        return xs, ys
+
+    # ---- mode and state -------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Training mode (dropout on, BatchNorm normalising by batch statistics and updating its running ones),
+        or with ``mode=False`` evaluation mode, for this rank's stage: its modules' flags, and the flags the
+        tracer baked into its ops (torch.export graphs, functional dropout). Returns the pipeline."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"train: expected True or False, got {mode!r}")
+        self.module.train(mode)
+        self.training = mode
+        self._runner.forward_module = self.module if mode else self._evaluation_module()
+        return self
+
+    def eval(self) -> "Pipeline":
+        """Evaluation mode: ``train(False)``."""
+        return self.train(False)
+
+    def _evaluation_module(self) -> nn.Module:
+        if self._eval_module is None:
+            twin = eval_graph(self.module) if isinstance(self.module, torch.fx.GraphModule) else None
+            self._eval_module = twin if twin is not None else self.module
+        self._eval_module.train(False)
+        return self._eval_module
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stage's entries of the original model's ``state_dict``, under its keys (a tied parameter
+        under each of its keys; no non-persistent buffer), in its order, detached."""
+        return {k: t.detach() for k, t in own_tensors(self.module, self._state).items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> LoadResult:
+        """Copy ``state_dict`` (keys of the original model: this rank's :meth:`state_dict`, or the whole model's)
+        into this rank's stage; entries of other stages are skipped.
+
+        Args:
+            state_dict: model key -> tensor.
+            strict: raise a ValueError naming them if a key of this stage is missing or a key is not the model's.
+
+        Returns:
+            ``(missing_keys, unexpected_keys)``.
+        """
+        return load_state(self.module, self._state, state_dict, strict, f"rank {self.ctx.rank} (stage {self.stage})")
 
     def trace(self) -> Trace:
         """Record the steps run inside ``with pipe.trace() as t:`` (enter on every rank; it syncs clocks), then
@@ -204,7 +291,7 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
              concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
-             check_inputs: bool = True) -> Pipeline:
+             layers: Sequence[str] | None = None, check_inputs: bool = True) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss; the
@@ -214,7 +301,8 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     Args:
         model: the whole model (every rank builds it; each keeps only its stage's part).
         plan: the plan (``dapple.plan`` or ``dapple.Plan.load``) for this world size.
-        loss_fn: ``loss_fn(output, *targets)``, the mean loss over the rows it is given.
+        loss_fn: ``loss_fn(output, *targets)``, the mean loss over the rows it is given; ``output`` is what the
+            model returns (a tensor, tuple, dict or ``ModelOutput``), for those rows.
         timeout: seconds that bound every receive and collective: a dead or stuck peer makes the others raise
             :class:`PipelineError` naming rank, stage, peer and micro-batch.
         concrete_args, leaf_modules, tracer, example_inputs, dynamic_shapes: go to the tracer exactly as for
@@ -228,6 +316,8 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             always, but update their running statistics once per step with those of every row they saw in it
             (all micro-batches and replicas: the global batch), so every replica of a stage holds the same;
             otherwise each replica updates its own per slice, and they drift apart.
+        layers: module paths that each become a layer (as for :func:`dapple.profile`); by default the plan's
+            ``layer_names`` (a plan made from a profile names them), else the profiler's default rule.
         check_inputs: compare a checksum of each step's inputs and targets across ranks (one small AllReduce, a
             pass over the batch): every rank must pass the same global batch, and a rank given its own shard
             raises ValueError instead of training on a mix. Shapes are always compared.
@@ -237,4 +327,5 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     """
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
-                    trace=trace, deferred_batch_norm=deferred_batch_norm, check_inputs=check_inputs)
+                    trace=trace, deferred_batch_norm=deferred_batch_norm, layers=layers,
+                    check_inputs=check_inputs)

@@ -123,7 +123,17 @@ def rank_program(plan: Plan, layout: BoundaryLayout, rank: int, lookahead: int =
     waited on before the end of the step, so only receives can block.
     """
     s = plan.stage_of_device(rank)
-    ops = stage_ops(plan.schedule, plan.num_micro_batches, plan.warmup[s])
+    return _program(plan, layout, rank, stage_ops(plan.schedule, plan.num_micro_batches, plan.warmup[s]), lookahead)
+
+
+def forward_program(plan: Plan, layout: BoundaryLayout, rank: int, micro_batches: int,
+                    lookahead: int = LOOKAHEAD) -> list[Instr]:
+    """``rank``'s program for a forward-only pass (evaluation) of ``micro_batches`` micro-batches: each forward
+    in order, its activations received and sent as in a training step, no backward."""
+    return _program(plan, layout, rank, [Op("F", j) for j in range(micro_batches)], lookahead)
+
+
+def _program(plan: Plan, layout: BoundaryLayout, rank: int, ops: list[Op], lookahead: int) -> list[Instr]:
     per_op = [op_transfers(plan, layout, rank, op) for op in ops]
     prog: list[Instr] = []
     posted = 0

@@ -8,8 +8,10 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
-from ..profiler.record import NodeRecorder
+from ..core.dist import first_line
+from ..profiler.export_graph import retarget_devices
 
 
 class Spec(NamedTuple):
@@ -44,6 +46,64 @@ def _same(t: Any) -> Any:
     return t
 
 
+def _on_host(t: Any) -> Any:
+    """A meta tensor as zeros on the CPU (same shape, dtype, requires_grad); anything else as it is."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+        return t
+    z = torch.zeros(t.shape, dtype=t.dtype)
+    return z.requires_grad_() if t.requires_grad and (z.is_floating_point() or z.is_complex()) else z
+
+
+def _as_meta(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    m = torch.empty_like(t, device="meta")
+    return m.requires_grad_() if t.requires_grad else m
+
+
+class ShapeError(RuntimeError):
+    """Shape inference failed at a node; the message names its layer and stage and the inputs' shapes."""
+
+
+class _Failed(Exception):
+    def __init__(self, node: fx.Node, error: BaseException):
+        super().__init__(str(error))
+        self.node, self.error = node, error
+
+
+class _Propagation(fx.Interpreter):
+    """Runs the graph on meta tensors, keeping the values of the nodes named in ``keep``. A module call that
+    cannot run on the meta device (a leaf module with data-dependent control flow: ``if x.sum() > 0``) runs once
+    on the CPU instead, on zeros of its inputs' shapes with zeros for its parameters and buffers."""
+
+    def __init__(self, gm: fx.GraphModule, keep: set[str]):
+        super().__init__(gm)
+        self.keep = keep
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            out = super().run_node(n)
+        except Exception as e:
+            if n.op != "call_module":
+                raise _Failed(n, e) from e
+            try:
+                out = self._on_host(n)
+            except Exception as again:
+                raise _Failed(n, again) from again
+        if n.name in self.keep:
+            self.values[n.name] = out
+        return out
+
+    def _on_host(self, n: fx.Node) -> Any:
+        module = self.module.get_submodule(n.target)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = tree_map(_on_host, (args, kwargs))
+        state = {name: _on_host(t) for name, t in [*module.named_parameters(remove_duplicate=False),
+                                                   *module.named_buffers(remove_duplicate=False)]}
+        return tree_map(_as_meta, torch.func.functional_call(module, state, tuple(args), kwargs))
+
+
 class BoundaryShapes:
     """Spec of every value crossing a cut, per (input shapes, slice rows); computed once, then cached.
 
@@ -51,10 +111,15 @@ class BoundaryShapes:
     without a handshake, and a new sequence length only costs one more propagation.
     """
 
-    def __init__(self, gm: fx.GraphModule, input_names: Sequence[str], boundary: Sequence[Sequence[str]]):
+    def __init__(self, gm: fx.GraphModule, input_names: Sequence[str], boundary: Sequence[Sequence[str]],
+                 places: dict[str, tuple[str, int]] | None = None):
         self.gm = meta_copy(gm)
+        if "dapple_trace" in gm.meta:  # torch.export graphs: factory ops and .to() carry the traced device
+            self.gm.meta["dapple_trace"] = dict(gm.meta["dapple_trace"])
+            retarget_devices(self.gm, "meta")
         self.input_names = list(input_names)
         self.boundary = [list(b) for b in boundary]  # per cut: value names
+        self.places = places or {}  # node name -> (layer name, stage), for errors
         self._cache: dict[tuple[InputKey, int], list[list[Spec]]] = {}
 
     def specs(self, key: InputKey, rows: int) -> list[list[Spec]]:
@@ -64,28 +129,36 @@ class BoundaryShapes:
         return self._cache[(key, rows)]
 
     def _propagate(self, key: InputKey, rows: int) -> list[list[Spec]]:
-        wanted = {v for cut in self.boundary for v in cut}
-        rec = NodeRecorder(self.gm, {n for n in self.gm.graph.nodes if n.name in wanted}, transform=None)
+        run = _Propagation(self.gm, {v for cut in self.boundary for v in cut})
         metas = [torch.empty((rows, *shape), dtype=dtype, device="meta") for shape, dtype in key]
         # enable_grad: requires_grad tells which values carry a gradient back. Identity saved-tensor hooks
         # shield the caller's own hooks (offloading, memory meters) from these meta tensors.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            rec.run(*metas)
-        values = {n.name: v for n, v in rec.values.items()}
-        out = []
-        for c, names in enumerate(self.boundary):
-            specs = []
-            for name in names:
-                v = values[name]
-                if not isinstance(v, torch.Tensor):
-                    raise TypeError(f"value {name!r} crosses the cut after stage {c} but is a {type(v).__name__}, "
-                                    f"not a tensor; only tensors can be sent between stages (move the cut, or "
-                                    f"compute it in the stage that uses it)")
-                if v.dim() == 0 or v.shape[0] != rows:
-                    raise ValueError(f"value {name!r} crosses the cut after stage {c} with shape {tuple(v.shape)} "
-                                     f"for a slice of {rows} rows; dapple splits micro-batches along dimension 0, "
-                                     f"so every tensor crossing a cut must have the batch rows first")
-                grad = bool(v.requires_grad and (v.is_floating_point() or v.is_complex()))
-                specs.append(Spec(tuple(v.shape), v.dtype, grad))
-            out.append(specs)
-        return out
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                run.run(*metas)
+        except _Failed as f:
+            raise self._error(f, key, rows) from f.error
+        return [[self._spec(run.values[name], name, c, rows) for name in names]
+                for c, names in enumerate(self.boundary)]
+
+    def _error(self, f: _Failed, key: InputKey, rows: int) -> ShapeError:
+        layer, stage = self.places.get(f.node.name, ("?", "?"))
+        inputs = ", ".join(f"{name} {(rows, *shape)} {str(dtype).removeprefix('torch.')}"
+                           for name, (shape, dtype) in zip(self.input_names, key))
+        target = f.node.target if isinstance(f.node.target, str) else getattr(f.node.target, "__name__", "?")
+        return ShapeError(f"shape inference (meta device) failed in layer {layer!r} (stage {stage}) at node "
+                          f"{f.node.name!r} ({f.node.op} {target}), for a slice of {rows} rows of inputs {inputs}: "
+                          f"{type(f.error).__name__}: {first_line(f.error)}")
+
+    @staticmethod
+    def _spec(v: Any, name: str, c: int, rows: int) -> Spec:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"value {name!r} crosses the cut after stage {c} but is a {type(v).__name__}, "
+                            f"not a tensor; only tensors can be sent between stages (move the cut, or "
+                            f"compute it in the stage that uses it)")
+        if v.dim() == 0 or v.shape[0] != rows:
+            raise ValueError(f"value {name!r} crosses the cut after stage {c} with shape {tuple(v.shape)} "
+                             f"for a slice of {rows} rows; dapple splits micro-batches along dimension 0, "
+                             f"so every tensor crossing a cut must have the batch rows first")
+        grad = bool(v.requires_grad and (v.is_floating_point() or v.is_complex()))
+        return Spec(tuple(v.shape), v.dtype, grad)

@@ -13,6 +13,7 @@ from torch.fx.passes.split_module import split_module
 
 from ..profiler.export_graph import retarget_devices
 from ..profiler.layer_graph import LayerGraph
+from ..core.plan import Plan
 from ..profiler.layers import Arity, arity
 
 # torch >= 2.12 can make every partition return a tuple; older ones return a lone value bare, which
@@ -199,19 +200,18 @@ def _with_original_names(sub: fx.Graph, prefix: str, qualnames: dict[str, str], 
     return graph, args, outs
 
 
-def state_names(graphs: Sequence[StageGraph], module: nn.Module) -> tuple[dict[int, list[str]], list[str]]:
-    """id(tensor) -> its names in every stage's state_dict, for ``module``'s tensors; and all names in order.
+def layer_paths(model: nn.Module, plan: Plan, layers: Sequence[str] | None) -> Sequence[str] | None:
+    """The modules to make layers of: ``layers`` if given; else the plan's layer names where they are module paths
+    of ``model`` (the profile's layers, whatever rule made them); else None (the default rule)."""
+    if layers is not None or plan.layer_names is None:
+        return layers
+    modules = dict(model.named_modules())
+    names = list(plan.layer_names)
+    nested = len(set(names)) < len(names) or any(b.startswith(a + ".") for a in names for b in names)
+    return names if names and all(n and n in modules for n in names) and not nested else None
 
-    A tied tensor has several names (``wte.weight`` in the first stage, ``lm_head.weight`` in the last).
-    """
-    mine = {id(t) for t in module.state_dict(keep_vars=True).values()}
-    names: dict[int, list[str]] = {}
-    order: dict[str, None] = {}  # insertion-ordered set
-    for g in graphs:
-        for name, t in g.module.state_dict(keep_vars=True).items():
-            if name in order:
-                continue
-            order[name] = None
-            if id(t) in mine:
-                names.setdefault(id(t), []).append(name)
-    return names, list(order)
+
+def node_places(lg: LayerGraph, stage_layers: Sequence[tuple[int, int]]) -> dict[str, tuple[str, int]]:
+    """Node name -> (its layer's name, its stage) under stages of layer ranges ``stage_layers``."""
+    stage_of = lg.stage_of_node(cuts_of(stage_layers))
+    return {n.name: (lg.names[k], stage_of[n]) for n, k in lg.layer_of.items()}

@@ -17,7 +17,15 @@ from .batchnorm import StatsSlot, commit, gather_sums
 from .channels import Channels
 from .distributed import DistContext
 from .p2p import PipelineError
-from .program import BoundaryLayout, Instr, Transfer, op_receives, rank_program, receive_lookahead
+from .program import (
+    BoundaryLayout,
+    Instr,
+    Transfer,
+    forward_program,
+    op_receives,
+    rank_program,
+    receive_lookahead,
+)
 from .shapes import BoundaryShapes, InputKey, Spec, input_key
 from .stages import ModelInputs, StageGraph, resolve_output
 from .tracing import Recorder
@@ -28,12 +36,14 @@ Tensors = tuple[torch.Tensor, ...]
 class _MicroBatch:
     """What one micro-batch keeps alive on a stage between its forward and its backward."""
 
-    __slots__ = ("leaves", "sent", "loss")
+    __slots__ = ("leaves", "sent", "loss", "output")
 
-    def __init__(self, leaves: list[torch.Tensor], sent: list[torch.Tensor], loss: torch.Tensor | None):
+    def __init__(self, leaves: list[torch.Tensor], sent: list[torch.Tensor], loss: torch.Tensor | None,
+                 output: Any = None):
         self.leaves = leaves  # received boundary values (autograd leaves), in ``StageGraph.recv`` order
         self.sent = sent  # boundary values sent on, in ``StageGraph.send`` order (their graph is kept)
         self.loss = loss  # last stage: the slice loss, scaled by rows / global batch
+        self.output = output  # last stage, when evaluating with outputs: the model's output for the slice
 
 
 class StepRunner:
@@ -46,18 +56,21 @@ class StepRunner:
                  channels: Channels, stats: StatsSlot, timeout: float):
         self.plan, self.ctx, self.stage = plan, ctx, stage
         self.graph, self.module, self.loss_fn = graph, module, loss_fn
+        self.forward_module: nn.Module = module  # what runs the forwards: ``module``, or its evaluation twin
         self.inputs, self.shapes, self.stats, self.timeout = inputs, shapes, stats, timeout
         self.p2p, self.reducer = channels.p2p, channels.reducer
         lo, hi = plan.stages[stage].layers
         self.layers = f"[{lo}, {hi})"  # for notes on errors
         self.rows = slice_bounds(plan.micro_batch_size, plan.stages[stage].replicas)[replica]  # of a micro-batch
         self.step = 0
-        self._programs: dict[BoundaryLayout, tuple[list[Instr], dict[Op, list[Transfer]]]] = {}
+        self.batch_rows = plan.global_batch_size  # rows of the batch being run (an evaluation may run others)
+        self._programs: dict[tuple, tuple[list[Instr], dict[Op, list[Transfer]]]] = {}
 
     def run(self, xs: Tensors, ys: Tensors, step: int, rec: Recorder | None) -> float:
         """Run step ``step`` on the global batch (``xs`` inputs, ``ys`` targets), recording into ``rec`` unless it
         is None; adds the step's gradients to ``.grad`` and returns the mean loss."""
         self.step = self.p2p.step = step
+        self.batch_rows = self.plan.global_batch_size
         key = input_key(xs)
         layout = self._boundary_layout(key)
         program, waits = self._program(layout)
@@ -80,8 +93,10 @@ class StepRunner:
         return float(reduced[0])
 
     def _play(self, program: list[Instr], waits: dict[Op, list[Transfer]], key: InputKey, layout: BoundaryLayout,
-              xs: Tensors, ys: Tensors, loss_sum: torch.Tensor, rec: Recorder | None) -> None:
-        """Run the program's instructions in order, adding each slice loss (last stage) into ``loss_sum``."""
+              xs: Tensors, ys: Tensors, loss_sum: torch.Tensor, rec: Recorder | None, forward_only: bool = False,
+              kept: list[tuple[range, Any]] | None = None) -> None:
+        """Run the program's instructions in order, adding each slice loss (last stage) into ``loss_sum``; a
+        ``forward_only`` program keeps nothing for a backward, but each slice's rows and output in ``kept``."""
         alive: dict[int, _MicroBatch] = {}
         outbox: list[torch.Tensor | None] = []
         for ins in program:
@@ -97,15 +112,44 @@ class StepRunner:
                 pieces = self._gather(ins.op, waits[ins.op], len(self.graph.recv if forward else self.graph.send), rec)
                 start = rec.clock() if rec is not None else 0.0
                 if forward:
-                    outbox = self._forward(j, pieces, xs, ys, alive, layout)
-                    if alive[j].loss is not None:
-                        loss_sum += alive[j].loss.detach()
+                    outbox = self._forward(j, pieces, xs, ys, alive, layout, keep_output=kept is not None)
+                    m = alive.pop(j) if forward_only else alive[j]
+                    if m.loss is not None:
+                        loss_sum += m.loss.detach()
+                        if kept is not None:
+                            b = self.plan.micro_batch_size
+                            kept.append((range(j * b + self.rows[0], j * b + self.rows[1]), m.output))
                 else:
                     if j == self.plan.num_micro_batches - 1:  # the last backward of the step
                         self.reducer.arm()  # gradient AllReduce buckets start as their gradients become final
                     outbox = self._backward(j, pieces, alive, layout)
                 if rec is not None:
                     rec.compute(ins.op.kind, j, start, rec.clock())
+
+    def evaluate(self, xs: Tensors, ys: Tensors, step: int, outputs: bool) -> tuple[float, list[tuple[range, Any]]]:
+        """A forward-only pass over the batch ``xs`` (any multiple of the micro-batch size) under no_grad: the
+        mean loss over all its rows (on every rank) and, with ``outputs``, this rank's model outputs (last stage:
+        per micro-batch slice, its rows of the batch and the output; elsewhere none)."""
+        self.step = self.p2p.step = step
+        self.batch_rows = xs[0].shape[0]
+        key = input_key(xs)
+        layout = self._boundary_layout(key)
+        micro_batches = self.batch_rows // self.plan.micro_batch_size
+        program, waits = self._program(layout, micro_batches)
+        reduced = torch.zeros(self.stats.length, dtype=torch.float64, device=self.ctx.device)  # as in a step
+        kept: list[tuple[range, Any]] = []
+        self.p2p.rec = self.reducer.rec = None
+        with torch.no_grad():
+            self._play(program, waits, key, layout, xs, ys, reduced[0], None, True, kept if outputs else None)
+            self.p2p.finish()
+            where = f"rank {self.ctx.rank} (stage {self.stage}), evaluation after step {self.step}"
+            deferred = bool(self.stats.layers) and self.forward_module.training  # BatchNorm counts rows, as in training
+            if deferred:
+                reduced[self.stats.slot] = gather_sums(self.stats.layers, where)
+            wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
+            if deferred:
+                commit(self.stats.layers, reduced[self.stats.slot])
+        return float(reduced[0]), kept
 
     def _reduce(self, reduced: torch.Tensor, rec: Recorder | None) -> None:
         """End of the step: wait for the sends, sum the gradients, then AllReduce ``reduced`` over all ranks."""
@@ -124,7 +168,8 @@ class StepRunner:
             rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")
 
     def _forward(self, j: int, pieces: list[list[torch.Tensor]], xs: Tensors, ys: Tensors,
-                 alive: dict[int, _MicroBatch], layout: BoundaryLayout) -> list[torch.Tensor | None]:
+                 alive: dict[int, _MicroBatch], layout: BoundaryLayout, keep_output: bool = False
+                 ) -> list[torch.Tensor | None]:
         """Micro-batch ``j``'s forward on this replica's rows; returns what to send on (nothing on the last stage,
         which computes the slice loss instead)."""
         g, b = self.graph, self.plan.micro_batch_size
@@ -142,10 +187,11 @@ class StepRunner:
                 leaves.append(x.requires_grad_(v in grads))
                 env[name] = x.clone() if name in g.modified and x.requires_grad else x  # leaves stay intact
         with self._noted(j, lambda: f"in the forward of layers {self.layers}"):
-            outs = self.module(*[env[a] for a in g.args])
+            outs = self.forward_module(*[env[a] for a in g.args])
         env.update(zip(g.outs, outs))
         if self.stage == self.plan.num_stages - 1:
-            alive[j] = _MicroBatch(leaves, [], self._loss(j, resolve_output(g.output, env), ys, lo, hi))
+            out = resolve_output(g.output, env)
+            alive[j] = _MicroBatch(leaves, [], self._loss(j, out, ys, lo, hi), out if keep_output else None)
             return []
         sent = [env[name] for name in g.send]
         alive[j] = _MicroBatch(leaves, sent, None)
@@ -159,7 +205,7 @@ class StepRunner:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"{self._where(j)}: loss_fn must return a scalar tensor (the mean over the rows it "
                             f"is given), got {loss!r:.80}")
-        return loss.reshape(()) * ((hi - lo) / self.plan.global_batch_size)
+        return loss.reshape(()) * ((hi - lo) / self.batch_rows)
 
     def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch],
                   layout: BoundaryLayout) -> list[torch.Tensor | None]:
@@ -227,12 +273,16 @@ class StepRunner:
         return BoundaryLayout(values=tuple(len(c) for c in specs),
                               grads=tuple(tuple(v for v, sp in enumerate(c) if sp.requires_grad) for c in specs))
 
-    def _program(self, layout: BoundaryLayout) -> tuple[list[Instr], dict[Op, list[Transfer]]]:
-        """This rank's program for ``layout`` and each compute's receives (made once per layout)."""
-        if layout not in self._programs:
-            prog = rank_program(self.plan, layout, self.ctx.rank, receive_lookahead(self.ctx.device))
-            self._programs[layout] = (prog, op_receives(prog, self.ctx.rank, self.plan, layout))
-        return self._programs[layout]
+    def _program(self, layout: BoundaryLayout, forwards: int | None = None
+                 ) -> tuple[list[Instr], dict[Op, list[Transfer]]]:
+        """This rank's program for ``layout`` and each compute's receives (made once per layout): a training
+        step's, or with ``forwards`` that of a forward-only pass of that many micro-batches."""
+        if (layout, forwards) not in self._programs:
+            ahead = receive_lookahead(self.ctx.device)
+            prog = rank_program(self.plan, layout, self.ctx.rank, ahead) if forwards is None else \
+                forward_program(self.plan, layout, self.ctx.rank, forwards, ahead)
+            self._programs[(layout, forwards)] = (prog, op_receives(prog, self.ctx.rank, self.plan, layout))
+        return self._programs[(layout, forwards)]
 
     def _spec(self, key: InputKey, t: Transfer) -> Spec:
         return self.shapes.specs(key, t.rows)[t.cut][t.value]

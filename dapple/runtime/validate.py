@@ -51,17 +51,22 @@ def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
     return xs
 
 
-def check_batch(plan: Plan, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], arity: Arity) -> None:
+def check_batch(plan: Plan, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], arity: Arity,
+                any_rows: bool = False) -> None:
     """Inputs match the model's arguments (``arity``) and every input/target holds the global batch in
-    dimension 0."""
+    dimension 0 (``any_rows``: the same batch of any positive multiple of the micro-batch size)."""
     arity.check(len(inputs), "inputs")
-    g = plan.global_batch_size
+    g, b = plan.global_batch_size, plan.micro_batch_size
+    if any_rows and inputs and inputs[0].dim() > 0 and inputs[0].shape[0] > 0 and inputs[0].shape[0] % b == 0:
+        g = inputs[0].shape[0]
     for what, xs in (("inputs", inputs), ("targets", targets)):
         for i, t in enumerate(xs):
             if t.dim() == 0 or t.shape[0] != g:
-                raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)}; expected the global batch of "
-                                 f"{g} rows (plan.global_batch_size) in dimension 0, split into "
-                                 f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}")
+                expected = (f"a batch of a multiple of plan.micro_batch_size ({b}) rows in dimension 0, the same "
+                            f"for every input and target" if any_rows else
+                            f"the global batch of {g} rows (plan.global_batch_size) in dimension 0, split into "
+                            f"{plan.num_micro_batches} micro-batches of {b}")
+                raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)}; expected {expected}")
 
 
 def batch_sums(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -76,3 +76,15 @@ def test_profile_with_trace_export(tmp_path):
                  "--model-arg", "seq=8"]) == 0
     prof = Profile.load(out)
     assert prof.meta["tracer"] == "export" and prof.layer_names == ["wte", "wpe", "drop", "blocks.0", "ln_f", "lm_head"]
+
+
+def test_profile_layers_by_module_path(tmp_path):
+    out = tmp_path / "gpt.profile.yaml"
+    args = ["profile", "examples.models:gpt", "--batch-sizes", "2", *FAST, "--quiet", "--model-arg", "n_layer=2",
+            "--model-arg", "n_embd=16", "--model-arg", "seq=8"]
+    assert main([*args, "-o", str(out), "--layers", "wte", "blocks.0", "blocks.1", "lm_head"]) == 0
+    prof = Profile.load(out)
+    assert prof.layer_names == ["wte", "blocks.0", "blocks.1", "lm_head"]  # wpe joins wte, ln_f joins blocks.1
+    assert prof.meta["layering"] == {"rule": "given", "layers": ["wte", "blocks.0", "blocks.1", "lm_head"]}
+    with pytest.raises(SystemExit, match=r"dapple profile: layers: 'blocks.9' is not a submodule of GPT"):
+        main([*args, "--layers", "wte", "blocks.9"])

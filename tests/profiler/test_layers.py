@@ -9,6 +9,8 @@ from torch import nn
 from dapple.models import GPT, EmulatedNet, ResNet
 from dapple.profiler import TraceError, trace_layers
 from dapple.profiler.layers import arity
+from dapple.profiler.units import find_blocks
+from tests.conftest import EXPORT_OK
 
 
 def _check_monotone(lg):
@@ -151,3 +153,111 @@ def test_a_none_default_traced_as_a_tensor_must_be_given():
     with pytest.raises(ValueError, match=r"^inputs: the model takes 1 to 3 inputs \['x', 'mask_1', 'scale'\], "
                                          r"got 4$"):
         kept.check(4, "inputs")
+
+
+class Rotary(nn.Module):
+    """A table computed from the sequence length alone (a rotary embedding's cos/sin): (T,) -> (T, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 4))
+
+    def forward(self, t):
+        pos = torch.arange(t, device=self.freq.device, dtype=self.freq.dtype)
+        return torch.cos(pos[:, None] * self.freq)
+
+
+class TableBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, h, table):
+        return torch.tanh(self.fc(h) + table)
+
+
+class Body(nn.Module):
+    def __init__(self, depth=3):
+        super().__init__()
+        self.embed, self.rotary, self.norm = nn.Linear(3, 4), Rotary(), nn.LayerNorm(4)
+        self.blocks = nn.ModuleList([TableBlock() for _ in range(depth)])
+
+    def forward(self, x):  # (B, T, 3) -> (B, T, 4)
+        h = self.embed(x)
+        table = self.rotary(x.size(1))
+        for b in self.blocks:
+            h = b(h, table)
+        return self.norm(h)
+
+
+class Wrapped(nn.Module):
+    """A user's wrapper around a model whose blocks sit two levels down (body.blocks.i)."""
+
+    def __init__(self, depth=3):
+        super().__init__()
+        self.body, self.head = Body(depth), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+WRAPPED = ["body.embed", "body.blocks.0", "body.blocks.1", "body.blocks.2", "body.norm", "head"]
+
+
+def test_blocks_at_any_depth_are_layers_and_a_table_from_sizes_is_computed_where_used():
+    lg = trace_layers(Wrapped())
+    assert lg.names == WRAPPED  # body.rotary: its table is computed in every block that uses it, not sent
+    assert lg.layering.to_meta() == {"rule": "blocks", "blocks": ["body.blocks"]}
+    _check_monotone(lg)
+    crossing = [[n.name for n in lg.crossing(k)] for k in range(lg.num_layers - 1)]
+    assert all(len(c) == 1 for c in crossing), crossing  # the hidden state only
+    m = Wrapped().double()
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    assert torch.equal(trace_layers(m).gm(x), m(x))
+
+
+@pytest.mark.skipif(not EXPORT_OK, reason="torch.export tracing needs torch >= 2.9")
+def test_fx_and_export_give_the_same_layers_at_any_depth():
+    m = Wrapped().double()
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    lg = trace_layers(m, method="export", example_inputs=x, dynamic_shapes=[{1: torch.export.Dim.AUTO}])
+    assert lg.names == trace_layers(m, method="fx").names == WRAPPED
+    _check_monotone(lg)
+    for k in range(lg.num_layers - 1):
+        assert [tuple(n.meta["val"].shape)[2:] for n in lg.crossing(k)] == [(4,)], k  # (B, T, 4) only
+    assert torch.equal(lg.gm(torch.ones(3, 7, 3, dtype=torch.float64)), m(torch.ones(3, 7, 3, dtype=torch.float64)))
+
+
+def test_find_blocks_takes_every_heavy_stack_and_skips_stacks_inside_blocks():
+    class EncDec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = Body(2)
+            self.decoder = Body(3)
+            self.extra = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))  # a stack, but a light one
+
+    assert find_blocks(EncDec()) == ["encoder.blocks", "decoder.blocks"]
+    assert find_blocks(GPT(n_layer=2)) == ["blocks"]  # not blocks.0.mlp (Linear, GELU, Linear): inside a block
+    assert find_blocks(GPT(n_layer=1)) == ["blocks"]  # a list of one block is still the list of blocks
+    assert find_blocks(nn.Linear(2, 2)) == []
+
+
+def test_layers_given_by_path_override_the_rule_and_unlisted_operations_join_a_neighbour():
+    lg = trace_layers(Wrapped(), layers=["body.blocks.0", "body.blocks.2", "head"])
+    assert lg.names == ["body.blocks.0", "body.blocks.2", "head"]  # embed joins blocks.0, blocks.1 joins it too
+    assert lg.layering.to_meta() == {"rule": "given", "layers": ["body.blocks.0", "body.blocks.2", "head"]}
+    _check_monotone(lg)
+    m = Wrapped().double()
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    assert torch.equal(trace_layers(m, layers=["body", "head"]).gm(x), m(x))
+
+
+@pytest.mark.parametrize("layers, error", [
+    ("head", r"layers: expected a non-empty list of module paths"),
+    ([], r"layers: expected a non-empty list"),
+    (["body.blocks.7"], r"layers: 'body.blocks.7' is not a submodule of Wrapped .*'body.blocks.0'"),
+    (["body", "body.blocks.0"], r"layers: 'body' and 'body.blocks.0' overlap"),
+])
+def test_bad_layer_paths_are_named(layers, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        trace_layers(Wrapped(), layers=layers)

@@ -11,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapple.planner import Plan, Stage, stage_ops
-from dapple.runtime.program import LOOKAHEAD, BoundaryLayout, CommError, dry_run, rank_program, receive_lookahead
+from dapple.runtime.program import (
+    LOOKAHEAD,
+    BoundaryLayout,
+    CommError,
+    dry_run,
+    forward_program,
+    rank_program,
+    receive_lookahead,
+)
 
 
 @st.composite
@@ -60,6 +68,18 @@ def test_programs_match_pairwise_and_never_deadlock(case, lookahead):
                 rows[(i.transfer.cut, i.transfer.micro_batch, i.transfer.value)] += i.transfer.rows
     assert set(rows.values()) <= {plan.micro_batch_size}
     assert len(rows) == sum(layout.values) * plan.num_micro_batches
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.integers(1, 5), st.sampled_from([LOOKAHEAD, 0]))
+def test_forward_only_programs_match_pairwise_and_never_deadlock(case, micro_batches, lookahead):
+    """eval_step's programs: each micro-batch's forward in order, activations only, any number of micro-batches."""
+    plan, layout = case
+    programs = {r: forward_program(plan, layout, r, micro_batches, lookahead) for r in range(plan.num_devices)}
+    dry_run(plan, layout, programs)
+    for prog in programs.values():
+        assert [str(i.op) for i in prog if i.action == "compute"] == [f"F{j}" for j in range(micro_batches)]
+        assert all(i.transfer.kind == "act" for i in prog if i.action != "compute")
 
 
 def _plan(warmup, schedule="dapple"):

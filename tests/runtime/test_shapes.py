@@ -8,7 +8,7 @@ from torch import nn
 
 from dapple.models import GPT
 from dapple.profiler import trace_layers
-from dapple.runtime.shapes import BoundaryShapes, Spec, input_key
+from dapple.runtime.shapes import BoundaryShapes, ShapeError, Spec, input_key
 from dapple.runtime.stages import split_stages
 
 
@@ -57,3 +57,43 @@ def test_boundary_must_be_batch_first():
 def test_frozen_first_stage_sends_no_gradient():
     shapes = _shapes(Frozen(), [(0, 1), (1, 2)])
     assert shapes.specs(input_key([torch.zeros(8, 4)]), 2) == [[Spec((2, 4), torch.float32, False)]]
+
+
+class Checked(nn.Module):
+    """A check on values: the meta device cannot run it (shape inference runs it on the CPU, on zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if not torch.isfinite(x).all():
+            raise ValueError("non-finite")
+        return self.fc(x)
+
+
+class Picky(nn.Module):
+    def forward(self, x):
+        raise ValueError(f"picky about {tuple(x.shape)}")
+
+
+def _leaf_shapes(leaf):
+    model = nn.Sequential(nn.Linear(4, 4), leaf, nn.Linear(4, 2))
+    lg = trace_layers(model, leaf_modules=[type(leaf)])
+    stages = split_stages(lg, [(0, 1), (1, 2), (2, 3)])
+    places = {n.name: (lg.names[k], k) for n, k in lg.layer_of.items()}  # one layer per stage here
+    return BoundaryShapes(lg.gm, ["input"], [s.send for s in stages[:-1]], places)
+
+
+def test_a_leaf_the_meta_device_cannot_run_is_run_on_the_cpu():
+    shapes = _leaf_shapes(Checked())
+    assert shapes.specs(input_key([torch.zeros(8, 4)]), 3) == [[Spec((3, 4), torch.float32, True)]] * 2
+
+
+def test_a_failure_names_the_layer_the_stage_and_the_input_shapes():
+    shapes = _leaf_shapes(Picky())
+    with pytest.raises(ShapeError, match=r"^shape inference \(meta device\) failed in layer '1' \(stage 1\) at "
+                                         r"node '_1' \(call_module 1\), "
+                                         r"for a slice of 3 rows of inputs input \(3, 5, 4\) float32: "
+                                         r"ValueError: picky about \(3, 5, 4\)$"):
+        shapes.specs(input_key([torch.zeros(8, 5, 4)]), 3)

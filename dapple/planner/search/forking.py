@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import os
 import sys
 import threading
@@ -71,6 +72,12 @@ def resolve_workers(workers: int | str, searches: int, large: bool) -> int:
     return min(workers, max(searches, 1))
 
 
+def _default_signals() -> None:
+    """In a new worker: SIGTERM ends it, whatever handler the parent installed (a launcher's handler that raises
+    would be caught by the worker's result loop, which then waits on its queue again: unkillable but by SIGKILL)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _apply(i: int):
     """In a worker: the running call's task on its i-th item."""
     task, items = _RUNNING
@@ -87,7 +94,8 @@ def forked_map(task: Callable, items: Sequence, workers: int, what: str = "") ->
         return [task(item) for item in items]
     with _LOCK:
         _RUNNING = (task, list(items))
-        pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=multiprocessing.get_context("fork"))
+        pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_default_signals)
         stuck = False
         try:
             futures = [pool.submit(_apply, i) for i in range(len(items))]
@@ -141,7 +149,11 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     for proc in procs:
         proc.terminate()
     for proc in procs:
-        proc.join(5)
+        proc.join(2)
+    for proc in procs:  # one that caught SIGTERM and went back to waiting on a lock its sibling held
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 class Step(str, Enum):

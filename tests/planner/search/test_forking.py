@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import signal
 import time
 
 import pytest
@@ -199,11 +200,26 @@ def _spin(i):
     return i
 
 
+def _raise_on_term(signum, frame):
+    raise RuntimeError("SIGTERM")  # as a launcher's handler does (torch's elastic agent raises SignalException)
+
+
 @forks
 @pytest.mark.timeout(60)
-def test_a_stuck_worker_is_an_error_not_a_hang(monkeypatch):
+@pytest.mark.parametrize("parent_handles_sigterm", [False, True])
+def test_a_stuck_worker_is_an_error_not_a_hang(monkeypatch, parent_handles_sigterm):
     """Workers that use no CPU with work pending (a fork of a multi-threaded process can deadlock) stop the step
-    with an error naming it after forking.WORKER_STUCK seconds, and are ended, not left behind."""
+    with an error naming it after forking.WORKER_STUCK seconds, and are ended, not left behind -- also when the
+    parent installed a SIGTERM handler that raises (the workers inherit it; one waiting on a queue lock would
+    catch the exception and wait again, and the interpreter's exit would join it forever)."""
+    old = signal.signal(signal.SIGTERM, _raise_on_term if parent_handles_sigterm else signal.getsignal(signal.SIGTERM))
+    try:
+        _stuck_workers_are_ended(monkeypatch)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _stuck_workers_are_ended(monkeypatch) -> None:
     monkeypatch.setattr(forking, "_apply", _hang)
     monkeypatch.setattr(forking, "WORKER_STUCK", 1.0)
     monkeypatch.setattr(forking, "POLL", 0.2)
