@@ -15,11 +15,14 @@ VERSION = 1
 
 @dataclass
 class Stage:
-    """Layers ``[start, end)`` replicated on ``devices``; ``warmup`` is K_i (None: from the plan's policy)."""
+    """Layers ``[start, end)`` replicated on ``devices``; ``warmup`` is K_i (None: from the plan's policy);
+    ``recompute``: the stage keeps only its inputs per micro-batch in flight and runs its forward again in the
+    backward (activation recomputation)."""
 
     layers: tuple[int, int]
     devices: list[int]
     warmup: int | None = None
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         self.layers = tuple(self.layers)  # type: ignore[assignment]
@@ -202,8 +205,8 @@ class Plan:
         doc: dict = {"dapple_plan": VERSION, "global_batch_size": self.global_batch_size,
                      "micro_batch_size": self.micro_batch_size, "schedule": self.schedule,
                      "warmup_policy": self.warmup_policy,
-                     "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup}
-                                for s in self.stages]}
+                     "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup,
+                                 **({"recompute": True} if s.recompute else {})} for s in self.stages]}
         if self.layer_names is not None:
             doc["layer_names"] = list(self.layer_names)
         if self.estimate is not None:
@@ -221,10 +224,14 @@ class Plan:
                                          "warmup_policy", "stages", "layer_names", "estimate", "meta")
 
         def stage(g: documents.Fields) -> Stage:
-            g.known("layers", "devices", "warmup")
+            g.known("layers", "devices", "warmup", "recompute")
             layers = g.numbers("layers", length=2, integer=True)
             warmup = g.number("warmup", integer=True, minimum=1) if g.data.get("warmup") is not None else None
-            return Stage(layers=(layers[0], layers[1]), devices=g.numbers("devices", integer=True), warmup=warmup)
+            recompute = g.data.get("recompute", False)
+            if not isinstance(recompute, bool):
+                raise documents.DocumentError(f"{g.where}.recompute: expected true or false, got {recompute!r}")
+            return Stage(layers=(layers[0], layers[1]), devices=g.numbers("devices", integer=True), warmup=warmup,
+                         recompute=recompute)
 
         names = f.data.get("layer_names")
         if names is not None and (not isinstance(names, list) or not all(isinstance(x, str) for x in names)):

@@ -21,6 +21,8 @@ from .clipping import clip_grad_norm, counted_parameters
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
 from .p2p import PipelineError
+from .precision import LossScaler, Precision
+from .recompute import check_recomputable, recomputing
 from .program import Transfer
 from .shapes import BoundaryShapes, input_key
 from .modes import eval_graph
@@ -45,8 +47,11 @@ class Pipeline:
                  *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
                  backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
-                 layers: Sequence[str] | None = None, check_inputs: bool = True):
+                 layers: Sequence[str] | None = None, check_inputs: bool = True,
+                 mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
+        precision = Precision.of(mixed_precision)
+        self.scaler = LossScaler(precision.dtype == torch.float16)  # fp16: dynamic loss scaling
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
         self.check_inputs = check_inputs
         self.ctx: DistContext = init_distributed(self.timeout, backend)
@@ -61,6 +66,10 @@ class Pipeline:
         plan.check_layers(lg.names)
         self.plan, self.loss_fn = plan, loss_fn
         graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
+        flags = recomputing(plan, recompute)
+        for i in (i for i, on in enumerate(flags) if on):  # every rank checks every stage: all raise alike
+            check_recomputable(graphs[i].module, i)
+        self.recompute = flags[plan.stage_of_device(self.ctx.rank)]
         # deferred BatchNorm: each stage's slot in the vector of the loss AllReduce (every rank knows them all)
         stats_sizes = stage_stats_sizes(model, [g.module for g in graphs], deferred_batch_norm)
         self.stage = plan.stage_of_device(self.ctx.rank)
@@ -87,7 +96,8 @@ class Pipeline:
         self._p2p, self._reducer, self._groups = channels.p2p, channels.reducer, channels.groups
         self._counted: list[nn.Parameter] | None = None  # clip_grad_norm_'s share of the norm (on first use)
         self._runner = StepRunner(plan, self.ctx, self.stage, self.replica, self.graph, self.module, loss_fn, inputs,
-                                  shapes, channels, stats, self.timeout)
+                                  shapes, channels, stats, self.timeout, precision=precision, scaler=self.scaler,
+                                  recompute=self.recompute)
         self.training = bool(model.training)  # the model's mode; pipe.train() / pipe.eval() change it
         self._eval_module: nn.Module | None = None  # made on the first eval(): the stage with training flags off
         if not self.training:
@@ -291,7 +301,8 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
              concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
-             layers: Sequence[str] | None = None, check_inputs: bool = True) -> Pipeline:
+             layers: Sequence[str] | None = None, check_inputs: bool = True, mixed_precision: str | None = None,
+             recompute: bool | Sequence[bool] | None = None) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss; the
@@ -321,6 +332,14 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
         check_inputs: compare a checksum of each step's inputs and targets across ranks (one small AllReduce, a
             pass over the batch): every rank must pass the same global batch, and a rank given its own shard
             raises ValueError instead of training on a mix. Shapes are always compared.
+        mixed_precision: "bf16" or "fp16": each stage runs its forward and the loss under ``torch.autocast`` in that
+            dtype (parameters and gradients stay fp32), and activations and their gradients cross stages in it
+            (half the bytes). "fp16" scales the loss dynamically, with one decision per step for every rank:
+            ``pipe.scaler.step(opt); pipe.scaler.update()`` as with ``torch.amp.GradScaler``. None: the model's
+            own dtypes.
+        recompute: activation recomputation: a stage keeps only its inputs per micro-batch in flight and runs its
+            forward again in the backward (``torch.utils.checkpoint``); True or False for every stage, one bool per
+            stage, or None: as the plan's stages say (``Stage.recompute``).
 
     Returns:
         This rank's :class:`Pipeline`.
@@ -328,4 +347,4 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace, deferred_batch_norm=deferred_batch_norm, layers=layers,
-                    check_inputs=check_inputs)
+                    check_inputs=check_inputs, mixed_precision=mixed_precision, recompute=recompute)

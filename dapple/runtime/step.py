@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..core.dist import wait_for
 from ..core.plan import Plan
@@ -16,7 +17,9 @@ from ..core.split_concat import slice_bounds
 from .batchnorm import StatsSlot, commit, gather_sums
 from .channels import Channels
 from .distributed import DistContext
+from .loss_checks import problems, sums_rows
 from .p2p import PipelineError
+from .precision import LossScaler, Precision, overflowed, unscale
 from .program import (
     BoundaryLayout,
     Instr,
@@ -31,6 +34,8 @@ from .stages import ModelInputs, StageGraph, resolve_output
 from .tracing import Recorder
 
 Tensors = tuple[torch.Tensor, ...]
+CHECKS = 3  # slots after the loss and BatchNorm sums: a summed loss, a loss without gradient, a gradient overflow
+HALF = (torch.float16, torch.bfloat16)
 
 
 class _MicroBatch:
@@ -53,8 +58,12 @@ class StepRunner:
 
     def __init__(self, plan: Plan, ctx: DistContext, stage: int, replica: int, graph: StageGraph, module: nn.Module,
                  loss_fn: Callable[..., torch.Tensor], inputs: ModelInputs, shapes: BoundaryShapes,
-                 channels: Channels, stats: StatsSlot, timeout: float):
+                 channels: Channels, stats: StatsSlot, timeout: float, *, precision: Precision = Precision(),
+                 scaler: LossScaler | None = None, recompute: bool = False):
         self.plan, self.ctx, self.stage = plan, ctx, stage
+        self.precision, self.recompute = precision, recompute
+        self.scaler = scaler if scaler is not None else LossScaler(False)
+        self.flags = [0.0, 0.0]  # this step's loss problems (loss_checks.problems), summed over all ranks
         self.graph, self.module, self.loss_fn = graph, module, loss_fn
         self.forward_module: nn.Module = module  # what runs the forwards: ``module``, or its evaluation twin
         self.inputs, self.shapes, self.stats, self.timeout = inputs, shapes, stats, timeout
@@ -78,18 +87,29 @@ class StepRunner:
         for p in stash:
             p.grad = None
         # reduced over all ranks at the end: the loss (the last stage's replicas add theirs), then every stage's
-        # deferred BatchNorm sums in its slot (zeros elsewhere), so one AllReduce sums them over the replicas
-        reduced = torch.zeros(self.stats.length, dtype=torch.float64, device=self.ctx.device)  # (length,)
+        # deferred BatchNorm sums in its slot (zeros elsewhere), so one AllReduce sums them over the replicas, then
+        # the loss problems and whether some gradient overflowed (fp16): one decision for every rank
+        reduced = torch.zeros(self.stats.length + CHECKS, dtype=torch.float64, device=self.ctx.device)  # (length,)
+        self.flags = [0.0, 0.0]
         rec = self.p2p.rec = self.reducer.rec = rec  # tracing: one `is not None` test per instruction
         if rec is not None:
             rec.begin_step(step)
         self._play(program, waits, key, layout, xs, ys, reduced[0], rec)  # reduced[0] is a view into ``reduced``
         self._reduce(reduced, rec)
+        checks = reduced[-CHECKS:].tolist()
+        problem = problems(checks[:2], f"rank {self.ctx.rank} (stage {self.stage}), step {step}")
+        if problem is None and self.scaler.enabled:
+            self.scaler.found_inf = checks[2] > 0
+            unscale(stash, self.scaler.scale)  # this step's gradients (the earlier ones are not scaled)
         for p, old in stash.items():
-            if old is not None:
+            if problem is not None:
+                p.grad = old  # the step's gradients are wrong: the parameters keep what they had
+            elif old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)
         if rec is not None:
             rec.end_step()
+        if problem is not None:
+            raise ValueError(problem)
         return float(reduced[0])
 
     def _play(self, program: list[Instr], waits: dict[Op, list[Transfer]], key: InputKey, layout: BoundaryLayout,
@@ -160,6 +180,8 @@ class StepRunner:
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
         self.reducer.finish(self.timeout, where)
         start = rec.clock() if rec is not None else 0.0
+        overflow = self.scaler.enabled and overflowed(self.module.parameters())
+        reduced[-CHECKS:] = torch.tensor([*self.flags, float(overflow)], dtype=torch.float64)
         if self.stats.layers:
             reduced[self.stats.slot] = gather_sums(self.stats.layers, where)
         wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
@@ -186,8 +208,13 @@ class StepRunner:
                 x = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])  # (rows, ...)
                 leaves.append(x.requires_grad_(v in grads))
                 env[name] = x.clone() if name in g.modified and x.requires_grad else x  # leaves stay intact
-        with self._noted(j, lambda: f"in the forward of layers {self.layers}"):
-            outs = self.forward_module(*[env[a] for a in g.args])
+        args = [env[a] for a in g.args]
+        with self._noted(j, lambda: f"in the forward of layers {self.layers}"), \
+                self.precision.autocast(self.ctx.device):
+            if self.recompute and torch.is_grad_enabled():  # keep the inputs only: the backward runs the forward again
+                outs = checkpoint(self.forward_module, *args, use_reentrant=False)
+            else:
+                outs = self.forward_module(*args)
         env.update(zip(g.outs, outs))
         if self.stage == self.plan.num_stages - 1:
             out = resolve_output(g.output, env)
@@ -200,12 +227,21 @@ class StepRunner:
     def _loss(self, j: int, out: Any, ys: Tensors, lo: int, hi: int) -> torch.Tensor:
         """The user's loss of rows ``lo:hi``, scaled by their share of the global batch."""
         tgt = [y[lo:hi].to(self.ctx.device, non_blocking=True) for y in ys]
-        with self._noted(j, lambda: f"in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})"):
+        with self._noted(j, lambda: f"in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})"), \
+                self.precision.autocast(self.ctx.device):
             loss = self.loss_fn(out, *tgt)  # the user's function: its error, and with what it was called
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"{self._where(j)}: loss_fn must return a scalar tensor (the mean over the rows it "
-                            f"is given), got {loss!r:.80}")
-        return loss.reshape(()) * ((hi - lo) / self.batch_rows)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"{self._where(j)}: loss_fn must return a scalar tensor (the mean over the rows it "
+                                f"is given), got {loss!r:.80}")
+            if torch.is_grad_enabled():
+                if not loss.requires_grad:
+                    self.flags[1] = 1.0
+                elif self.step == 1 and j == 0 and sums_rows(self.loss_fn, out, tgt, loss):  # once: a loss call
+                    self.flags[0] = 1.0
+        loss = loss.reshape(())
+        if loss.dtype in HALF:  # under autocast: the losses are summed (and scaled, fp16) in fp32
+            loss = loss.float()
+        return loss * ((hi - lo) / self.batch_rows)
 
     def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch],
                   layout: BoundaryLayout) -> list[torch.Tensor | None]:
@@ -214,7 +250,7 @@ class StepRunner:
         with self._noted(j, lambda: f"in the backward of layers {self.layers}"):
             if m.loss is not None:
                 if m.loss.requires_grad:
-                    m.loss.backward()
+                    (m.loss * self.scaler.scale if self.scaler.enabled else m.loss).backward()
             else:
                 roots, grads = [], []
                 for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
@@ -285,7 +321,8 @@ class StepRunner:
         return self._programs[(layout, forwards)]
 
     def _spec(self, key: InputKey, t: Transfer) -> Spec:
-        return self.shapes.specs(key, t.rows)[t.cut][t.value]
+        spec = self.shapes.specs(key, t.rows)[t.cut][t.value]
+        return spec._replace(dtype=self.precision.wire(spec.dtype))
 
 
 def _shape(x: Any) -> Any:

@@ -1,0 +1,63 @@
+"""Training features on 4 processes: bf16/fp16 autocast (activations on the wire in half precision, fp16's loss
+scale decided once for every rank), activation recomputation (float64-exact), and the loss mistakes a step catches."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime import feature_workers as fw
+from tests.runtime._spawn import run_ranks
+
+TOL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(fw.run_cases, 4, fw.CASES, timeout=240)
+
+
+@pytest.mark.slow
+def test_bf16_is_autocast_with_half_the_bytes_on_the_wire(results):
+    for rank, res in enumerate(r["bf16"] for r in results):
+        # the same model and batch under single-process autocast: the slices and the wire's rounding differ
+        assert res["loss"] < 1e-3, (rank, res["loss"])
+        assert max(res["grads"].values()) < 0.05, (rank, res["grads"])
+        assert res["vs_fp32"] > 1e-3  # autocast did change the reference's gradients: the comparison is not vacuous
+        assert res["param_dtypes"] == ["torch.float32"] and res["grad_dtypes"] == ["torch.float32"]
+        assert all(d.endswith("torch.bfloat16") for d in res["sent"]), (rank, res["sent"])
+    assert any(r["bf16"]["sent"] for r in results)
+
+
+@pytest.mark.slow
+def test_fp16_skips_an_overflowing_step_on_every_rank(results):
+    for rank, res in enumerate(r["fp16_overflow"] for r in results):
+        assert res["first"]["loss"] < 1e-3 and max(res["first"]["grads"].values()) < 0.05, (rank, res["first"])
+        assert res["found"] == [False, True, False], rank  # rank 2 overflowed: every rank knows it
+        assert res["stepped"] == [(True, True), (False, False), (True, True)], rank
+        assert res["scales"] == [65536.0, 65536.0, 32768.0, 32768.0], rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["recompute_all", "recompute_some_gpt"])
+def test_recomputation_is_exact(results, case):
+    for rank, per_step in enumerate(r[case] for r in results):
+        for res in per_step:
+            assert res["loss"] <= TOL and all(e <= TOL for e in res["grads"].values()), (case, rank, res)
+    flags = [r[case][0]["recompute"] for r in results]
+    assert flags == ([True] * 4 if case == "recompute_all" else [True, True, False, True])
+
+
+@pytest.mark.slow
+def test_recomputing_a_stage_with_batch_norm_is_refused(results):
+    for r in results:
+        assert "recompute: stage 1 holds batch normalisation" in r["recompute_batchnorm"], r["recompute_batchnorm"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, says", [("summed_loss", "loss_fn returned the sum over the rows"),
+                                        ("loss_without_gradient", "the loss does not require grad")])
+def test_a_wrong_loss_makes_every_rank_raise_at_the_first_step(results, case, says):
+    for rank, res in enumerate(r[case] for r in results):
+        assert res["error"] is not None and says in res["error"], (rank, res["error"])
+        assert "step 1" in res["error"] and "gradients were discarded" in res["error"]
+        assert res["grads"] == [], rank  # the step's gradients were discarded
