@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ def _process_peak(steps, device: torch.device) -> int:
     return _rss()[1] - base
 
 
-def run(args: argparse.Namespace, m: int, schedule: str) -> dict[str, int]:
+def run(args: argparse.Namespace, m: int, variant: str) -> dict[str, float]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.stages * args.blocks, n_head=4,
@@ -65,17 +67,23 @@ def run(args: argparse.Namespace, m: int, schedule: str) -> dict[str, int]:
     cuts = [0] + [names.index(f"blocks.{args.blocks * s}") for s in range(1, args.stages)] + [len(names)]
     stages = [Stage((cuts[s], cuts[s + 1]), [s]) for s in range(args.stages)]
     g = args.micro_batch * m
+    schedule, _, extra = variant.partition("+")
     plan = dapple.Plan(global_batch_size=g, micro_batch_size=args.micro_batch, schedule=schedule, stages=stages,
                        layer_names=names)
-    pipe = dapple.pipeline(model, plan, lm_loss, timeout=600)
+    pipe = dapple.pipeline(model, plan, lm_loss, timeout=600, recompute=extra == "recompute")
     x, y = random_tokens(g, args.seq, args.vocab, generator=torch.Generator().manual_seed(0))
     dist.barrier()
     # from before the first step (the allocator keeps what a step frees, so a later baseline would hide it)
     process = _process_peak(lambda: [pipe.train_step(x, y) for _ in range(2)], pipe.ctx.device)
-    with dapple.runtime.ActivationMeter(pipe.parameters()) as meter:
+    with dapple.runtime.ActivationMeter(pipe.parameters()) as meter:  # (recompute: its own hooks hide the saves)
         pipe.train_step(x, y)
-    dist.barrier()
-    return {"saved": meter.peak, "process": process}
+    times = []
+    for _ in range(args.timed_steps):
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.train_step(x, y)
+        times.append(time.perf_counter() - start)
+    return {"saved": meter.peak, "process": process, "step_s": statistics.median(times) if times else 0.0}
 
 
 def _median_of(repeats: int, once) -> dict[int, dict[str, int]]:
@@ -95,11 +103,14 @@ def main() -> None:
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="fresh runs per point; the median process peak is shown")
+    p.add_argument("--recompute", action="store_true", help="also dapple with every stage recomputing")
+    p.add_argument("--timed-steps", type=int, default=0, help="also time this many steps (median, seconds)")
     p.add_argument("--json", help="also write the raw peaks here")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    variants = ("dapple", "gpipe") + (("dapple+recompute",) if args.recompute else ())
     res = {(s, m): _median_of(args.repeats, lambda: dapple.runtime.launch(run, args.stages, args, m, s))
-           for s in ("dapple", "gpipe") for m in args.micro_batches}
+           for s in variants for m in args.micro_batches}
     print(f"GPT, {args.blocks} blocks per stage on {args.stages} ranks, micro-batch {args.micro_batch} x seq "
           f"{args.seq}; per stage: saved activations (MiB) / process peak over the memory before the first step (MiB)")
     print(f"{'schedule/M':<14}" + "".join(f"{'stage ' + str(s):>18}" for s in range(args.stages)))
@@ -111,6 +122,12 @@ def main() -> None:
         first = {k: v[0][what] for k, v in res.items()}
         print(f"{what}, stage 0: dapple M={hi} / M={lo} = {first['dapple', hi] / first['dapple', lo]:.3f}x; "
               f"dapple / gpipe at M={hi} = {first['dapple', hi] / first['gpipe', hi]:.3f}x")
+    if args.recompute:
+        ratio = [res["dapple+recompute", hi][r]["process"] / res["dapple", hi][r]["process"] for r in range(args.stages)]
+        print(f"recompute / dapple at M={hi}, process peak per stage: {', '.join(f'{v:.3f}x' for v in ratio)}")
+        if args.timed_steps:
+            slow = res["dapple+recompute", hi][0]["step_s"] / res["dapple", hi][0]["step_s"]
+            print(f"recompute / dapple at M={hi}, median step time: {slow:.3f}x")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "peaks": {f"{s}/{m}": v for (s, m), v in res.items()}}, fh, indent=1)
