@@ -176,3 +176,16 @@ def test_yaml_numbers_in_scientific_notation_without_a_dot(tmp_path):
                     "inter_bandwidth: 3.125E9\ninter_latency: 30e-6\n")
     c = Cluster.load(path)
     assert (c.intra_bandwidth, c.inter_bandwidth, c.inter_latency) == (130e9, 3.125e9, 30e-6)
+
+
+def test_a_stage_that_recomputes_round_trips_and_only_then_is_written(tmp_path):
+    plan = Plan(global_batch_size=8, micro_batch_size=4,
+                stages=[Stage((0, 2), [0]), Stage((2, 4), [1], recompute=True)])
+    plan.save(tmp_path / "p.yaml")
+    doc = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    assert [("recompute" in st) for st in doc["stages"]] == [False, True]
+    assert [s.recompute for s in Plan.load(tmp_path / "p.yaml").stages] == [False, True]
+    doc["stages"][0]["recompute"] = "yes"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(DocumentError, match=r"stages\[0\]\.recompute: expected true or false, got 'yes'"):
+        Plan.load(tmp_path / "bad.yaml")
