@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -15,29 +15,35 @@ from ..core.dist import first_line, timeout_seconds
 from ..core.plan import Plan
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
+from .batch_check import BatchCheck
 from .batchnorm import stage_stats_sizes, stats_slot
 from .channels import handshake, open_channels
 from .clipping import clip_grad_norm, counted_parameters
+from .data import RankData, StepBatch, rank_data
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
 from .p2p import PipelineError
 from .precision import LossScaler, Precision
 from .recompute import check_recomputable, recomputing
 from .program import Transfer
-from .shapes import BoundaryShapes, input_key
+from .rank_batch import rank_batch
+from .shapes import BoundaryShapes
 from .modes import eval_graph
 from .stages import StageGraph, layer_paths, model_inputs, node_places, split_stages, stage_module
 from .state import LoadResult, held_keys, load_state, model_keys, own_tensors, stage_keys, state_names
 from .step import StepRunner
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder, write_trace
-from .validate import as_tuple, check_batch, check_plan, check_same_inputs, layout_mismatch
+from .validate import check_plan, layout_mismatch
+
+Batch = Union[torch.Tensor, Sequence[Optional[torch.Tensor]], None]  # train_step's inputs or targets
 
 
 class Pipeline:
     """This rank's replica of one stage of ``plan``; see :func:`dapple.pipeline`.
 
     Attributes: ``plan``, ``loss_fn``, ``timeout``; ``ctx`` (rank, world size, backend, device); ``stage`` and
-    ``replica`` (this rank's place in the plan); ``graph`` and ``module`` (the stage's computation); ``step``
+    ``replica`` (this rank's place in the plan); ``data`` (what it reads of each batch: :class:`RankData`);
+    ``graph`` and ``module`` (the stage's computation); ``step``
     (steps run); ``training`` (the mode: :meth:`train`, :meth:`eval`); ``state_names`` (id(tensor) -> its keys in
     the original model's state_dict) and ``state_order`` (the model's keys some stage holds, in order), for
     :meth:`state_dict` and checkpoints; ``recorder`` (where steps are traced; None: off).
@@ -86,6 +92,9 @@ class Pipeline:
         self._names = canonical_names(model)
         inputs = model_inputs(lg.gm)
         self._arity = inputs.arity
+        readers = [[s for s, g in enumerate(graphs) if name in g.inputs] for name in inputs.names]
+        self.data: RankData = rank_data(plan, self.ctx.rank, readers, inputs.names)
+        self._batch_check = BatchCheck(self.data, plan, self.ctx.device, self.timeout)
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
         places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
         shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places)  # keeps a meta copy only
@@ -116,30 +125,46 @@ class Pipeline:
         for p in self.module.parameters():
             yield self._names[id(p)], p
 
-    def train_step(self, inputs: torch.Tensor | Sequence[torch.Tensor],
-                   targets: torch.Tensor | Sequence[torch.Tensor]) -> float:
-        """One synchronous iteration on the GLOBAL batch (identical on every rank).
+    def rows(self, batch_size: int | None = None) -> list[int]:
+        """The global-batch row indices this rank reads, in the order of its compact batch (``[]`` where it reads
+        nothing): ``self.data.rows``; :class:`DistributedPipelineSampler` loads them from a dataset.
+
+        Args:
+            batch_size: the batch's rows (default: the plan's global batch).
+        """
+        return self.data.rows(batch_size)
+
+    def train_step(self, inputs: Batch = None, targets: Batch = None) -> float:
+        """One synchronous iteration on the global batch (call on every rank).
+
+        Each rank passes the global batch (identical on every rank), or only what it reads: its own rows
+        (:meth:`rows`, in that order) of the inputs its stage reads, ``None`` for the others (a sequence with
+        ``None`` in place of an input it does not read, or ``None`` for all), and the targets' rows on the last
+        stage, ``None`` elsewhere. A tensor's rows tell its layout: the global batch's, or this rank's own; where
+        they are the same number (a stage that is not replicated), they are the same rows. Ranks may mix layouts.
 
         Afterwards each parameter's ``.grad`` holds (plus whatever it held before) exactly the gradient of
         single-device training on the whole batch: slice losses scaled by rows / global batch, accumulated
         over micro-batches, summed over replicas and over stages sharing a tied parameter.
 
         Args:
-            inputs: the model's positional inputs (a tensor or a sequence of tensors), the global batch in dim 0.
-            targets: the loss's targets (a tensor or a sequence of tensors), the global batch in dim 0.
+            inputs: the model's positional inputs (a tensor or a sequence of tensors), the global batch or this
+                rank's rows in dim 0; None where the rank does not read them.
+            targets: the loss's targets (a tensor or a sequence of tensors), the same rows; None where the rank
+                does not compute the loss.
 
         Returns:
             The step's mean loss over the global batch.
 
         Raises:
-            ValueError: inputs or targets that do not fit the model or plan (every rank raises; nothing ran, the
-                pipeline stays usable).
+            ValueError, TypeError: a batch that does not fit the model or plan, or ranks whose batches disagree
+                (:class:`BatchCheck`): every rank raises, nothing ran, the pipeline stays usable.
             PipelineError: a peer failed or timed out; the pipeline is unusable afterwards.
         """
-        xs, ys = self._checked_batch(inputs, targets, f"step {self.step + 1}")
+        batch = self._checked_batch(inputs, targets, f"step {self.step + 1}")
         self.step += 1
         try:
-            return self._runner.run(xs, ys, self.step, self.recorder)
+            return self._runner.run(batch, self.step, self.recorder)
         except BaseException as e:
             self._failed = first_line(e)
             raise
@@ -167,17 +192,20 @@ class Pipeline:
                               self.ctx.device, self.timeout, f"rank {self.ctx.rank} (stage {self.stage}), "
                               f"clip_grad_norm_ after step {self.step}", error_if_nonfinite)
 
-    def eval_step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | Sequence[torch.Tensor],
-                  *, outputs: bool = False) -> float | tuple[float, list[tuple[range, Any]]]:
+    def eval_step(self, inputs: Batch = None, targets: Batch = None, *, outputs: bool = False,
+                  batch_size: int | None = None) -> float | tuple[float, list[tuple[range, Any]]]:
         """A pipelined forward-only pass under ``torch.no_grad`` (call on every rank): the mean loss over the batch,
         as ``loss_fn(model(inputs), *targets)`` of the model in the pipeline's mode (:meth:`eval` first for a
         validation loss: no dropout, BatchNorm's running statistics). No gradient, no step counted.
 
         Args:
             inputs: the model's positional inputs, a batch of any multiple of ``plan.micro_batch_size`` rows in
-                dim 0 (identical on every rank).
-            targets: the loss's targets, the same rows.
+                dim 0 (identical on every rank), or, with ``batch_size``, this rank's rows of it
+                (``rows(batch_size)``) and None where it does not read them, as for :meth:`train_step`.
+            targets: the loss's targets, the same rows; None where the rank does not compute the loss.
             outputs: also return this rank's model outputs.
+            batch_size: the batch's rows; without it, the tensors a rank holds are read as the whole batch (a rank
+                given none learns the size from the others).
 
         Returns:
             The mean loss (the same on every rank); with ``outputs``, ``(loss, slices)``: on the ranks of the last
@@ -187,29 +215,31 @@ class Pipeline:
         Raises:
             ValueError, PipelineError: as :meth:`train_step`.
         """
-        xs, ys = self._checked_batch(inputs, targets, f"evaluation after step {self.step}", any_rows=True)
+        batch = self._checked_batch(inputs, targets, f"evaluation after step {self.step}", batch_size, True)
         try:
-            loss, kept = self._runner.evaluate(xs, ys, self.step, outputs)
+            loss, kept = self._runner.evaluate(batch, self.step, outputs)
         except BaseException as e:
             self._failed = first_line(e)
             raise
         return (loss, kept) if outputs else loss
 
-    def _checked_batch(self, inputs: Any, targets: Any, what: str, any_rows: bool = False
-                       ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """The batch as tuples, checked against the plan and against every rank's (errors name the values)."""
+    def _checked_batch(self, inputs: Batch, targets: Batch, what: str, batch_size: int | None = None,
+                       any_rows: bool = False) -> StepBatch:
+        """The batch checked on this rank and against every other rank's (errors name the values; a rank's own
+        error is raised on every rank, so none runs the step)."""
         if self._failed:
             raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
                                 f"groups are unusable; restart the job ({self._failed})")
-        xs, ys = as_tuple(inputs, "inputs"), as_tuple(targets, "targets")
-        check_batch(self.plan, xs, ys, self._arity, any_rows)
+        try:
+            mine, error = rank_batch(self.data, self._arity, inputs, targets, batch_size, any_rows), None
+        except (TypeError, ValueError) as e:
+            mine, error = None, e
         try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable
-            check_same_inputs(xs, ys, input_key(xs), self.ctx.device, self.timeout,
-                              f"rank {self.ctx.rank} (stage {self.stage}), {what}", self.check_inputs)
+            return self._batch_check.check(mine, error, f"rank {self.ctx.rank} (stage {self.stage}), {what}",
+                                           self.check_inputs)
         except PipelineError as e:
             self._failed = first_line(e)
             raise
-        return xs, ys
 
     # ---- mode and state -------------------------------------------------------------------------
     def train(self, mode: bool = True) -> "Pipeline":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from ..core.schedule import Op
 from ..core.split_concat import slice_bounds
 from .batchnorm import StatsSlot, commit, gather_sums
 from .channels import Channels
+from .data import RowSource, StepBatch
 from .distributed import DistContext
 from .loss_checks import problems, sums_rows
 from .p2p import PipelineError
@@ -29,11 +30,11 @@ from .program import (
     rank_program,
     receive_lookahead,
 )
-from .shapes import BoundaryShapes, InputKey, Spec, input_key
+from .shapes import BoundaryShapes, InputKey, Spec
 from .stages import ModelInputs, StageGraph, resolve_output
 from .tracing import Recorder
 
-Tensors = tuple[torch.Tensor, ...]
+Tensors = tuple[Optional[RowSource], ...]  # inputs or targets, sliced by global batch rows (None: not read here)
 CHECKS = 3  # slots after the loss and BatchNorm sums: a summed loss, a loss without gradient, a gradient overflow
 HALF = (torch.float16, torch.bfloat16)
 
@@ -75,12 +76,12 @@ class StepRunner:
         self.batch_rows = plan.global_batch_size  # rows of the batch being run (an evaluation may run others)
         self._programs: dict[tuple, tuple[list[Instr], dict[Op, list[Transfer]]]] = {}
 
-    def run(self, xs: Tensors, ys: Tensors, step: int, rec: Recorder | None) -> float:
-        """Run step ``step`` on the global batch (``xs`` inputs, ``ys`` targets), recording into ``rec`` unless it
-        is None; adds the step's gradients to ``.grad`` and returns the mean loss."""
+    def run(self, batch: StepBatch, step: int, rec: Recorder | None) -> float:
+        """Run step ``step`` on the global batch (this rank's inputs and targets in ``batch``), recording into
+        ``rec`` unless it is None; adds the step's gradients to ``.grad`` and returns the mean loss."""
         self.step = self.p2p.step = step
         self.batch_rows = self.plan.global_batch_size
-        key = input_key(xs)
+        xs, ys, key = batch.inputs, batch.targets, batch.key
         layout = self._boundary_layout(key)
         program, waits = self._program(layout)
         stash = {p: p.grad for p in self.module.parameters()}  # earlier gradients: added back at the end
@@ -146,13 +147,13 @@ class StepRunner:
                 if rec is not None:
                     rec.compute(ins.op.kind, j, start, rec.clock())
 
-    def evaluate(self, xs: Tensors, ys: Tensors, step: int, outputs: bool) -> tuple[float, list[tuple[range, Any]]]:
-        """A forward-only pass over the batch ``xs`` (any multiple of the micro-batch size) under no_grad: the
-        mean loss over all its rows (on every rank) and, with ``outputs``, this rank's model outputs (last stage:
-        per micro-batch slice, its rows of the batch and the output; elsewhere none)."""
+    def evaluate(self, batch: StepBatch, step: int, outputs: bool) -> tuple[float, list[tuple[range, Any]]]:
+        """A forward-only pass over ``batch`` (any multiple of the micro-batch size) under no_grad: the mean loss
+        over all its rows (on every rank) and, with ``outputs``, this rank's model outputs (last stage: per
+        micro-batch slice, its rows of the batch and the output; elsewhere none)."""
         self.step = self.p2p.step = step
-        self.batch_rows = xs[0].shape[0]
-        key = input_key(xs)
+        self.batch_rows = batch.rows
+        xs, ys, key = batch.inputs, batch.targets, batch.key
         layout = self._boundary_layout(key)
         micro_batches = self.batch_rows // self.plan.micro_batch_size
         program, waits = self._program(layout, micro_batches)
