@@ -1,9 +1,12 @@
 """The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, local launcher."""
 
 from .activations import ActivationMeter
+from .data import RankData, rank_data
 from .engine import Pipeline, pipeline
 from .launch import launch
 from .p2p import PipelineError
+from .sampler import DistributedPipelineSampler, RankCollate, pipeline_loader
 from .tracing import Trace
 
-__all__ = ["ActivationMeter", "Pipeline", "PipelineError", "Trace", "launch", "pipeline"]
+__all__ = ["ActivationMeter", "DistributedPipelineSampler", "Pipeline", "PipelineError", "RankCollate", "RankData",
+           "Trace", "launch", "pipeline", "pipeline_loader", "rank_data"]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..core.dist import bounded, wait_for
 from ..core.plan import Plan
 from ..core.split_concat import slice_bounds
+from ..profiler.layers import Arity
 from .data import CompactRows, RankData, RowSource, StepBatch
 from .rank_batch import Held, RankBatch
 
@@ -58,8 +59,8 @@ class BatchCheck:
     over all micro-batches (plain and weighted by global row index).
     """
 
-    def __init__(self, data: RankData, plan: Plan, device: torch.device, timeout: float):
-        self.data, self.device, self.timeout = data, device, timeout
+    def __init__(self, data: RankData, plan: Plan, arity: Arity, device: torch.device, timeout: float):
+        self.data, self.arity, self.device, self.timeout = data, arity, device, timeout
         self.atoms = row_atoms(plan)
         b = plan.micro_batch_size
         self._atom_of = torch.tensor([a for a, (lo, hi) in enumerate(self.atoms) for _ in range(lo, hi)])  # (b,)
@@ -167,6 +168,7 @@ class BatchCheck:
             raise ValueError(f"{where}: input {gaps[0]} ({names[gaps[0]]!r}) was given to no rank (or left to its "
                              f"default) while input {length - 1} ({names[length - 1]!r}) was given: pass it on the "
                              f"ranks that read it, or on any rank if none does")
+        self.arity.check(length, "inputs (given across the ranks)")  # an input no stage reads but the call needs
         return tuple(most[1:1 + length])
 
     def _gather(self, batch: RankBatch | None, where: str, what: str, extra: Any = None) -> list[dict[str, Any]]:

@@ -94,7 +94,7 @@ class Pipeline:
         self._arity = inputs.arity
         readers = [[s for s, g in enumerate(graphs) if name in g.inputs] for name in inputs.names]
         self.data: RankData = rank_data(plan, self.ctx.rank, readers, inputs.names)
-        self._batch_check = BatchCheck(self.data, plan, self.ctx.device, self.timeout)
+        self._batch_check = BatchCheck(self.data, plan, inputs.arity, self.ctx.device, self.timeout)
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
         places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
         shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places)  # keeps a meta copy only

@@ -51,8 +51,8 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
         any_rows: an evaluation batch: any positive multiple of the micro-batch size.
     """
     xs, ys = _entries(inputs, "inputs", True), _entries(targets, "targets", False)
-    if xs is not None:
-        arity.check(len(xs), "inputs")
+    if xs is not None and (len(xs) > len(arity.names) or any(data.reads[len(xs):arity.need])):
+        arity.check(len(xs), "inputs")  # too many, or fewer than this rank's stage needs: a ValueError
     defaulted = _check_reads(data, xs, ys)
     held = [t for t in (*(xs or ()), *(ys or ())) if t is not None]
     if batch_size is not None:
