@@ -54,11 +54,12 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
     if xs is not None and (len(xs) > len(arity.names) or any(data.reads[len(xs):arity.need])):
         arity.check(len(xs), "inputs")  # too many, or fewer than this rank's stage needs: a ValueError
     defaulted = _check_reads(data, xs, ys)
-    held = [t for t in (*(xs or ()), *(ys or ())) if t is not None]
+    held = [(f"{what}[{i}]", t) for what, ts in (("inputs", xs or ()), ("targets", ys or ()))
+            for i, t in enumerate(ts) if t is not None]
     if batch_size is not None:
         data.micro_batches(batch_size)  # ValueError unless a positive multiple of the micro-batch size
     known = batch_size if batch_size is not None else None if any_rows else data.global_batch_size
-    rows = known if known is not None or not held else _rows_of(held[0], data.micro_batch_size)
+    rows = known if known is not None or not held else _rows_of(*held[0], data.micro_batch_size)
     shape = _Layout(data, rows, known is not None)
     return RankBatch(None if xs is None else tuple(None if t is None else shape.held(t, f"inputs[{i}]")
                                                    for i, t in enumerate(xs)),
@@ -93,10 +94,10 @@ def _check_reads(data: RankData, xs: tuple | None, ys: tuple | None) -> tuple[in
     return tuple(i for i, reads in enumerate(data.reads) if reads and xs is not None and i >= len(xs))
 
 
-def _rows_of(t: torch.Tensor, b: int) -> int:
-    """An evaluation batch's rows, read from a tensor taken for the whole batch."""
+def _rows_of(what: str, t: torch.Tensor, b: int) -> int:
+    """An evaluation batch's rows, read from a tensor taken for the whole batch (``what``: its name)."""
     if t.dim() == 0 or t.shape[0] == 0 or t.shape[0] % b:
-        raise ValueError(f"a tensor of shape {tuple(t.shape)} was given; expected a batch of a multiple of "
+        raise ValueError(f"{what} has shape {tuple(t.shape)}; expected a batch of a multiple of "
                          f"plan.micro_batch_size ({b}) rows in dimension 0, the same for every input and target")
     return int(t.shape[0])
 
