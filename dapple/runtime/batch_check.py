@@ -85,7 +85,7 @@ class BatchCheck:
         k = mine.numel()
         most, least = red[:k], [-v for v in red[k:2 * k]]
         if red[-1] > 0:
-            self._refuse(batch, error, where, mine)
+            self._refuse(batch, error, where)
         differ = [i for i in range(k) if most[i] != ABSENT and most[i] != least[i]]
         if differ:
             self._disagree(batch, where, mine, differ[0])
@@ -191,7 +191,7 @@ class BatchCheck:
                         raise ValueError(f"{where}: inputs of shapes {self._shapes[fp]} and {entry} (rank {r}) "
                                          f"have the same fingerprint; pass inputs of one shape on every rank")
 
-    def _refuse(self, batch: RankBatch | None, error: BaseException | None, where: str, mine: torch.Tensor) -> None:
+    def _refuse(self, batch: RankBatch | None, error: BaseException | None, where: str) -> None:
         """Some rank's own batch was wrong: it raises its error, the others a ValueError naming it."""
         reports = self._gather(batch, where, "errors", None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:

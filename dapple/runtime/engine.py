@@ -134,7 +134,7 @@ class Pipeline:
         """
         return self.data.rows(batch_size)
 
-    def train_step(self, inputs: Batch = None, targets: Batch = None) -> float:
+    def train_step(self, inputs: Batch = None, targets: Batch = None, batch_size: int | None = None) -> float:
         """One synchronous iteration on the global batch (call on every rank).
 
         Each rank passes the global batch (identical on every rank), or only what it reads: its own rows
@@ -152,6 +152,8 @@ class Pipeline:
                 rank's rows in dim 0; None where the rank does not read them.
             targets: the loss's targets (a tensor or a sequence of tensors), the same rows; None where the rank
                 does not compute the loss.
+            batch_size: the global batch's rows, if given (what :func:`pipeline_loader` yields third): must be
+                ``plan.global_batch_size``.
 
         Returns:
             The step's mean loss over the global batch.
@@ -161,7 +163,7 @@ class Pipeline:
                 (:class:`BatchCheck`): every rank raises, nothing ran, the pipeline stays usable.
             PipelineError: a peer failed or timed out; the pipeline is unusable afterwards.
         """
-        batch = self._checked_batch(inputs, targets, f"step {self.step + 1}")
+        batch = self._checked_batch(inputs, targets, f"step {self.step + 1}", batch_size)
         self.step += 1
         try:
             return self._runner.run(batch, self.step, self.recorder)
@@ -192,8 +194,8 @@ class Pipeline:
                               self.ctx.device, self.timeout, f"rank {self.ctx.rank} (stage {self.stage}), "
                               f"clip_grad_norm_ after step {self.step}", error_if_nonfinite)
 
-    def eval_step(self, inputs: Batch = None, targets: Batch = None, *, outputs: bool = False,
-                  batch_size: int | None = None) -> float | tuple[float, list[tuple[range, Any]]]:
+    def eval_step(self, inputs: Batch = None, targets: Batch = None, batch_size: int | None = None, *,
+                  outputs: bool = False) -> float | tuple[float, list[tuple[range, Any]]]:
         """A pipelined forward-only pass under ``torch.no_grad`` (call on every rank): the mean loss over the batch,
         as ``loss_fn(model(inputs), *targets)`` of the model in the pipeline's mode (:meth:`eval` first for a
         validation loss: no dropout, BatchNorm's running statistics). No gradient, no step counted.
@@ -203,9 +205,10 @@ class Pipeline:
                 dim 0 (identical on every rank), or, with ``batch_size``, this rank's rows of it
                 (``rows(batch_size)``) and None where it does not read them, as for :meth:`train_step`.
             targets: the loss's targets, the same rows; None where the rank does not compute the loss.
+            batch_size: the batch's rows (:func:`pipeline_loader` yields it third: ``eval_step(*batch)``); without
+                it, every tensor given is read as the whole batch (a rank given none learns the size from the
+                others), so a rank's own rows need it.
             outputs: also return this rank's model outputs.
-            batch_size: the batch's rows; without it, the tensors a rank holds are read as the whole batch (a rank
-                given none learns the size from the others).
 
         Returns:
             The mean loss (the same on every rank); with ``outputs``, ``(loss, slices)``: on the ranks of the last

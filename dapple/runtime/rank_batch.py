@@ -47,7 +47,7 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
         inputs: a tensor, a sequence of tensors (None where this rank does not read that input) or None.
         targets: a tensor, a sequence of tensors, or None where this rank does not compute the loss.
         batch_size: the batch's global rows (default: the plan's global batch, or with ``any_rows`` the rows of
-            the tensors given, read as the whole batch).
+            the tensors given, read as the whole batch); a training batch's must be the plan's.
         any_rows: an evaluation batch: any positive multiple of the micro-batch size.
     """
     xs, ys = _entries(inputs, "inputs", True), _entries(targets, "targets", False)
@@ -58,6 +58,9 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
             for i, t in enumerate(ts) if t is not None]
     if batch_size is not None:
         data.micro_batches(batch_size)  # ValueError unless a positive multiple of the micro-batch size
+        if not any_rows and batch_size != data.global_batch_size:
+            raise ValueError(f"batch_size: a training step runs the plan's global batch of {data.global_batch_size} "
+                             f"rows (plan.global_batch_size), got {batch_size}")
     known = batch_size if batch_size is not None else None if any_rows else data.global_batch_size
     rows = known if known is not None or not held else _rows_of(*held[0], data.micro_batch_size)
     shape = _Layout(data, rows, known is not None)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .data import RankData
 
@@ -35,7 +34,7 @@ class DistributedPipelineSampler(Sampler[list[int]]):
         dataset_len: the number of rows in the dataset (``len(dataset)``).
         source: a :class:`dapple.Pipeline` (``pipe.data``) or a :class:`RankData`.
         batch_size: rows per step (default: the plan's global batch; an evaluation may take any multiple of the
-            micro-batch size, then passed as ``eval_step(..., batch_size=)``).
+            micro-batch size, then passed to ``eval_step`` as its ``batch_size``).
         shuffle: a new permutation each epoch (:meth:`set_epoch`); False: the dataset's order.
         seed: the permutation's seed, the same on every rank.
     """
@@ -93,17 +92,35 @@ def _pair(item: Any) -> tuple[Any, Any]:
     return item[0], item[1]
 
 
-class RankCollate:
-    """Collates a step's items into this rank's ``(inputs, targets)`` for ``train_step``: only the inputs it reads
-    (None in place of the others, None for all if it reads none) and the targets on the last stage (else None)."""
+class LoadedBatch(NamedTuple):
+    """One step's batch as this rank loaded it: ``pipe.train_step(*batch)``, or ``pipe.eval_step(*batch)``, where
+    ``batch_size`` tells that the tensors are this rank's rows of a batch of that many rows."""
 
-    def __init__(self, data: RankData, split: Callable[[Any], tuple[Any, Any]] | None = None,
+    inputs: Any  # the inputs this rank reads, its rows (None in place of the others; None if it reads none)
+    targets: Any  # on the last stage, its rows of the targets; elsewhere None
+    batch_size: int  # the step's global rows
+
+
+class RankCollate:
+    """Collates a step's items into this rank's :class:`LoadedBatch`: only the inputs it reads (None in place of
+    the others, None for all if it reads none) and the targets on the last stage (else None).
+
+    Args:
+        data: what this rank reads.
+        batch_size: the global rows of each step (default: the plan's global batch).
+        split: item -> (inputs, targets) (default: the item is that pair).
+        collate: stacks one input's (or the targets') values over the step's items.
+    """
+
+    def __init__(self, data: RankData, batch_size: int | None = None,
+                 split: Callable[[Any], tuple[Any, Any]] | None = None,
                  collate: Callable[[list], Any] = default_collate):
         self.data, self.split, self.collate = data, split or _pair, collate
+        self.batch_size = data.global_batch_size if batch_size is None else batch_size
 
-    def __call__(self, items: list) -> tuple[Any, Any]:
+    def __call__(self, items: list) -> LoadedBatch:
         if not items:
-            return None, None
+            return LoadedBatch(None, None, self.batch_size)
         pairs = [self.split(item) for item in items]
         single = not isinstance(pairs[0][0], (tuple, list))
         inputs = [(x,) if single else tuple(x) for x, _ in pairs]
@@ -111,17 +128,17 @@ class RankCollate:
                    for i in range(len(inputs[0])))
         ys = self.collate([y for _, y in pairs]) if self.data.targets else None
         if all(x is None for x in xs):
-            return None, ys
-        return (xs[0] if single else xs), ys
+            return LoadedBatch(None, ys, self.batch_size)
+        return LoadedBatch(xs[0] if single else xs, ys, self.batch_size)
 
 
 def pipeline_loader(dataset: Dataset, source: Any, batch_size: int | None = None, shuffle: bool = True,
                     seed: int = 0, split: Callable[[Any], tuple[Any, Any]] | None = None,
                     collate_fn: Callable[[list], Any] = default_collate, **loader_kwargs: Any) -> DataLoader:
-    """A DataLoader that yields, each step, this rank's ``(inputs, targets)`` for ``pipe.train_step`` (or
-    ``eval_step(..., batch_size=)``): it reads from ``dataset`` only the rows this rank reads
-    (:class:`DistributedPipelineSampler`), and keeps only the tensors it reads (:class:`RankCollate`); a rank that
-    reads nothing reads no row and yields ``(None, None)``, without worker processes.
+    """A DataLoader that yields, each step, this rank's :class:`LoadedBatch` ``(inputs, targets, batch_size)`` for
+    ``pipe.train_step(*batch)`` or ``pipe.eval_step(*batch)``: it reads from ``dataset`` only the rows this rank
+    reads (:class:`DistributedPipelineSampler`), and keeps only the tensors it reads (:class:`RankCollate`); a rank
+    that reads nothing reads no row and yields ``(None, None, batch_size)``, without worker processes.
 
     Args:
         dataset: a map-style ``torch.utils.data.Dataset`` whose items are ``(inputs, targets)`` (each a tensor or
@@ -137,5 +154,5 @@ def pipeline_loader(dataset: Dataset, source: Any, batch_size: int | None = None
     sampler = DistributedPipelineSampler(len(dataset), data, batch_size, shuffle, seed)
     if not data.loads:  # nothing to read: no worker processes either
         loader_kwargs = {k: v for k, v in loader_kwargs.items() if k not in _WORKER_OPTIONS}
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=RankCollate(data, split, collate_fn),
-                      **loader_kwargs)
+    collate = RankCollate(data, sampler.batch_size, split, collate_fn)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

@@ -135,20 +135,23 @@ def case_loader(stages: list, gbs: int, mbs: int, rows: int = 20, epochs: int = 
     for epoch in range(epochs):
         loader.batch_sampler.set_epoch(epoch)
         data.reads.clear()
-        for step, (x, y) in enumerate(loader):
+        for step, loaded in enumerate(loader):
             batch = loader.batch_sampler.global_indices(step)
             ref_loss, ref = _reference(ref_net, F.cross_entropy, data.x[batch], data.y[batch])
-            out["steps"].append(_compare(pipe, pipe.train_step(x, y), ref_loss, ref))
+            out["steps"].append(_compare(pipe, pipe.train_step(*loaded), ref_loss, ref))
             out["batches"].append(batch)
             for n, p in ref_net.named_parameters():
                 p.grad = ref[n].clone()
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         out["reads"].append(list(data.reads))
+    valid = dapple.runtime.pipeline_loader(data, pipe, batch_size=2 * mbs, shuffle=False)  # another batch size
+    out["eval"] = [(pipe.eval_step(*loaded), pipe.eval_step(data.x[rows], data.y[rows]))
+                   for loaded, rows in zip(valid, map(valid.batch_sampler.global_indices, range(len(valid))))]
     return out
 
 
-# Chain layers: blocks.0-3, head; TwoInputs: a, b, head (z is read with b: h * z follows it); GPT: wte, wpe, drop, h.0, h.1, ln_f,
-# lm_head (the position ids on the stage of wpe read the token ids)
+# Chain layers: blocks.0-3, head; TwoInputs: a, b, head (z is read with b: h * z follows it); GPT: wte, wpe, drop,
+# blocks.0, blocks.1, ln_f, lm_head (the position ids on the stage of wpe read the token ids)
 CASES: dict[str, tuple[Callable, tuple, dict]] = {
     "first_replicated": (case_per_rank, ("chain", [((0, 2), [0, 1]), ((2, 3), [2]), ((3, 5), [3])], 9, 3), {}),
     "last_replicated": (case_per_rank, ("chain", [((0, 1), [0]), ((1, 3), [1]), ((3, 5), [2, 3])], 8, 4), {}),

@@ -88,11 +88,11 @@ def test_the_sampler_names_bad_arguments():
 
 def test_collate_keeps_only_the_tensors_a_rank_reads():
     items = [((torch.full((2,), float(i)), torch.full((2,), -float(i))), torch.tensor(i)) for i in range(3)]
-    x, y = RankCollate(rank_data(PLAN, 0, TWO_INPUTS))(items)
-    assert x[1] is None and x[0].shape == (3, 2) and y is None
-    x, y = RankCollate(rank_data(PLAN, 3, TWO_INPUTS))(items)
-    assert x[0] is None and x[1][:, 0].tolist() == [0, -1, -2] and y.tolist() == [0, 1, 2]
-    assert RankCollate(rank_data(PLAN, 2, TWO_INPUTS))([]) == (None, None)
+    x, y, rows = RankCollate(rank_data(PLAN, 0, TWO_INPUTS))(items)
+    assert x[1] is None and x[0].shape == (3, 2) and y is None and rows == 9
+    x, y, rows = RankCollate(rank_data(PLAN, 3, TWO_INPUTS), batch_size=6)(items)
+    assert x[0] is None and x[1][:, 0].tolist() == [0, -1, -2] and y.tolist() == [0, 1, 2] and rows == 6
+    assert RankCollate(rank_data(PLAN, 2, TWO_INPUTS))([]) == (None, None, 9)
     with pytest.raises(TypeError, match=r"a dataset item must be a pair \(inputs, targets\), got tuple of 3"):
         RankCollate(rank_data(PLAN, 0))([(1, 2, 3)])
 
@@ -109,8 +109,8 @@ def test_a_loader_reads_only_this_ranks_rows():
     loader = pipeline_loader(data, rank_data(PLAN, 4), shuffle=False)
     batches = list(loader)
     assert sorted(reads) == [1, 4, 7, 10, 13, 16]
-    assert [(x, y.tolist()) for x, y in batches] == [(None, [1, 4, 7]), (None, [10, 13, 16])]
-    assert list(pipeline_loader(data, rank_data(PLAN, 2), num_workers=2)) == [(None, None)] * 2  # no workers
+    assert [(x, y.tolist(), rows) for x, y, rows in batches] == [(None, [1, 4, 7], 9), (None, [10, 13, 16], 9)]
+    assert list(pipeline_loader(data, rank_data(PLAN, 2), num_workers=2)) == [(None, None, 9)] * 2  # no workers
 
 
 ARITY = Arity(["x", "z"], 2, [])
@@ -124,6 +124,9 @@ def test_a_rank_may_pass_its_own_rows_the_global_batch_or_none():
     assert not got.inputs[0].compact and not got.targets[0].compact
     middle = rank_batch(rank_data(PLAN, 2, TWO_INPUTS, ["x", "z"]), ARITY, None, None)
     assert middle.inputs is None and middle.targets is None
+    # an evaluation: without batch_size a tensor is the whole batch; with it, 1 row per micro-batch is this rank's
+    assert rank_batch(data, ARITY, (torch.zeros(3, 4), None), None, any_rows=True).rows == 3
+    assert rank_batch(data, ARITY, (torch.zeros(3, 4), None), None, 9, any_rows=True).inputs[0].compact
 
 
 def test_wrong_per_rank_shapes_name_both_layouts():
@@ -140,5 +143,8 @@ def test_wrong_per_rank_shapes_name_both_layouts():
         rank_batch(last, ARITY, (None, torch.zeros(3, 4)), None)
     with pytest.raises(TypeError, match=r"targets\[0\]: expected a tensor, got NoneType \(pass targets=None"):
         rank_batch(last, ARITY, (None, torch.zeros(3, 4)), [None])
+    with pytest.raises(ValueError, match=r"batch_size: a training step runs the plan's global batch of 9 rows "
+                                         r"\(plan.global_batch_size\), got 6"):
+        rank_batch(data, ARITY, (torch.zeros(4, 4), None), None, 6)
     with pytest.raises(ValueError, match=r"the model takes 2 inputs \['x', 'z'\], got 1"):
         rank_batch(last, ARITY, torch.zeros(3, 4), torch.zeros(3))  # z is the second input: a tuple with None

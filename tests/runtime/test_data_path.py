@@ -78,3 +78,5 @@ def test_a_loader_reads_each_row_once_per_stage_that_reads_it(results):
         assert out[2]["reads"][epoch] == []  # the middle stage reads nothing
         assert sorted(out[3]["reads"][epoch]) == used  # the last stage (not replicated) reads each once
     assert batches[:3] != batches[3:]  # set_epoch: another permutation
+    for rank, res in enumerate(out):  # eval_step(*batch) of a loader: batch_size says the rows are the rank's own
+        assert len(res["eval"]) == 3 and all(own == whole for own, whole in res["eval"]), (rank, res["eval"])
