@@ -93,6 +93,8 @@ def test_collate_keeps_only_the_tensors_a_rank_reads():
     x, y, rows = RankCollate(rank_data(PLAN, 3, TWO_INPUTS), batch_size=6)(items)
     assert x[0] is None and x[1][:, 0].tolist() == [0, -1, -2] and y.tolist() == [0, 1, 2] and rows == 6
     assert RankCollate(rank_data(PLAN, 2, TWO_INPUTS))([]) == (None, None, 9)
+    x, y, _ = RankCollate(rank_data(PLAN, 4))([(None, torch.tensor(1)), (None, torch.tensor(2))])  # labels alone
+    assert x is None and y.tolist() == [1, 2]
     with pytest.raises(TypeError, match=r"a dataset item must be a pair \(inputs, targets\), got tuple of 3"):
         RankCollate(rank_data(PLAN, 0))([(1, 2, 3)])
 
