@@ -1,5 +1,6 @@
-"""The ranks agree on each step's batch before it runs: its size, the inputs' shapes, and the values of the rows
-that two ranks both hold; one small AllReduce per step, and a gather only when something differs or is new."""
+"""The ranks agree on each step's batch before it runs: its size, shapes, and the values of rows two ranks hold."""
+
+# one small AllReduce per step; a gather only when something differs or a shape is new
 
 from __future__ import annotations
 

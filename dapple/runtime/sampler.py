@@ -50,7 +50,9 @@ class DistributedPipelineSampler(Sampler[list[int]]):
         if not isinstance(shuffle, bool) or isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"shuffle: expected True or False and seed an int, got {shuffle!r} and {seed!r}")
         self.dataset_len, self.shuffle, self.seed, self.epoch = dataset_len, shuffle, seed, 0
+        self._drawn: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation): drawn once per epoch
         self.rows = self.data.rows(self.batch_size)
+        self._rows = torch.tensor(self.rows, dtype=torch.long)
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation (call on every rank before iterating, as for DistributedSampler)."""
@@ -69,18 +71,24 @@ class DistributedPipelineSampler(Sampler[list[int]]):
 
     def indices(self, step: int) -> list[int]:
         """The dataset indices this rank loads at step ``step`` of this epoch."""
-        order = self.global_indices(step)
-        return [order[r] for r in self.rows]
+        self.global_indices(step)  # IndexError for a step out of range
+        return self._batch(self._order(), step)
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
-        for first in range(0, len(self) * self.batch_size, self.batch_size):
-            yield [int(order[first + r]) for r in self.rows]
+        for step in range(len(self)):
+            yield self._batch(order, step)
+
+    def _batch(self, order: torch.Tensor, step: int) -> list[int]:
+        first = step * self.batch_size
+        return order[first:first + self.batch_size][self._rows].tolist()
 
     def _order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.dataset_len)
-        return torch.randperm(self.dataset_len, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        if self._drawn is None or self._drawn[0] != self.epoch:
+            order = (torch.randperm(self.dataset_len, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+                     if self.shuffle else torch.arange(self.dataset_len))
+            self._drawn = (self.epoch, order)
+        return self._drawn[1]
 
 
 def _pair(item: Any) -> tuple[Any, Any]:

@@ -1,5 +1,6 @@
-"""Checks of a plan against the world and the model, run before any work; errors name values (each step's batch:
-rank_batch.py on each rank, batch_check.py across ranks)."""
+"""Checks of a plan against the world and the model, run before any work; errors name values."""
+
+# each step's batch is checked by rank_batch.py on each rank and batch_check.py across the ranks
 
 from __future__ import annotations
 

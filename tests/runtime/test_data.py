@@ -67,7 +67,7 @@ def test_the_sampler_splits_each_step_over_the_ranks_that_read_it():
         for stage in ((0, 1), (3, 4, 5)):  # each stage's replicas load the batch once between them
             loaded = sorted(i for r in stage for i in steps[r][step])
             assert loaded == sorted(batch), (step, stage)
-        assert steps[1][step] == [batch[r] for r in (2, 5, 8)]
+        assert steps[1][step] == [batch[r] for r in (2, 5, 8)] == samplers[1].indices(step)
     first = samplers[0].global_indices(0)
     samplers[0].set_epoch(1)
     assert samplers[0].global_indices(0) != first
