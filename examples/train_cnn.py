@@ -77,7 +77,7 @@ def check_own_rows(pipe: dapple.Pipeline, data: Shapes) -> tuple[float, float, i
     pipe.eval()
     losses = pipe.eval_step(*whole), pipe.eval_step(*own)
     pipe.train()
-    return losses[0], losses[1], nbytes(whole), nbytes(own[:2])
+    return losses[0], losses[1], nbytes(whole), nbytes(own)  # own: inputs, targets and ids
 
 
 def main() -> None:
@@ -103,7 +103,7 @@ def main() -> None:
     step, epoch = 0, 0
     while step < args.steps:
         loader.batch_sampler.set_epoch(epoch)  # the same permutation on every rank, a new one each epoch
-        for batch in loader:  # (inputs, targets, batch_size): this rank's rows, None where it reads nothing
+        for batch in loader:  # (inputs, targets, batch_size, ids): this rank's rows, None where it reads nothing
             loss = pipe.train_step(*batch)
             opt.step()
             opt.zero_grad()
@@ -120,7 +120,8 @@ def main() -> None:
     if rank == 0:
         print(f"validation loss on the first batch: global batch {whole_loss:.12f}, own rows {own_loss:.12f}")
         print(f"bytes passed to train_step per step ({args.batch} images of 3x{args.image}x{args.image} float32 and "
-              f"their int64 labels), and dataset rows read in {args.steps} steps:")
+              f"their int64 labels; own rows: with their int64 dataset ids), and dataset rows read in {args.steps} "
+              f"steps:")
         print("rank  stage  replica  rows  global batch   own rows   rows read")
         for r, s, rep, n, whole, own, reads in everyone:
             print(f"{r:4d}  {s:5d}  {rep:7d}  {n:4d}  {whole:12,d}  {own:9,d}  {reads:10d}")

@@ -56,8 +56,8 @@ class BatchCheck:
 
     Agreed, among the ranks that hold each: the batch's global rows; per model input, its shape after the batch
     dimension and dtype (or that it is left to its default); the targets' shapes and dtypes; and with ``values``,
-    per input and for the targets, per atom of rows (:func:`row_atoms`), two exact sums of the rows' bit patterns
-    over all micro-batches (plain and weighted by global row index).
+    per input, for the targets and for the dataset rows (``ids``), per atom of rows (:func:`row_atoms`), two exact
+    sums of the rows' bit patterns over all micro-batches (plain and weighted by global row index).
     """
 
     def __init__(self, data: RankData, plan: Plan, arity: Arity, device: torch.device, timeout: float):
@@ -89,7 +89,7 @@ class BatchCheck:
             self._refuse(batch, error, where)
         differ = [i for i in range(k) if most[i] != ABSENT and most[i] != least[i]]
         if differ:
-            self._disagree(batch, where, mine, differ[0])
+            self._disagree(batch, where, mine, self._cause(differ))
         fps = self._key_fingerprints(most, where)
         if fps not in self._seen:
             self._learn_shapes(batch, where)
@@ -99,9 +99,9 @@ class BatchCheck:
 
     # ---- this rank's part ----------------------------------------------------------------------
     def _vector(self, batch: RankBatch | None, values: bool) -> torch.Tensor:
-        """[rows, per input its fingerprint, the targets' fingerprint, per (input or targets, atom) 4 sums]."""
+        """[rows, per input its fingerprint, the targets' fingerprint, per (input, targets or ids; atom) 4 sums]."""
         n, a = self._n, len(self.atoms)
-        v = torch.full((2 + n + (n + 1) * a * 4,), ABSENT, dtype=torch.float64)
+        v = torch.full((2 + n + (n + 2) * a * 4,), ABSENT, dtype=torch.float64)
         if batch is None:
             return v.to(self.device)
         if batch.rows is not None:
@@ -115,12 +115,14 @@ class BatchCheck:
             v[1 + n] = fingerprint([_describe(h.tensor) for h in batch.targets])
         v = v.to(self.device)
         if values and batch.rows is not None:
-            sums = v[2 + n:].view(n + 1, a, 4)
+            sums = v[2 + n:].view(n + 2, a, 4)
             for i, h in enumerate(batch.inputs or ()):
                 if h is not None and i < n:
                     self._fill(sums[i], [h], batch.rows)
             if batch.targets is not None:
                 self._fill(sums[n], batch.targets, batch.rows)
+            if batch.ids is not None:
+                self._fill(sums[n + 1], [batch.ids], batch.rows)
         return v
 
     def _fill(self, out: torch.Tensor, held: Sequence[Held], rows: int) -> None:
@@ -201,6 +203,13 @@ class BatchCheck:
                         if rep["extra"] is not None)
         raise ValueError(f"{where}: another rank's batch was refused, so no rank runs this step: {bad}")
 
+    def _cause(self, differ: list[int]) -> int:
+        """The disagreement to report: the size or a shape first, then the dataset rows (different rows loaded
+        explain different values), then the first value."""
+        values = 2 + self._n
+        ids = values + (self._n + 1) * len(self.atoms) * 4
+        return differ[0] if differ[0] < values else next((i for i in differ if i >= ids), differ[0])
+
     def _disagree(self, batch: RankBatch | None, where: str, mine: torch.Tensor, first: int) -> None:
         """ValueError on every rank naming what differs: the batch's size, shapes, or values."""
         n = self._n
@@ -224,8 +233,6 @@ class BatchCheck:
     def _values_differ(self, reports: list[dict[str, Any]], where: str, index: int) -> None:
         n, names = self._n, self.data.input_names
         slot, atom = divmod(index // 4, len(self.atoms))
-        which = "inputs" if slot < n else "targets"
-        what = f"input {slot} ({names[slot]!r})" if slot < n else "the targets"
         at = 2 + n + (slot * len(self.atoms) + atom) * 4
         groups: dict[tuple, list[int]] = {}
         for r, rep in enumerate(reports):
@@ -233,6 +240,13 @@ class BatchCheck:
             if sums[0] != ABSENT:
                 groups.setdefault(sums, []).append(r)
         lo, hi = self.atoms[atom]
+        if slot == n + 1:
+            raise ValueError(f"{where}: the ranks loaded different dataset rows (ids) for the same rows of the batch: "
+                             f"rows [{lo}, {hi}) of every micro-batch: ranks with equal ids: "
+                             f"{sorted(groups.values())}. Every rank's loader must draw the same order: the same "
+                             f"dataset length, seed, epoch (set_epoch on every rank) and step")
+        which = "inputs" if slot < n else "targets"
+        what = f"input {slot} ({names[slot]!r})" if slot < n else "the targets"
         raise ValueError(f"{where}: the ranks were given different {which} of the same shapes: ranks that hold the "
                          f"same rows must hold the same values (each rank passes the global batch, or the rows "
                          f"pipe.rows() lists, not its own shard, as with DDP); {what}, rows [{lo}, {hi}) of every "

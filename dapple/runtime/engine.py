@@ -134,7 +134,8 @@ class Pipeline:
         """
         return self.data.rows(batch_size)
 
-    def train_step(self, inputs: Batch = None, targets: Batch = None, batch_size: int | None = None) -> float:
+    def train_step(self, inputs: Batch = None, targets: Batch = None, batch_size: int | None = None,
+                   ids: Any = None) -> float:
         """One synchronous iteration on the global batch (call on every rank).
 
         Each rank passes the global batch (identical on every rank), or only what it reads: its own rows
@@ -154,6 +155,9 @@ class Pipeline:
                 does not compute the loss.
             batch_size: the global batch's rows, if given (what :func:`pipeline_loader` yields third): must be
                 ``plan.global_batch_size``.
+            ids: optional, the dataset row of each row given (a 1-D integer tensor or sequence, of the global
+                batch's rows or this rank's own; :func:`pipeline_loader` yields it fourth): ranks that hold the
+                same batch rows must have loaded the same dataset rows (with ``check_inputs``).
 
         Returns:
             The step's mean loss over the global batch.
@@ -163,7 +167,7 @@ class Pipeline:
                 (:class:`BatchCheck`): every rank raises, nothing ran, the pipeline stays usable.
             PipelineError: a peer failed or timed out; the pipeline is unusable afterwards.
         """
-        batch = self._checked_batch(inputs, targets, f"step {self.step + 1}", batch_size)
+        batch = self._checked_batch(inputs, targets, f"step {self.step + 1}", batch_size, ids)
         self.step += 1
         try:
             return self._runner.run(batch, self.step, self.recorder)
@@ -194,8 +198,8 @@ class Pipeline:
                               self.ctx.device, self.timeout, f"rank {self.ctx.rank} (stage {self.stage}), "
                               f"clip_grad_norm_ after step {self.step}", error_if_nonfinite)
 
-    def eval_step(self, inputs: Batch = None, targets: Batch = None, batch_size: int | None = None, *,
-                  outputs: bool = False) -> float | tuple[float, list[tuple[range, Any]]]:
+    def eval_step(self, inputs: Batch = None, targets: Batch = None, batch_size: int | None = None,
+                  ids: Any = None, *, outputs: bool = False) -> float | tuple[float, list[tuple[range, Any]]]:
         """A pipelined forward-only pass under ``torch.no_grad`` (call on every rank): the mean loss over the batch,
         as ``loss_fn(model(inputs), *targets)`` of the model in the pipeline's mode (:meth:`eval` first for a
         validation loss: no dropout, BatchNorm's running statistics). No gradient, no step counted.
@@ -208,6 +212,7 @@ class Pipeline:
             batch_size: the batch's rows (:func:`pipeline_loader` yields it third: ``eval_step(*batch)``); without
                 it, every tensor given is read as the whole batch (a rank given none learns the size from the
                 others), so a rank's own rows need it.
+            ids: optional, the dataset row of each row given, as for :meth:`train_step`.
             outputs: also return this rank's model outputs.
 
         Returns:
@@ -218,7 +223,7 @@ class Pipeline:
         Raises:
             ValueError, PipelineError: as :meth:`train_step`.
         """
-        batch = self._checked_batch(inputs, targets, f"evaluation after step {self.step}", batch_size, True)
+        batch = self._checked_batch(inputs, targets, f"evaluation after step {self.step}", batch_size, ids, True)
         try:
             loss, kept = self._runner.evaluate(batch, self.step, outputs)
         except BaseException as e:
@@ -227,14 +232,14 @@ class Pipeline:
         return (loss, kept) if outputs else loss
 
     def _checked_batch(self, inputs: Batch, targets: Batch, what: str, batch_size: int | None = None,
-                       any_rows: bool = False) -> StepBatch:
+                       ids: Any = None, any_rows: bool = False) -> StepBatch:
         """The batch checked on this rank and against every other rank's (errors name the values; a rank's own
         error is raised on every rank, so none runs the step)."""
         if self._failed:
             raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
                                 f"groups are unusable; restart the job ({self._failed})")
         try:
-            mine, error = rank_batch(self.data, self._arity, inputs, targets, batch_size, any_rows), None
+            mine, error = rank_batch(self.data, self._arity, inputs, targets, batch_size, any_rows, ids), None
         except (TypeError, ValueError) as e:
             mine, error = None, e
         try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable

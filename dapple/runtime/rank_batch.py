@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
 
 from ..profiler.layers import Arity
 from .data import RankData
+
+_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -29,16 +32,18 @@ class RankBatch:
         targets: the targets held; None for ``targets=None``.
         rows: the batch's global rows, where this rank can tell (an evaluation rank given no tensor and no
             ``batch_size`` cannot).
+        ids: the dataset row of each row this rank holds (int64, in either layout), where given.
     """
 
     inputs: tuple[Held | None, ...] | None
     defaulted: tuple[int, ...]
     targets: tuple[Held, ...] | None
     rows: int | None
+    ids: Held | None = None
 
 
 def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_size: int | None = None,
-               any_rows: bool = False) -> RankBatch:
+               any_rows: bool = False, ids: Any = None) -> RankBatch:
     """Check one rank's batch (TypeError/ValueError naming the value) and tell each tensor's layout.
 
     Args:
@@ -49,6 +54,7 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
         batch_size: the batch's global rows (default: the plan's global batch, or with ``any_rows`` the rows of
             the tensors given, read as the whole batch); a training batch's must be the plan's.
         any_rows: an evaluation batch: any positive multiple of the micro-batch size.
+        ids: the dataset row of each batch row (global batch) or of each of this rank's rows (own rows), or None.
     """
     xs, ys = _entries(inputs, "inputs", True), _entries(targets, "targets", False)
     if xs is not None and (len(xs) > len(arity.names) or any(data.reads[len(xs):arity.need])):
@@ -67,7 +73,7 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
     return RankBatch(None if xs is None else tuple(None if t is None else shape.held(t, f"inputs[{i}]")
                                                    for i, t in enumerate(xs)),
                      defaulted, None if ys is None else tuple(shape.held(t, f"targets[{i}]")
-                                                              for i, t in enumerate(ys)), rows)
+                                                              for i, t in enumerate(ys)), rows, _ids(ids, shape))
 
 
 def _entries(x: Any, what: str, nones: bool) -> tuple[torch.Tensor | None, ...] | None:
@@ -95,6 +101,22 @@ def _check_reads(data: RankData, xs: tuple | None, ys: tuple | None) -> tuple[in
         raise ValueError(f"targets is None, but {where} is on the last stage and computes the loss: pass the "
                          f"global batch's targets or this rank's rows of them (pipe.rows())")
     return tuple(i for i, reads in enumerate(data.reads) if reads and xs is not None and i >= len(xs))
+
+
+def _ids(ids: Any, shape: _Layout) -> Held | None:
+    """The dataset rows given as ``ids``, as int64 in their layout; None where not given, or empty on a rank that
+    holds nothing."""
+    if ids is None:
+        return None
+    t = ids if isinstance(ids, torch.Tensor) else None
+    if isinstance(ids, (list, tuple, range)) and all(isinstance(i, Integral) and not isinstance(i, bool) for i in ids):
+        t = torch.tensor(list(ids), dtype=torch.long)
+    if t is None or t.dim() != 1 or t.dtype not in _INTEGERS:
+        raise TypeError(f"ids: expected a 1-D tensor or sequence of ints (the dataset row of each row given), got "
+                        f"{type(ids).__name__}{'' if t is None else f' of {t.dtype} {tuple(t.shape)}'}")
+    if t.numel() == 0 and not shape.compact:
+        return None
+    return shape.held(t.long(), "ids")
 
 
 def _rows_of(what: str, t: torch.Tensor, b: int) -> int:

@@ -102,11 +102,27 @@ def _pair(item: Any) -> tuple[Any, Any]:
 
 class LoadedBatch(NamedTuple):
     """One step's batch as this rank loaded it: ``pipe.train_step(*batch)``, or ``pipe.eval_step(*batch)``, where
-    ``batch_size`` tells that the tensors are this rank's rows of a batch of that many rows."""
+    ``batch_size`` tells that the tensors are this rank's rows of a batch of that many rows, and ``ids`` lets the
+    ranks check that they loaded the same dataset rows for the same batch rows."""
 
     inputs: Any  # the inputs this rank reads, its rows (None in place of the others; None if it reads none)
     targets: Any  # on the last stage, its rows of the targets; elsewhere None
     batch_size: int  # the step's global rows
+    ids: torch.Tensor | None = None  # the dataset row of each of its rows (int64); None: not known
+
+
+class IndexedDataset(Dataset):
+    """``dataset``'s items with their index, ``(i, dataset[i])``: what :class:`RankCollate` takes with
+    ``indexed=True``, so that a batch carries its dataset rows."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[int, Any]:
+        return i, self.dataset[i]
 
 
 class RankCollate:
@@ -118,17 +134,21 @@ class RankCollate:
         batch_size: the global rows of each step (default: the plan's global batch).
         split: item -> (inputs, targets) (default: the item is that pair).
         collate: stacks one input's (or the targets') values over the step's items.
+        indexed: the items are ``(dataset index, item)`` (:class:`IndexedDataset`): the batch's ``ids``.
     """
 
     def __init__(self, data: RankData, batch_size: int | None = None,
                  split: Callable[[Any], tuple[Any, Any]] | None = None,
-                 collate: Callable[[list], Any] = default_collate):
-        self.data, self.split, self.collate = data, split or _pair, collate
+                 collate: Callable[[list], Any] = default_collate, indexed: bool = False):
+        self.data, self.split, self.collate, self.indexed = data, split or _pair, collate, indexed
         self.batch_size = data.global_batch_size if batch_size is None else batch_size
 
     def __call__(self, items: list) -> LoadedBatch:
+        ids = torch.tensor([i for i, _ in items], dtype=torch.long) if self.indexed else None
+        if self.indexed:
+            items = [item for _, item in items]
         if not items:
-            return LoadedBatch(None, None, self.batch_size)
+            return LoadedBatch(None, None, self.batch_size, ids)
         pairs = [self.split(item) for item in items]
         single = not isinstance(pairs[0][0], (tuple, list))
         inputs = [(x,) if single else tuple(x) for x, _ in pairs]
@@ -136,17 +156,18 @@ class RankCollate:
                    for i in range(len(inputs[0])))
         ys = self.collate([y for _, y in pairs]) if self.data.targets else None
         if all(x is None for x in xs):
-            return LoadedBatch(None, ys, self.batch_size)
-        return LoadedBatch(xs[0] if single else xs, ys, self.batch_size)
+            return LoadedBatch(None, ys, self.batch_size, ids)
+        return LoadedBatch(xs[0] if single else xs, ys, self.batch_size, ids)
 
 
 def pipeline_loader(dataset: Dataset, source: Any, batch_size: int | None = None, shuffle: bool = True,
                     seed: int = 0, split: Callable[[Any], tuple[Any, Any]] | None = None,
                     collate_fn: Callable[[list], Any] = default_collate, **loader_kwargs: Any) -> DataLoader:
-    """A DataLoader that yields, each step, this rank's :class:`LoadedBatch` ``(inputs, targets, batch_size)`` for
-    ``pipe.train_step(*batch)`` or ``pipe.eval_step(*batch)``: it reads from ``dataset`` only the rows this rank
+    """A DataLoader that yields, each step, this rank's :class:`LoadedBatch` ``(inputs, targets, batch_size, ids)``
+    for ``pipe.train_step(*batch)`` or ``pipe.eval_step(*batch)``: it reads from ``dataset`` only the rows this rank
     reads (:class:`DistributedPipelineSampler`), and keeps only the tensors it reads (:class:`RankCollate`); a rank
-    that reads nothing reads no row and yields ``(None, None, batch_size)``, without worker processes.
+    that reads nothing reads no row and yields ``(None, None, batch_size, ids)`` with no ids, without worker
+    processes. The loader's ``dataset`` is ``IndexedDataset(dataset)``.
 
     Args:
         dataset: a map-style ``torch.utils.data.Dataset`` whose items are ``(inputs, targets)`` (each a tensor or
@@ -162,5 +183,5 @@ def pipeline_loader(dataset: Dataset, source: Any, batch_size: int | None = None
     sampler = DistributedPipelineSampler(len(dataset), data, batch_size, shuffle, seed)
     if not data.loads:  # nothing to read: no worker processes either
         loader_kwargs = {k: v for k, v in loader_kwargs.items() if k not in _WORKER_OPTIONS}
-    collate = RankCollate(data, sampler.batch_size, split, collate_fn)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
+    collate = RankCollate(data, sampler.batch_size, split, collate_fn, indexed=True)
+    return DataLoader(IndexedDataset(dataset), batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

@@ -123,7 +123,8 @@ class Counting(Dataset):
 
 def case_loader(stages: list, gbs: int, mbs: int, rows: int = 20, epochs: int = 2) -> dict[str, Any]:
     """pipeline_loader over a dataset that counts reads: each rank reads only its rows; every step equals
-    single-process training on the step's global batch (sampler.global_indices); SGD on both between steps."""
+    single-process training on the step's global batch (sampler.global_indices); SGD on both between steps; a
+    loader per rank for evaluation; a rank whose loader draws another order is caught by the batch's ids."""
     torch.manual_seed(0)
     net = Chain().double()
     pipe = dapple.pipeline(net, _plan(net, stages, gbs, mbs), F.cross_entropy, timeout=30)
@@ -147,6 +148,10 @@ def case_loader(stages: list, gbs: int, mbs: int, rows: int = 20, epochs: int = 
     valid = dapple.runtime.pipeline_loader(data, pipe, batch_size=2 * mbs, shuffle=False)  # another batch size
     out["eval"] = [(pipe.eval_step(*loaded), pipe.eval_step(data.x[rows], data.y[rows]))
                    for loaded, rows in zip(valid, map(valid.batch_sampler.global_indices, range(len(valid))))]
+    # rank 3's loader draws another order: images and labels of different rows would train silently
+    other = dapple.runtime.pipeline_loader(data, pipe, shuffle=True, seed=4 if pipe.ctx.rank == 3 else 3)
+    out["desync"] = _attempt(lambda: pipe.train_step(*next(iter(other))))
+    out["step"] = pipe.step
     return out
 
 

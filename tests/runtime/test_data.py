@@ -88,12 +88,14 @@ def test_the_sampler_names_bad_arguments():
 
 def test_collate_keeps_only_the_tensors_a_rank_reads():
     items = [((torch.full((2,), float(i)), torch.full((2,), -float(i))), torch.tensor(i)) for i in range(3)]
-    x, y, rows = RankCollate(rank_data(PLAN, 0, TWO_INPUTS))(items)
-    assert x[1] is None and x[0].shape == (3, 2) and y is None and rows == 9
-    x, y, rows = RankCollate(rank_data(PLAN, 3, TWO_INPUTS), batch_size=6)(items)
+    x, y, rows, ids = RankCollate(rank_data(PLAN, 0, TWO_INPUTS))(items)
+    assert x[1] is None and x[0].shape == (3, 2) and y is None and rows == 9 and ids is None
+    x, y, rows, ids = RankCollate(rank_data(PLAN, 3, TWO_INPUTS), batch_size=6, indexed=True)(
+        [(7 + i, item) for i, item in enumerate(items)])  # (dataset index, item), as IndexedDataset gives
     assert x[0] is None and x[1][:, 0].tolist() == [0, -1, -2] and y.tolist() == [0, 1, 2] and rows == 6
-    assert RankCollate(rank_data(PLAN, 2, TWO_INPUTS))([]) == (None, None, 9)
-    x, y, _ = RankCollate(rank_data(PLAN, 4))([(None, torch.tensor(1)), (None, torch.tensor(2))])  # labels alone
+    assert ids.tolist() == [7, 8, 9]
+    assert RankCollate(rank_data(PLAN, 2, TWO_INPUTS))([]) == (None, None, 9, None)
+    x, y, _, _ = RankCollate(rank_data(PLAN, 4))([(None, torch.tensor(1)), (None, torch.tensor(2))])  # labels alone
     assert x is None and y.tolist() == [1, 2]
     with pytest.raises(TypeError, match=r"a dataset item must be a pair \(inputs, targets\), got tuple of 3"):
         RankCollate(rank_data(PLAN, 0))([(1, 2, 3)])
@@ -111,8 +113,10 @@ def test_a_loader_reads_only_this_ranks_rows():
     loader = pipeline_loader(data, rank_data(PLAN, 4), shuffle=False)
     batches = list(loader)
     assert sorted(reads) == [1, 4, 7, 10, 13, 16]
-    assert [(x, y.tolist(), rows) for x, y, rows in batches] == [(None, [1, 4, 7], 9), (None, [10, 13, 16], 9)]
-    assert list(pipeline_loader(data, rank_data(PLAN, 2), num_workers=2)) == [(None, None, 9)] * 2  # no workers
+    assert [(x, y.tolist(), rows, ids.tolist()) for x, y, rows, ids in batches] == [
+        (None, [1, 4, 7], 9, [1, 4, 7]), (None, [10, 13, 16], 9, [10, 13, 16])]
+    middle = list(pipeline_loader(data, rank_data(PLAN, 2), num_workers=2))  # no row, no worker
+    assert [(x, y, rows, ids.tolist()) for x, y, rows, ids in middle] == [(None, None, 9, [])] * 2
 
 
 ARITY = Arity(["x", "z"], 2, [])
@@ -145,6 +149,16 @@ def test_wrong_per_rank_shapes_name_both_layouts():
         rank_batch(last, ARITY, (None, torch.zeros(3, 4)), None)
     with pytest.raises(TypeError, match=r"targets\[0\]: expected a tensor, got NoneType \(pass targets=None"):
         rank_batch(last, ARITY, (None, torch.zeros(3, 4)), [None])
+    got = rank_batch(data, ARITY, (torch.zeros(6, 4), None), None, ids=[5, 6, 7, 8, 9, 10])
+    assert got.ids.compact and got.ids.tensor.dtype == torch.int64
+    assert rank_batch(data, ARITY, (torch.zeros(9, 4), None), None, ids=torch.arange(9)).ids.compact is False
+    assert rank_batch(rank_data(PLAN, 2), Arity(["x"], 1, []), None, None, ids=[]).ids is None  # holds nothing
+    with pytest.raises(ValueError, match=r"ids has shape \(4,\); expected the global batch of 9 rows .* or this "
+                                         r"rank's own 6 rows"):
+        rank_batch(data, ARITY, (torch.zeros(6, 4), None), None, ids=[1, 2, 3, 4])
+    with pytest.raises(TypeError, match=r"ids: expected a 1-D tensor or sequence of ints .* got Tensor of "
+                                        r"torch.float32 \(6,\)"):
+        rank_batch(data, ARITY, (torch.zeros(6, 4), None), None, ids=torch.zeros(6))
     with pytest.raises(ValueError, match=r"batch_size: a training step runs the plan's global batch of 9 rows "
                                          r"\(plan.global_batch_size\), got 6"):
         rank_batch(data, ARITY, (torch.zeros(4, 4), None), None, 6)

@@ -80,3 +80,14 @@ def test_a_loader_reads_each_row_once_per_stage_that_reads_it(results):
     assert batches[:3] != batches[3:]  # set_epoch: another permutation
     for rank, res in enumerate(out):  # eval_step(*batch) of a loader: batch_size says the rows are the rank's own
         assert len(res["eval"]) == 3 and all(own == whole for own, whole in res["eval"]), (rank, res["eval"])
+
+
+@pytest.mark.slow
+def test_ranks_whose_loaders_draw_different_orders_all_raise(results):
+    """Rank 3 (the labels) shuffles with another seed than ranks 0 and 1 (the images): no two ranks hold the same
+    tensor's rows, but they hold the same batch rows' dataset ids."""
+    for rank, res in enumerate(r["loader"] for r in results):
+        assert res["desync"] is not None and (
+            "the ranks loaded different dataset rows (ids) for the same rows of the batch: rows [0, 2) of every "
+            "micro-batch: ranks with equal ids: [[0], [3]]") in res["desync"], (rank, res["desync"])
+        assert res["step"] == 6, rank  # 2 epochs of 3 steps; the refused step did not count

@@ -36,5 +36,5 @@ def test_cnn_example_loads_per_rank_and_matches_the_global_batch():
     assert losses and losses[1] == losses[2], out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d\s+\d\s+\d\s+\d+\s", line)]
     assert [(r[0], r[3], r[4], r[5], r[6]) for r in rows] == [  # rank, rows, bytes: global batch, own rows; reads
-        ("0", "16", "393,472", "196,608", "32"), ("1", "16", "393,472", "196,608", "32"),
-        ("2", "0", "393,472", "0", "0"), ("3", "32", "393,472", "256", "64")], out
+        ("0", "16", "393,472", "196,736", "32"), ("1", "16", "393,472", "196,736", "32"),
+        ("2", "0", "393,472", "0", "0"), ("3", "32", "393,472", "512", "64")], out
