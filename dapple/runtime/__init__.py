@@ -8,5 +8,5 @@ from .p2p import PipelineError
 from .sampler import DistributedPipelineSampler, IndexedDataset, LoadedBatch, RankCollate, pipeline_loader
 from .tracing import Trace
 
-__all__ = ["ActivationMeter", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch", "Pipeline", "PipelineError",
-           "RankCollate", "RankData", "Trace", "launch", "pipeline", "pipeline_loader", "rank_data"]
+__all__ = ["ActivationMeter", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch", "Pipeline",
+           "PipelineError", "RankCollate", "RankData", "Trace", "launch", "pipeline", "pipeline_loader", "rank_data"]

@@ -43,10 +43,10 @@ class Pipeline:
 
     Attributes: ``plan``, ``loss_fn``, ``timeout``; ``ctx`` (rank, world size, backend, device); ``stage`` and
     ``replica`` (this rank's place in the plan); ``data`` (what it reads of each batch: :class:`RankData`);
-    ``graph`` and ``module`` (the stage's computation); ``step``
-    (steps run); ``training`` (the mode: :meth:`train`, :meth:`eval`); ``state_names`` (id(tensor) -> its keys in
-    the original model's state_dict) and ``state_order`` (the model's keys some stage holds, in order), for
-    :meth:`state_dict` and checkpoints; ``recorder`` (where steps are traced; None: off).
+    ``graph`` and ``module`` (the stage's computation); ``step`` (steps run); ``training`` (the mode:
+    :meth:`train`, :meth:`eval`); ``state_names`` (id(tensor) -> its keys in the original model's state_dict) and
+    ``state_order`` (the model's keys some stage holds, in order), for :meth:`state_dict` and checkpoints;
+    ``recorder`` (where steps are traced; None: off).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
@@ -367,9 +367,10 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             otherwise each replica updates its own per slice, and they drift apart.
         layers: module paths that each become a layer (as for :func:`dapple.profile`); by default the plan's
             ``layer_names`` (a plan made from a profile names them), else the profiler's default rule.
-        check_inputs: compare a checksum of each step's inputs and targets across ranks (one small AllReduce, a
-            pass over the batch): every rank must pass the same global batch, and a rank given its own shard
-            raises ValueError instead of training on a mix. Shapes are always compared.
+        check_inputs: compare checksums of each step's inputs, targets and ids across the ranks that hold the
+            same rows (one small AllReduce, a pass over what each rank holds; docs/data.md): a rank given its own
+            shard of the global batch, or loading another order than the others, raises ValueError instead of
+            training on a mix. Sizes and shapes are always compared.
         mixed_precision: "bf16" or "fp16": each stage runs its forward and the loss under ``torch.autocast`` in that
             dtype (parameters and gradients stay fp32), and activations and their gradients cross stages in it
             (half the bytes). "fp16" scales the loss dynamically, with one decision per step for every rank:
