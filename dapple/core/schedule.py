@@ -1,4 +1,4 @@
-"""Per-stage operation order of the dapple (early backward, paper V-C) and gpipe schedules."""
+"""Per-stage operation order of the dapple (early backward, paper V-C), gpipe and zero-bubble (zb-h1) schedules."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ from typing import NamedTuple, Sequence
 
 from .checks import is_int, positive_int
 
-SCHEDULES = ("dapple", "gpipe")
+SCHEDULES = ("dapple", "gpipe", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is an input-gradient B and a later weight-gradient W
 WARMUP_POLICIES = ("A", "B")
 
 
 class Op(NamedTuple):
-    """One computation of one stage: the forward ("F") or backward ("B") of a micro-batch."""
+    """One computation of one stage for a micro-batch: its forward ("F"), backward ("B"), or, in a split-backward
+    schedule (:data:`SPLIT_BACKWARD`), its input-gradient backward ("B") and later weight-gradient backward ("W")."""
 
     kind: str
     micro_batch: int
@@ -67,32 +69,84 @@ def validate_warmup(warmup: Sequence[int], num_micro_batches: int) -> None:
                              f"got {list(warmup)}")
 
 
-def stage_ops(schedule: str, num_micro_batches: int, warmup: int) -> list[Op]:
-    """The order in which one stage runs its 2M computations.
+def stage_ops(schedule: str, num_micro_batches: int, warmup: int, hold: int | None = None) -> list[Op]:
+    """The order in which one stage runs its computations.
 
     dapple: K forwards, then strictly one backward of the oldest micro-batch and one forward, then the
     remaining backwards (at most K micro-batches alive at once). gpipe: all M forwards, then all M
-    backwards in the same order.
+    backwards in the same order. zb-h1 (zero bubble, Qi et al. ICLR'24, H1): dapple's order of forwards and
+    input-gradient backwards B, each micro-batch's weight-gradient backward W deferred while fewer than
+    ``hold - K`` micro-batches wait for theirs, the rest after the last B (into the cool-down bubble).
+
+    Args:
+        schedule: one of :data:`SCHEDULES`.
+        num_micro_batches: M.
+        warmup: the stage's K_i (forwards before its first backward); above M acts as M.
+        hold: zb-h1 only: the most micro-batches whose forward ran and whose W has not (their activations are
+            held until W), at least K_i; :func:`stage_holds` gives K_0 to every stage, the first stage's peak
+            under dapple, so no stage holds more than the pipeline's peak of 1F1B. Default: K_i (no deferral).
     """
     m = num_micro_batches
     positive_int("num_micro_batches", m)
     positive_int("warmup", warmup)
     if schedule == "gpipe":
         return [Op("F", j) for j in range(m)] + [Op("B", j) for j in range(m)]
-    if schedule != "dapple":
+    if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     k = max(1, min(warmup, m))
-    ops = [Op("F", j) for j in range(k)]
+    order = [Op("F", j) for j in range(k)]
     for j in range(m - k):
-        ops += [Op("B", j), Op("F", k + j)]
-    ops += [Op("B", j) for j in range(m - k, m)]
+        order += [Op("B", j), Op("F", k + j)]
+    order += [Op("B", j) for j in range(m - k, m)]
+    if schedule == "dapple":
+        return order
+    if hold is not None:
+        positive_int("hold", hold)
+    return _defer_weights(order, max(k, min(m, hold if hold is not None else k)) - k)
+
+
+def _defer_weights(order: list[Op], defer: int) -> list[Op]:
+    """Insert each W after the B that leaves more than ``defer`` micro-batches waiting for their W (before the
+    next forward), the remaining ones after the last B."""
+    ops: list[Op] = []
+    done_b = done_w = 0
+    for op in order:
+        ops.append(op)
+        if op.kind == "B":
+            done_b += 1
+            while done_b - done_w > defer:
+                ops.append(Op("W", done_w))
+                done_w += 1
+    ops += [Op("W", j) for j in range(done_w, done_b)]
     return ops
 
 
+def stage_holds(warmup: Sequence[int], num_micro_batches: int) -> list[int]:
+    """zb-h1's ``hold`` per stage: the largest K of the stages up to it (K_0 when K_i does not increase), at most M.
+
+    Deferring a later stage's W up to the first stage's K keeps every stage within the peak of activations that
+    dapple's schedule has on its first stage, while those later stages reach their B sooner.
+    """
+    holds, top = [], 0
+    for k in warmup:
+        top = max(top, min(k, num_micro_batches))
+        holds.append(top)
+    return holds
+
+
 def peak_in_flight(ops: Sequence[Op]) -> int:
-    """Peak number of micro-batches whose forward ran and whose backward has not (activations held)."""
+    """Peak number of micro-batches whose forward ran and whose backward has not (activations held); with W ops
+    (split backward), held until the W: a B frees nothing, since W needs what the forward saved."""
+    release = "W" if any(op.kind == "W" for op in ops) else "B"
     alive = peak = 0
     for op in ops:
-        alive += 1 if op.kind == "F" else -1
+        alive += 1 if op.kind == "F" else -1 if op.kind == release else 0
         peak = max(peak, alive)
     return peak
+
+
+def pipeline_stage_ops(schedule: str, num_micro_batches: int, warmup: Sequence[int], stage: int) -> list[Op]:
+    """:func:`stage_ops` of stage ``stage`` in a pipeline whose stages have K_i ``warmup`` (zb-h1: each stage's
+    ``hold`` from :func:`stage_holds`)."""
+    hold = stage_holds(warmup, num_micro_batches)[stage] if schedule in SPLIT_BACKWARD else None
+    return stage_ops(schedule, num_micro_batches, warmup[stage], hold)

@@ -9,7 +9,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 
 from ..core.plan import Plan
-from ..core.schedule import Op, stage_ops
+from ..core.schedule import Op, pipeline_stage_ops
 from ..core.split_concat import Route, routes
 
 LOOKAHEAD = 1  # receives are posted for the current op and the next one, so transfers overlap compute
@@ -87,7 +87,11 @@ def cut_routes(plan: Plan, c: int) -> Iterator[tuple[Route, int, int]]:
 
 
 def op_transfers(plan: Plan, layout: BoundaryLayout, rank: int, op: Op) -> tuple[list[Transfer], list[Transfer]]:
-    """(receives, sends) of ``rank`` for one op, in posting order: by route (sender, then receiver), then value."""
+    """(receives, sends) of ``rank`` for one op, in posting order: by route (sender, then receiver), then value.
+
+    A weight-gradient op (W) moves nothing: its B already sent the input gradients."""
+    if op.kind == "W":
+        return [], []
     s = plan.stage_of_device(rank)
     me = plan.stages[s].devices.index(rank)
     j = op.micro_batch
@@ -118,12 +122,13 @@ def op_transfers(plan: Plan, layout: BoundaryLayout, rank: int, op: Op) -> tuple
 def rank_program(plan: Plan, layout: BoundaryLayout, rank: int, lookahead: int = LOOKAHEAD) -> list[Instr]:
     """The exact sequence of posts and computations ``rank`` runs in one training step.
 
-    Computations follow ``stage_ops(plan.schedule, M, K_i)``. Receives of op t+``lookahead`` are posted
+    Computations follow ``pipeline_stage_ops(plan.schedule, M, plan.warmup, stage)``. Receives of op t+``lookahead`` are posted
     before op t computes (irecv early); sends are posted right after the op that produced them and never
     waited on before the end of the step, so only receives can block.
     """
     s = plan.stage_of_device(rank)
-    return _program(plan, layout, rank, stage_ops(plan.schedule, plan.num_micro_batches, plan.warmup[s]), lookahead)
+    ops = pipeline_stage_ops(plan.schedule, plan.num_micro_batches, plan.warmup, s)
+    return _program(plan, layout, rank, ops, lookahead)
 
 
 def forward_program(plan: Plan, layout: BoundaryLayout, rank: int, micro_batches: int,
@@ -144,6 +149,19 @@ def _program(plan: Plan, layout: BoundaryLayout, rank: int, ops: list[Op], looka
         prog.append(Instr("compute", op=op))
         prog += [Instr("send", transfer=x) for x in per_op[t][1]]
     return prog
+
+
+def format_program(program: Sequence[Instr]) -> str:
+    """A rank's program, one instruction a line: ``F3``/``B3``/``W3`` computations, then posts such as
+    ``recv act1 v0 0->2 rows 0:2`` (kind and micro-batch, boundary value, sender->receiver, rows of the slice)."""
+    lines = []
+    for i in program:
+        if i.action == "compute":
+            lines.append(str(i.op))
+        else:
+            t = i.transfer
+            lines.append(f"  {i.action} {t.kind}{t.micro_batch} v{t.value} {t.src}->{t.dst} rows {t.start}:{t.end}")
+    return "\n".join(lines)
 
 
 def op_receives(program: Sequence[Instr], rank: int, plan: Plan, layout: BoundaryLayout) -> dict[Op, list[Transfer]]:

@@ -1,4 +1,4 @@
-"""Schedule generator: K_i policies, op order of dapple and gpipe, activations alive, deadlock-free K_i."""
+"""Schedule generator: K_i policies, op order of dapple, gpipe and zb-h1, activations alive, deadlock-free K_i."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapple.core.schedule import Op, peak_in_flight, stage_ops, validate_warmup, warmup_counts
+from dapple.core.schedule import (
+    Op,
+    peak_in_flight,
+    pipeline_stage_ops,
+    stage_holds,
+    stage_ops,
+    validate_warmup,
+    warmup_counts,
+)
 
 
 def test_policies():
@@ -54,3 +62,39 @@ def test_unknown_names():
         stage_ops("1f1b", 4, 1)
     with pytest.raises(ValueError, match="warmup policy must be one of"):
         warmup_counts(2, 4, "C")
+
+
+def test_zb_h1_order_s4_m8():
+    """Stage i defers W while K_0 - K_i micro-batches wait for theirs; the rest fill the cool-down."""
+    rows = [" ".join(map(str, pipeline_stage_ops("zb-h1", 8, [4, 3, 2, 1], i))) for i in range(4)]
+    assert rows == [
+        "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7",
+        "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7",
+        "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7",
+    ]
+
+
+@given(m=st.integers(1, 30), k=st.integers(1, 35), extra=st.integers(0, 35))
+def test_zb_h1_keeps_dapple_order_and_holds_at_most_hold(m, k, extra):
+    ops = stage_ops("zb-h1", m, k, k + extra)
+    assert [o for o in ops if o.kind != "W"] == stage_ops("dapple", m, k)  # F and B exactly as dapple
+    assert [o.micro_batch for o in ops if o.kind == "W"] == list(range(m))
+    done_b = set()
+    for op in ops:  # each W after its own B
+        if op.kind == "B":
+            done_b.add(op.micro_batch)
+        if op.kind == "W":
+            assert op.micro_batch in done_b
+    assert peak_in_flight(ops) == min(m, k + extra)  # held from F to W (W needs what the forward saved)
+    assert peak_in_flight(stage_ops("zb-h1", m, k)) == min(k, m)  # no hold given: W never deferred past K
+
+
+def test_zb_h1_holds_the_first_stage_k_everywhere():
+    assert stage_holds([4, 3, 2, 1], 8) == [4, 4, 4, 4]
+    assert stage_holds([4, 3, 2, 1], 3) == [3, 3, 3, 3]
+    assert stage_holds([8, 9], 8) == [8, 8]  # K_0 = M allows a larger K_1, which acts as M
+    for i in range(4):
+        assert peak_in_flight(pipeline_stage_ops("zb-h1", 8, [4, 3, 2, 1], i)) == 4
+    with pytest.raises(ValueError, match="hold"):
+        stage_ops("zb-h1", 4, 2, 0)

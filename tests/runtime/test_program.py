@@ -10,12 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapple.planner import Plan, Stage, stage_ops
+from dapple.core.schedule import pipeline_stage_ops
+from dapple.planner import Plan, Stage
 from dapple.runtime.program import (
     LOOKAHEAD,
     BoundaryLayout,
     CommError,
     dry_run,
+    format_program,
     forward_program,
     rank_program,
     receive_lookahead,
@@ -37,7 +39,7 @@ def plans(draw):
     for r in replicas:
         devices.append(list(range(start, start + r)))
         start += r
-    plan = Plan(global_batch_size=mbs * m, micro_batch_size=mbs, schedule=draw(st.sampled_from(["dapple", "gpipe"])),
+    plan = Plan(global_batch_size=mbs * m, micro_batch_size=mbs, schedule=draw(st.sampled_from(["dapple", "gpipe", "zb-h1"])),
                 stages=[Stage((i, i + 1), d, w) for i, (d, w) in enumerate(zip(devices, warmup))])
     values = tuple(draw(st.integers(1, 3)) for _ in range(num_stages - 1))
     grads = tuple(tuple(v for v in range(n) if draw(st.booleans())) for n in values)
@@ -52,8 +54,8 @@ def test_programs_match_pairwise_and_never_deadlock(case, lookahead):
     dry_run(plan, layout, programs)  # raises CommError on a mismatch or a deadlock
     for r, prog in programs.items():  # computations follow the schedule exactly
         s = plan.stage_of_device(r)
-        assert [i.op for i in prog if i.action == "compute"] == stage_ops(plan.schedule, plan.num_micro_batches,
-                                                                          plan.warmup[s])
+        assert [i.op for i in prog if i.action == "compute"] == pipeline_stage_ops(
+            plan.schedule, plan.num_micro_batches, plan.warmup, s)
         comp_pos = {i.op: k for k, i in enumerate(prog) if i.action == "compute"}
         for k, i in enumerate(prog):  # every receive is posted before the computation that needs it
             if i.action == "recv":
@@ -129,3 +131,17 @@ def test_receives_are_posted_just_in_time_on_cuda():
     for k, i in enumerate(prog):  # after a receive, only receives until the computation that waits on them
         if i.action == "recv":
             assert next(j for j in prog[k:] if j.action != "recv").action == "compute", text
+
+
+def test_zb_h1_program_moves_nothing_for_w_and_prints():
+    plan = _plan([2, 1], schedule="zb-h1")
+    layout = BoundaryLayout(values=(1,), grads=((0,),))
+    programs = {r: rank_program(plan, layout, r) for r in range(3)}
+    dry_run(plan, layout, programs)
+    text = format_program(programs[1]).splitlines()  # stage 1, replica 0 (rows 0:1): K=1, W deferred up to K_0=2
+    assert [x for x in text if not x.startswith(" ")] == ["F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "F3", "B3",
+                                                          "W2", "W3"]
+    assert text[:6] == ["  recv act0 v0 0->1 rows 0:1", "F0", "  recv act1 v0 0->1 rows 0:1", "B0",
+                        "  send grad0 v0 1->0 rows 0:1", "F1"]
+    w = [k for k, x in enumerate(text) if x.startswith("W")]
+    assert all(not x.startswith("  send") for k in w for x in text[k + 1:k + 2])  # a W sends nothing
