@@ -1,4 +1,5 @@
-"""One training step of a stage replica: its program of receives, forwards, backwards and sends, then the AllReduces."""
+"""One training step of a stage replica: its program of receives, forwards, backwards (whole, or split into input
+and weight gradients) and sends, then the AllReduces."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..core.dist import wait_for
 from ..core.plan import Plan
-from ..core.schedule import Op
+from ..core.schedule import SPLIT_BACKWARD, Op
+from .backward import WeightWork, backward_input, backward_weight
 from ..core.split_concat import slice_bounds
 from .batchnorm import StatsSlot, commit, gather_sums
 from .channels import Channels
@@ -63,6 +65,9 @@ class StepRunner:
                  scaler: LossScaler | None = None, recompute: bool = False):
         self.plan, self.ctx, self.stage = plan, ctx, stage
         self.precision, self.recompute = precision, recompute
+        # split backward (B: input gradients, W: parameter gradients later); a recomputed stage, whose saved
+        # tensors are rebuilt once per backward, runs its whole backward in B and nothing in W
+        self.split = plan.schedule in SPLIT_BACKWARD and not recompute
         self.scaler = scaler if scaler is not None else LossScaler(False)
         self.flags = [0.0, 0.0]  # this step's loss problems (loss_checks.problems), summed over all ranks
         self.graph, self.module, self.loss_fn = graph, module, loss_fn
@@ -119,7 +124,9 @@ class StepRunner:
         """Run the program's instructions in order, adding each slice loss (last stage) into ``loss_sum``; a
         ``forward_only`` program keeps nothing for a backward, but each slice's rows and output in ``kept``."""
         alive: dict[int, _MicroBatch] = {}
+        pending: dict[int, WeightWork] = {}  # split backward: micro-batches whose W is still to run
         outbox: list[torch.Tensor | None] = []
+        arm = "W" if self.split else "B"  # the op whose last run makes the stage's parameter gradients final
         for ins in program:
             t = ins.transfer
             if ins.action == "recv":
@@ -129,10 +136,13 @@ class StepRunner:
                 lo = t.start - self.rows[0]  # rows of this rank's slice that the route covers
                 self.p2p.send(t, self._checked(outbox[t.value][lo:lo + t.rows], self._spec(key, t), t))
             else:
-                j, forward = ins.op.micro_batch, ins.op.kind == "F"
-                pieces = self._gather(ins.op, waits[ins.op], len(self.graph.recv if forward else self.graph.send), rec)
+                j, kind = ins.op.micro_batch, ins.op.kind
+                count = len(self.graph.recv if kind == "F" else self.graph.send)
+                pieces = self._gather(ins.op, waits[ins.op], count, rec)
                 start = rec.clock() if rec is not None else 0.0
-                if forward:
+                if kind == arm and j == self.plan.num_micro_batches - 1:  # the last backward of the step
+                    self.reducer.arm()  # gradient AllReduce buckets start as their gradients become final
+                if kind == "F":
                     outbox = self._forward(j, pieces, xs, ys, alive, layout, keep_output=kept is not None)
                     m = alive.pop(j) if forward_only else alive[j]
                     if m.loss is not None:
@@ -140,12 +150,12 @@ class StepRunner:
                         if kept is not None:
                             b = self.plan.micro_batch_size
                             kept.append((range(j * b + self.rows[0], j * b + self.rows[1]), m.output))
+                elif kind == "B":
+                    outbox = self._backward(j, pieces, alive, layout, pending)
                 else:
-                    if j == self.plan.num_micro_batches - 1:  # the last backward of the step
-                        self.reducer.arm()  # gradient AllReduce buckets start as their gradients become final
-                    outbox = self._backward(j, pieces, alive, layout)
+                    self._backward_weight(j, pending)
                 if rec is not None:
-                    rec.compute(ins.op.kind, j, start, rec.clock())
+                    rec.compute(kind, j, start, rec.clock())
 
     def evaluate(self, batch: StepBatch, step: int, outputs: bool) -> tuple[float, list[tuple[range, Any]]]:
         """A forward-only pass over ``batch`` (any multiple of the micro-batch size) under no_grad: the mean loss
@@ -245,31 +255,53 @@ class StepRunner:
         return loss * ((hi - lo) / self.batch_rows)
 
     def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch],
-                  layout: BoundaryLayout) -> list[torch.Tensor | None]:
-        """Micro-batch ``j``'s backward; returns the gradients to send back, per received value (None: none)."""
-        m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations
+                  layout: BoundaryLayout, pending: dict[int, WeightWork]) -> list[torch.Tensor | None]:
+        """Micro-batch ``j``'s backward (split: its input gradients only, the rest kept in ``pending`` for its W);
+        returns the gradients to send back, per received value (None: none)."""
+        m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations (split: after W)
+        wanted = [leaf for leaf in m.leaves if leaf.requires_grad]
+        found: dict[int, torch.Tensor | None] = {}
         with self._noted(j, lambda: f"in the backward of layers {self.layers}"):
-            if m.loss is not None:
-                if m.loss.requires_grad:
-                    (m.loss * self.scaler.scale if self.scaler.enabled else m.loss).backward()
-            else:
-                roots, grads = [], []
-                for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
-                    g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
-                    if m.sent[v].requires_grad:
-                        roots.append(m.sent[v])
-                        grads.append(g.to(m.sent[v].dtype))
-                if roots:
-                    torch.autograd.backward(roots, grads)
+            roots, grads = self._roots(m, pieces, layout)
+            if self.split:
+                params = [p for p in self.module.parameters() if p.requires_grad]
+                got, pending[j] = backward_input(roots, grads, wanted, params)
+                found = {id(x): g for x, g in zip(wanted, got)}
+            elif roots:
+                torch.autograd.backward(roots, grads)
         if self.stage == 0:
             return []
         out: list[torch.Tensor | None] = []
         for v, leaf in enumerate(m.leaves):
             if v in layout.grads[self.stage - 1]:
-                out.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+                g = found.get(id(leaf)) if self.split else leaf.grad
+                out.append(g if g is not None else torch.zeros_like(leaf))
             else:
                 out.append(None)
         return out
+
+    def _roots(self, m: _MicroBatch, pieces: list[list[torch.Tensor]], layout: BoundaryLayout
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What micro-batch ``m``'s backward starts from and with which gradients: the (scaled) loss on the last
+        stage, else the sent values that require grad with the gradients that came back for them."""
+        if m.loss is not None:
+            if not m.loss.requires_grad:
+                return [], []
+            return [m.loss * self.scaler.scale if self.scaler.enabled else m.loss], [None]
+        roots, grads = [], []
+        for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
+            g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
+            if m.sent[v].requires_grad:
+                roots.append(m.sent[v])
+                grads.append(g.to(m.sent[v].dtype))
+        return roots, grads
+
+    def _backward_weight(self, j: int, pending: dict[int, WeightWork]) -> None:
+        """Micro-batch ``j``'s W: its parameter gradients into ``.grad``; then its activations are freed."""
+        work = pending.pop(j, None)  # None where B ran the whole backward (a recomputed stage)
+        if work is not None:
+            with self._noted(j, lambda: f"in the weight-gradient backward of layers {self.layers}"):
+                backward_weight(work)
 
     def _where(self, j: int) -> str:
         return f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}, micro-batch {j}"

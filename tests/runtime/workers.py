@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 from datetime import timedelta
@@ -67,8 +68,13 @@ def weighted_loss(out: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.
     return (F.cross_entropy(out, y, reduction="none") * w).mean()
 
 
+_SCHEDULE: list[str | None] = [None]  # the schedule of every case's plan that names none (run_with_schedule)
+
+
 def _plan(model: nn.Module, stages: list[tuple], gbs: int, mbs: int, **kw: Any) -> Plan:
     """Stages as (layers, devices) or (layers, devices, warmup K_i)."""
+    if _SCHEDULE[0] is not None:
+        kw.setdefault("schedule", _SCHEDULE[0])
     names = trace_layers(model).names
     return Plan(global_batch_size=gbs, micro_batch_size=mbs, stages=[Stage(*st) for st in stages],
                 layer_names=names, **kw)
@@ -423,6 +429,22 @@ CASES_2: dict[str, tuple[Callable, tuple, dict]] = {
     "straight_2": (case_chain, ([((0, 2), [0]), ((2, 5), [1])], 8, 2), {"steps": 2}),
     "pure_dp_2": (case_gpt, ([((0, 7), [0, 1])], 6, 3), {}),
 }
+
+
+def run_with_schedule(schedule: str, fn: Callable, *args: Any, **kw: Any) -> Any:
+    """Run case ``fn`` with ``schedule`` as its plans' schedule (those that name none)."""
+    _SCHEDULE[0] = schedule
+    try:
+        return fn(*args, **kw)
+    finally:
+        _SCHEDULE[0] = None
+
+
+def with_schedule(cases: dict[str, tuple[Callable, tuple, dict]], schedule: str
+                  ) -> dict[str, tuple[Callable, tuple, dict]]:
+    """The same cases, their plans on ``schedule`` (picklable for the spawned ranks)."""
+    return {name: (functools.partial(run_with_schedule, schedule, fn), args, kw) for name, (fn, args, kw) in
+            cases.items()}
 
 
 def run_cases(cases: dict[str, tuple[Callable, tuple, dict]]) -> dict[str, Any]:

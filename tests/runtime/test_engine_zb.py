@@ -1,0 +1,40 @@
+"""Transparency of the zero-bubble schedule (zb-h1: input-gradient B, deferred weight-gradient W) on 4 processes
+(gloo, float64): loss and every gradient equal single-process training for every plan shape of test_engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime import workers
+from tests.runtime._spawn import run_ranks
+from tests.runtime.test_engine import SHAPES, TOL
+
+ZB_SHAPES = [s for s in SHAPES if s != "gpipe"]  # "gpipe" names its schedule
+
+
+@pytest.fixture(scope="module")
+def results():
+    cases = workers.with_schedule({k: workers.CASES_4[k] for k in ZB_SHAPES}, "zb-h1")
+    return run_ranks(workers.run_cases, 4, cases, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ZB_SHAPES)
+def test_zb_h1_equals_single_process(results, shape):
+    steps = [r[shape] for r in results]  # per rank, per step
+    for rank, per_step in enumerate(steps):
+        for step, res in enumerate(per_step):
+            assert res["loss"] <= TOL, (shape, rank, step, res["loss"])
+            bad = {n: e for n, e in res["grads"].items() if not e <= TOL}
+            assert not bad, (shape, rank, step, bad)
+    for step in range(len(steps[0])):  # every parameter of the model is checked on some rank
+        seen = set().union(*(set(r[step]["grads"]) for r in steps))
+        assert seen == set(steps[0][step]["expected"]), shape
+
+
+@pytest.mark.slow
+def test_zb_h1_gradient_allreduce_starts_in_the_last_w(results):
+    for rank, per_step in enumerate(r["pure_dp_4"] for r in results):
+        for res in per_step:
+            buckets, early = res["buckets"]
+            assert buckets > 0 and early == buckets, (rank, res["buckets"])  # all launched by the last W's hooks
