@@ -31,7 +31,9 @@ class Recorder:
     GPU finished, not when the host queued the work. A step records, per rank (kinds and names as in
     :mod:`dapple.core.timeline`):
 
-    - compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for); ``idle``
+    - compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for; under a split
+      backward B3 computes input gradients and ``W3``, kind "backward" with ``args["part"] = "weight"``, the
+      weight gradients); ``idle``
       (waiting for an op's receives, for sends to complete, or for the loss AllReduce; ``args["waiting_for"]``
       says which); ``AR`` (waiting for the stage's gradient AllReduce).
     - p2p lane: ``recv←1`` from the start to the end of the wait for that message (``args["posted_ms_before"]``:
@@ -93,6 +95,8 @@ class Recorder:
         mb, args = None, {}
         if tag == "C":
             kind, name, mb = ("forward" if raw[3] == "F" else "backward"), f"{raw[3]}{raw[4]}", raw[4]
+            if raw[3] == "W":
+                args["part"] = "weight"
         elif tag == "I":
             kind, name = "idle", "idle"
             args["waiting_for"] = raw[3] if isinstance(raw[3], str) else f"receives of {raw[3]}"

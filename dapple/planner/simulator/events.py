@@ -10,22 +10,26 @@ from ...core.buckets import BUCKET_BYTES
 from ...core.checks import flag
 from ...core.cluster import LINK_SHARING
 from ...core.plan import Plan, check_fit
-from ...core.schedule import Op, peak_in_flight, stage_ops
+from ...core.schedule import SPLIT_BACKWARD, Op, peak_in_flight, pipeline_stage_ops
 from ...core.split_concat import routes, slice_bounds
 from ...core.timeline import Event, lane_of
 from ..checks import instance, profile_and_cluster
 from ..model.cost import CostModel, layout_of
 from ..model.transfers import route_links
 from .links import SharedLinks
+from .split import split_backward
 
 if TYPE_CHECKING:
     from ...core.cluster import Cluster
     from ...core.profile import Profile
 
+COMPUTE_KINDS = ("F", "B", "W")
+
 
 @dataclass
 class TimelineOp:
-    """One interval on a device: a forward/backward ("F"/"B"), an AllReduce bucket ("AR"), or a transfer
+    """One interval on a device: a forward/backward ("F"/"B"; split backward: "B" input and "W" weight
+    gradients), an AllReduce bucket ("AR"), or a transfer
     ("send_F" activations / "send_B" gradients, on the sender's timeline, ``peer`` = the receiving device)."""
 
     device: int
@@ -61,13 +65,14 @@ class SimResult:
         return sorted((o for o in self.ops if o.device == device), key=lambda o: (o.start_ms, o.end_ms))
 
     def max_alive(self, device: int) -> int:
-        """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held)."""
+        """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held; split
+        backward: until their W)."""
         return peak_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
-                              if o.kind in ("F", "B")])
+                              if o.kind in COMPUTE_KINDS])
 
     def busy_fraction(self) -> float:
         """Share of device time spent in forward/backward compute."""
-        busy = sum(o.duration_ms for o in self.ops if o.kind in ("F", "B"))
+        busy = sum(o.duration_ms for o in self.ops if o.kind in COMPUTE_KINDS)
         return busy / (self.latency_ms * max(1, len(self.stage_of_device))) if self.latency_ms > 0 else 0.0
 
     def __str__(self) -> str:
@@ -83,7 +88,9 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
              link_sharing: str | None = None) -> SimResult:
     """Play ``plan``'s iteration (any Plan: DAPPLE's, PipeDream's, ...) event by event.
 
-    Each device runs ``stage_ops`` of its stage (the runtime's order) on its slice of every micro-batch;
+    Each device runs ``pipeline_stage_ops`` of its stage (the runtime's order) on its slice of every micro-batch
+    (a split backward: B the input-gradient share of the backward, W the rest, :data:`WEIGHT_SHARE` of it; on the
+    first stage, which has no input gradients to compute, B takes no time and W the whole backward);
     split-concat transfers (``core.split_concat.routes``) occupy the directed links of ``Cluster.graph()``
     they cross (sender/receiver device links, server up/downlinks), start in order of readiness and overlap
     with compute; each replicated stage AllReduces its gradients after its last backward. AllReduce does not
@@ -160,7 +167,10 @@ class _Sim:
             for r in rs:
                 self.need_f[i + 1][r.dst] += 1
                 self.need_b[i][r.src] += 1
-        self.ops = {d: stage_ops(schedule, self.M, st.warmup) for st in plan.stages for d in st.devices}
+        self.ops = {d: pipeline_stage_ops(schedule, self.M, plan.warmup, i) for i, st in enumerate(plan.stages)
+                    for d in st.devices}
+        self.split = schedule in SPLIT_BACKWARD
+        self.last_kind = "W" if self.split else "B"  # the op after which a stage's gradients are final
         self.where = {d: (i, k) for i, st in enumerate(plan.stages) for k, d in enumerate(st.devices)}
         self.ptr = {d: 0 for d in self.ops}
         self.busy = {d: False for d in self.ops}
@@ -184,13 +194,17 @@ class _Sim:
         i, k = self.where[d]
         a, c = self.plan.stages[i].layers
         f, b = self.cm.compute_rows(a, c, self.rows[i][k])
-        return f if kind == "F" else b
+        if kind == "F":
+            return f
+        return b if not self.split else split_backward(i, b)[kind == "W"]
 
     def ready(self, d: int) -> bool:
         i, k = self.where[d]
         op = self.ops[d][self.ptr[d]]
         if op.kind == "F":
             return i == 0 or self.arrived.get((d, "F", op.micro_batch), 0) >= self.need_f[i][k]
+        if op.kind == "W":  # after its own B, earlier in the device's order
+            return True
         return i == self.S - 1 or self.arrived.get((d, "B", op.micro_batch), 0) >= self.need_b[i][k]
 
     def try_start(self, d: int, t: float) -> None:
@@ -200,7 +214,7 @@ class _Sim:
         i, k = self.where[d]
         end = t + self.duration(d, op.kind)
         self.busy[d] = True
-        if op.kind == "B" and self.ptr[d] == len(self.ops[d]) - 1:
+        if op.kind == self.last_kind and self.ptr[d] == len(self.ops[d]) - 1:
             self.last_b_start[d] = t
         self.timeline.append(TimelineOp(d, i, op.kind, op.micro_batch, t, end, rows=self.rows[i][k]))
         self.push(end, "op", (d,))
@@ -269,7 +283,7 @@ class _Sim:
                 t0 = max(self.done_at[d] for d in st.devices)
                 steps = [(t0, self.cm.params(a, c))]
             else:  # bucket ready when every replica's last backward has produced it
-                per = [self.cm.bucket_ready(a, c, self.rows[i][k]) for k in range(len(st.devices))]  # per replica
+                per = [self.bucket_ready(i, a, c, self.rows[i][k]) for k in range(len(st.devices))]  # per replica
                 steps = []
                 for n, (_, nbytes) in enumerate(per[0]):
                     steps.append((max(self.last_b_start[d] + per[k][n][0] for k, d in enumerate(st.devices)), nbytes))
@@ -279,6 +293,15 @@ class _Sim:
                 end = start + self.cm.ring_allreduce_ms(nbytes, layout)
                 for d in st.devices:
                     self.timeline.append(TimelineOp(d, i, "AR", None, start, end, nbytes=nbytes))
+
+    def bucket_ready(self, stage: int, a: int, c: int, rows: int) -> list[tuple[float, float]]:
+        """CostModel.bucket_ready from the start of the stage's last backward op (split: its last W, which runs the
+        weight share of each layer's backward)."""
+        ready = self.cm.bucket_ready(a, c, rows)
+        if not self.split:
+            return ready
+        share = split_backward(stage, 1.0)[1]
+        return [(t * share, nbytes) for t, nbytes in ready]
 
     def run(self) -> SimResult:
         for d in self.ops:
@@ -316,13 +339,14 @@ def from_simulation(sim: SimResult) -> list[Event]:
     """The simulator's timeline as events (times in s from 0), drawn like a measured trace: compute with the
     idle gaps between ops, transfers as a send on the sender and a receive on the receiver, AllReduce at the
     end (or, overlapped, bucket by bucket in the transfer lane)."""
-    names = {"F": ("forward", "F"), "B": ("backward", "B")}
+    names = {"F": ("forward", "F"), "B": ("backward", "B"), "W": ("backward", "W")}  # W: kind backward, named W
     out: list[Event] = []
     for o in sim.ops:
         if o.kind in names:
             kind, letter = names[o.kind]
+            args = {"stage": o.stage, "rows": o.rows, **({"part": "weight"} if o.kind == "W" else {})}
             out.append(Event(o.device, kind, f"{letter}{o.micro_batch}", o.start_ms / 1e3, o.end_ms / 1e3,
-                             o.micro_batch, {"stage": o.stage, "rows": o.rows}))
+                             o.micro_batch, args))
         elif o.kind == "AR":
             lane = "allreduce" if sim.overlap else "compute"
             out.append(Event(o.device, "allreduce", "AR", o.start_ms / 1e3, o.end_ms / 1e3, None,

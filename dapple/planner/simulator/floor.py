@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...core.schedule import SPLIT_BACKWARD
 from ...core.split_concat import slice_bounds
 from ..model.cost import CostModel, layout_of
+from .split import split_backward
 
 if TYPE_CHECKING:
     from ...core.plan import Plan
@@ -24,6 +26,9 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
       stages below (each stage's fastest F and B): W_s + M f + (M - K) b + the round trip + b;
     - after that backward come the backwards of the stages above, one after another, and (not ``overlap``) its
       stage's AllReduce, which starts once every replica is done.
+    With a split backward (zb-h1) the chains above hold for the input-gradient parts B only
+    (``split.split_backward``), while the device still runs all of f and b M times (its W's may come after its
+    last B, so the stages above wait only for the B's).
 
     Args:
         plan: the plan to bound.
@@ -35,8 +40,9 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
     for st in plan.stages:
         a, c = st.layers
         slices.append([cm.compute_rows(a, c, e - s) for s, e in slice_bounds(plan.micro_batch_size, st.replicas)])
+    split = plan.schedule in SPLIT_BACKWARD
     fmin = [min(f for f, _ in fb) for fb in slices]
-    bmin = [min(b for _, b in fb) for fb in slices]
+    bmin = [min(_chained(s, b, split) for _, b in fb) for s, fb in enumerate(slices)]
     floor = above_f = above_b = 0.0  # above: micro-batch 0's forwards and M - 1's backwards in the stages above
     for s, st in enumerate(plan.stages):
         below = sum(fmin[s + 1:]) + sum(bmin[s + 1:])  # micro-batch M - 1's round trip below stage s
@@ -45,8 +51,16 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
         if not overlap and st.replicas > 1:
             ar = cm.ring_allreduce_ms(cm.params(*st.layers), layout_of(cm.cluster, st.devices))
         for f, b in slices[s]:
-            last = above_f + max(M * (f + b), M * f + (M - k) * b + below + b)  # its last backward ends
-            floor = max(floor, last + max(above_b, ar))
+            bc = _chained(s, b, split)  # what of its backward the chains wait for
+            work = above_f + M * (f + b)  # its ops, one after another
+            chain = above_f + M * f + (M - k) * bc + below + bc  # its last backward (split: last B) ends
+            last_b = max(above_f + M * (f + bc), chain) if split else max(work, chain)  # split: W's may follow
+            floor = max(floor, last_b + above_b, max(work, chain) + ar)
         above_f += fmin[s]
         above_b += bmin[s]
     return floor
+
+
+def _chained(stage: int, backward_ms: float, split: bool) -> float:
+    """The part of a backward that the next stage up waits for: all of it, or a split backward's B."""
+    return split_backward(stage, backward_ms)[0] if split else backward_ms

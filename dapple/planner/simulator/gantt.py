@@ -13,15 +13,20 @@ if TYPE_CHECKING:
     from ...core.plan import Plan
     from ...core.profile import Profile
 
-COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "send": "#DD8452", "recv": "#C9A227",
+COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "weight": "#A6D8B0", "send": "#DD8452", "recv": "#C9A227",
            "allreduce": "#C44E52", "idle": "#DDDDDD", "other": "#8172B3"}
-LEGEND = {"forward": "forward", "backward": "backward", "idle": "idle (waiting)", "allreduce": "AllReduce",
-          "send": "send", "recv": "recv (wait)", "other": "other"}
+LEGEND = {"forward": "forward", "backward": "backward", "weight": "weight gradients (W)", "idle": "idle (waiting)",
+          "allreduce": "AllReduce", "send": "send", "recv": "recv (wait)", "other": "other"}
 COMM = ("send", "recv")  # kinds drawn in the thin transfer lane (with AllReduce buckets in flight, lane_of)
 ROW = 1.0  # height of one rank's row: compute band on top, transfer band below
 COMPUTE = (-0.05, 0.5)  # (bottom offset from the row's centre, height)
 TRANSFER = (-0.42, 0.27)
 CHAR_WIDTH = 0.0058  # width of one label character, as a fraction of the axis (fontsize 7, 12 in wide)
+
+
+def _colour_key(e: Event) -> str:
+    """The COLOURS key of ``e``: its kind, or "weight" for a split backward's W (kind "backward")."""
+    return "weight" if e.kind == "backward" and e.args.get("part") == "weight" else e.kind
 
 
 def _label(e: Event) -> str | None:
@@ -36,7 +41,8 @@ def draw_gantt(events: Iterable[Event], path: str | Path, title: str = "", rank_
                span_ms: float | None = None) -> Path:
     """Draw ``events`` to a PNG: one row per rank, computation on top, transfers in a thin lane below.
 
-    Forward blue, backward green (as in the paper), idle grey hatched, AllReduce red; in the transfer lane
+    Forward blue, backward green (as in the paper; a split backward's W pale green), idle grey hatched, AllReduce
+    red; in the transfer lane
     sends orange, receive waits yellow and AllReduce buckets in flight red (events too short to see are drawn
     a hair wide, so every transfer shows). Micro-batch ids are written in the cells wide enough to hold them;
     with several steps, dashed lines mark where each starts.
@@ -87,7 +93,7 @@ def _bars(ax, drawn: list[Event], row: dict, t0: float, span_ms: float) -> dict[
         off, height = TRANSFER if thin else COMPUTE
         lo = row[e.rank] * ROW + off
         x, w = (e.start - t0) * 1e3, e.duration * 1e3
-        colour = COLOURS.get(e.kind, COLOURS["other"])
+        colour = COLOURS.get(_colour_key(e), COLOURS["other"])
         bars.setdefault((lane_of(e) != "allreduce", lo, height, colour, e.kind == "idle", thin), []).append(
             (x, max(w, hair) if thin and e.kind != "idle" else w))
         text = None if thin else _label(e)
@@ -117,7 +123,7 @@ def _axes(ax, ranks: list, row: dict, labels: dict, span_ms: float, drawn: list[
     ax.set_xlim(0, span_ms * 1.005)
     ax.set_xlabel("time (ms)")
     ax.grid(axis="x", alpha=0.3)
-    kinds = [k for k in COLOURS if any(e.kind == k for e in drawn)]
+    kinds = [k for k in COLOURS if any(_colour_key(e) == k for e in drawn)]
     handles = [Patch(facecolor=COLOURS[k], label=LEGEND[k], hatch="///" if k == "idle" else None,
                      edgecolor="#BBBBBB" if k == "idle" else COLOURS[k]) for k in kinds]
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), fontsize=8,

@@ -272,3 +272,27 @@ def test_a_shared_server_link_slows_the_warmup_as_in_the_simulator():
     assert sum(abs(a) for a, _ in errors) < 0.85 * sum(abs(b) for _, b in errors)  # measured: 0.76
     assert sum(abs(a) < abs(b) for a, b in errors) > 2 * sum(abs(a) > abs(b) for a, b in errors)  # 41 against 18
     assert sum(abs(a) > 0.05 for a, _ in errors) < sum(abs(b) > 0.05 for _, b in errors)  # 11 against 15
+
+
+def test_zb_h1_bubble_is_the_papers_and_w_fills_it():
+    """Equal stages, F = 8, B = 16 ms (split 8 + 8), no communication: zb-h1 takes M (F + B) + (S - 1)(F + B/2 - B/2)
+    = 216 ms against dapple's (M + S - 1)(F + B) = 264 (Qi et al.'s ZB-H1 bubble), holding K_0 micro-batches on
+    every stage (from F to W) and running the first stage's whole backward as W."""
+    S, M = 4, 8
+    prof, c = linear_profile([1.0] * S), cluster(1, S)
+    zb = simulate(_straight(S, M, schedule="zb-h1"), prof, c)
+    assert zb.latency_ms == pytest.approx(M * 24 + (S - 1) * 8)
+    assert simulate(_straight(S, M), prof, c).latency_ms / zb.latency_ms == pytest.approx(264 / 216)
+    assert [zb.max_alive(d) for d in range(S)] == [4, 4, 4, 4]
+    w = [o for o in zb.ops if o.kind == "W"]
+    assert len(w) == S * M and {o.duration_ms for o in w if o.stage == 0} == {16.0}
+    assert {o.duration_ms for o in zb.ops if o.kind in "BW" and o.stage > 0} == {8.0}
+    events = dapple.planner.simulator.events.from_simulation(zb)
+    weights = [e for e in events if e.name.startswith("W")]
+    assert len(weights) == S * M and all(e.kind == "backward" and e.args["part"] == "weight" for e in weights)
+
+
+def test_zb_h1_gantt_shows_w(tmp_path):
+    from dapple.planner.simulator.gantt import draw_plan
+    sim = draw_plan(_straight(2, 4, schedule="zb-h1"), linear_profile([1.0] * 2), cluster(1, 2), tmp_path / "zb.png")
+    assert (tmp_path / "zb.png").stat().st_size > 0 and any(o.kind == "W" for o in sim.ops)

@@ -26,7 +26,7 @@ def _random_plan(rng: random.Random, n: int, G: int) -> Plan:
     devs = [order[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(S)]
     M = rng.choice([1, 2, 3, 8, 16])
     return Plan(M * 8, 8, [Stage((bounds[i], bounds[i + 1]), devs[i]) for i in range(S)],
-                warmup_policy=rng.choice("AB"), schedule=rng.choice(["dapple", "gpipe"]))
+                warmup_policy=rng.choice("AB"), schedule=rng.choice(["dapple", "gpipe", "zb-h1"]))
 
 
 def test_no_simulation_is_faster_than_the_floor():
