@@ -29,3 +29,24 @@ def test_layer_forward_and_backward_times_scale_with_rows():
     bwd = _elapsed_ms(lambda: out["y"].sum().backward())
     assert fwd >= 3.0 and bwd >= 6.0
     assert layer.linear.weight.grad is not None  # the Linear before the hold still gets its gradient
+
+
+def test_weight_share_is_held_in_the_weight_gradient_backward():
+    """weight_share=0.5: half of the backward holds on the weight's path, which a split backward runs in W."""
+    from dapple.runtime.backward import backward_input, backward_weight
+    torch.manual_seed(0)
+    layer = EmulatedLayer(4, ms_per_row=1.0, weight_share=0.5)
+    x = torch.randn(6, 4, requires_grad=True)  # 6 rows: forward 6 ms, backward 12 ms: B 6, W 6
+    params = list(layer.parameters())
+    y = layer(x)
+    backward_weight(backward_input([y], [torch.ones_like(y)], [x], params)[1])  # first: autograd's one-off costs
+    layer.zero_grad()
+    y, out = layer(x), {}
+    b = _elapsed_ms(lambda: out.setdefault("b", backward_input([y], [torch.ones_like(y)], [x], params)))
+    w = _elapsed_ms(lambda: backward_weight(out["b"][1]))
+    assert 6.0 <= b < 6.0 + 5.0 and 6.0 <= w < 6.0 + 5.0, (b, w)
+    ref = EmulatedLayer(4, ms_per_row=0.0)
+    ref.load_state_dict(layer.state_dict())
+    ref(x).sum().backward()
+    torch.testing.assert_close(layer.linear.weight.grad, ref.linear.weight.grad)
+    torch.testing.assert_close(out["b"][0][0], x.grad)
