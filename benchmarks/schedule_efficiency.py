@@ -1,12 +1,17 @@
-"""Schedule efficiency on 4 ranks with emulated-accelerator layers: dapple vs torch.distributed.pipelining.
+"""Schedule efficiency on 4 ranks with emulated-accelerator layers: dapple (1F1B, gpipe, zero bubble) vs
+torch.distributed.pipelining.
 
-Each of 4 straight stages holds one ``EmulatedLayer`` that sleeps ``ms_per_row`` per row forward and twice
-that backward (the CPU stays free, as with a GPU kernel), so a micro-batch of b rows costs F = b*ms forward
-and B = 2F backward on every stage, and the ideal step is (M + S - 1)(F + B). Efficiency = ideal / measured
-median step time ("vs ops": the ideal from the measured durations of the emulated ops, which overshoot
-their nominal time). dapple and PiPPy (Schedule1F1B, ScheduleGPipe) run the same stages and micro-batches.
+Each of 4 straight stages holds two ``EmulatedLayer`` of ``ms_per_row / 2`` per row forward and twice that
+backward, half of it on the weight's own path (weight-gradient work, ``weight_share=0.5``; the CPU stays free, as
+with a GPU kernel), so a micro-batch of b rows costs F = b*ms forward and B = 2F backward (B/2 input gradients,
+B/2 weight gradients) on every stage, and the ideal 1F1B step is (M + S - 1)(F + B). Efficiency = ideal /
+measured median step ("vs ops": the ideal from the measured durations of the emulated ops, which overshoot their
+nominal time). dapple and PiPPy run the same layers and micro-batches: one stage of two layers per rank
+(Schedule1F1B, ScheduleGPipe), or two stages of one layer per rank (ScheduleInterleavedZeroBubble: layers r and
+r + 4 on rank r; ScheduleZBVZeroBubble and ScheduleDualPipeV: layers r and 7 - r). Ratios: ZB / X = X's median
+step over dapple zb-h1's; the simulated ones from ``dapple.planner.simulate`` on the nominal costs.
 
-    PYTHONPATH=$PWD python benchmarks/schedule_efficiency.py            # 4 processes, prints a table
+    PYTHONPATH=$PWD python benchmarks/schedule_efficiency.py --micro-batches 8      # 4 processes, prints a table
 """
 
 from __future__ import annotations
@@ -28,46 +33,79 @@ from dapple.planner import Stage
 from dapple.profiler import trace_layers
 
 S = 4
+LAYERS = 2 * S  # two emulated layers per rank, then the head on the last
+DAPPLE = (("dapple/A", "dapple", "A"), ("dapple/B", "dapple", "B"), ("dapple/gpipe", "gpipe", "A"),
+          ("dapple/zb-h1", "zb-h1", "A"))
 
 
 def _model(ms: float, width: int) -> EmulatedNet:
     torch.manual_seed(0)
-    return EmulatedNet([ms] * S, width=width)
+    return EmulatedNet([ms / 2] * LAYERS, width=width, weight_share=0.5)
+
+
+def _plan(model: EmulatedNet, b: int, m: int, schedule: str, policy: str) -> dapple.Plan:
+    stages = [Stage((2 * i, 2 * i + 2 + (i == S - 1)), [i]) for i in range(S)]  # the head with the last stage
+    return dapple.Plan(global_batch_size=b * m, micro_batch_size=b, schedule=schedule, warmup_policy=policy,
+                       stages=stages, layer_names=trace_layers(model).names)
+
+
+def _pippy_stages(model: EmulatedNet, rank: int, kind: str) -> list[tuple[int, nn.Module]]:
+    """(stage index, module) of this rank: one stage of two layers ("single"), or two stages of one layer,
+    interleaved ("loop": layers r, r + S) or V-shaped ("v": layers r, 2S - 1 - r); the head after the last layer."""
+    def mod(layers: list[int]) -> nn.Module:
+        mods = [model.layers[i] for i in layers]
+        return nn.Sequential(*mods, model.head) if LAYERS - 1 in layers else nn.Sequential(*mods)
+    if kind == "single":
+        return [(rank, mod([2 * rank, 2 * rank + 1]))]
+    second = rank + S if kind == "loop" else 2 * S - 1 - rank
+    return [(rank, mod([rank])), (second, mod([second]))]
+
+
+def _pippy_engines() -> tuple:
+    from torch.distributed import pipelining as pp
+    engines = [("pippy/1F1B", "single", pp.Schedule1F1B), ("pippy/GPipe", "single", pp.ScheduleGPipe),
+               ("pippy/InterleavedZB", "loop", pp.ScheduleInterleavedZeroBubble),
+               ("pippy/ZBV", "v", pp.ScheduleZBVZeroBubble)]
+    if hasattr(pp, "ScheduleDualPipeV"):
+        engines.append(("pippy/DualPipeV", "v", pp.ScheduleDualPipeV))
+    return pp.PipelineStage, tuple(engines)
+
+
+def _pippy_step(args: argparse.Namespace, kind: str, cls, stage_cls, x, y):
+    """A step function of PiPPy schedule ``cls`` on this rank's stages."""
+    rank, m = dist.get_rank(), args.micro_batches
+    model = _model(args.ms_per_row, args.width)
+    mine = _pippy_stages(model, rank, kind)
+    n = S if kind == "single" else 2 * S
+    stages = [stage_cls(mod, i, n, torch.device("cpu")) for i, mod in mine]
+    sched = cls(stages[0] if kind == "single" else stages, n_microbatches=m, loss_fn=F.cross_entropy)
+    first, last = any(i == 0 for i, _ in mine), any(i == n - 1 for i, _ in mine)
+
+    def step() -> None:
+        kw = {"target": y} if last else {}
+        sched.step(*((x,) if first else ()), **kw)
+    return step
 
 
 def run(args: argparse.Namespace) -> dict:
     """Build every engine, warm each up, then time them in interleaved rounds (load drifts hit all alike)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     torch.set_num_threads(1)
     b, m = args.micro_batch, args.micro_batches
-    x = torch.randn(b * m, args.width)
-    y = torch.randint(0, 4, (b * m,))
+    gen = torch.Generator().manual_seed(1)  # the same global batch on every rank
+    x = torch.randn(b * m, args.width, generator=gen)
+    y = torch.randint(0, 4, (b * m,), generator=gen)
     steps, pipes = {}, {}
-    for name, schedule, policy in (("dapple/A", "dapple", "A"), ("dapple/B", "dapple", "B"),
-                                   ("dapple/gpipe", "gpipe", "A")):
+    for name, schedule, policy in DAPPLE:
         model = _model(args.ms_per_row, args.width)
-        plan = dapple.Plan(global_batch_size=b * m, micro_batch_size=b, schedule=schedule, warmup_policy=policy,
-                           stages=[Stage((0, 1), [0]), Stage((1, 2), [1]), Stage((2, 3), [2]), Stage((3, 5), [3])],
-                           layer_names=trace_layers(model).names)
-        pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=120)
+        pipe = dapple.pipeline(model, _plan(model, b, m, schedule, policy), F.cross_entropy, timeout=120)
         steps[name] = lambda pipe=pipe: pipe.train_step(x, y)
         pipes[name] = pipe
-    rank = dist.get_rank()
-    for name, cls in (("pippy/1F1B", Schedule1F1B), ("pippy/GPipe", ScheduleGPipe)):
-        model = _model(args.ms_per_row, args.width)
-        mods = [model.layers[s] for s in range(S)]
-        stage_mod = nn.Sequential(mods[rank], model.head) if rank == S - 1 else nn.Sequential(mods[rank])
-        sched = cls(PipelineStage(stage_mod, rank, S, torch.device("cpu")), n_microbatches=m,
-                    loss_fn=F.cross_entropy)
-
-        def step(sched=sched) -> None:
-            if rank == 0:
-                sched.step(x)
-            elif rank == S - 1:
-                sched.step(target=y)
-            else:
-                sched.step()
-        steps[name] = step
+    stage_cls, engines = _pippy_engines()
+    for name, kind, cls in engines:
+        try:
+            steps[name] = _pippy_step(args, kind, cls, stage_cls, x, y)
+        except Exception as e:  # a schedule this torch cannot build for these stages: reported, not timed
+            print(f"rank {dist.get_rank()}: {name} skipped: {type(e).__name__}: {e}", flush=True)
     for step in steps.values():
         timed_steps(step, args.warmup)
     results: dict[str, list[float]] = {name: [] for name in steps}
@@ -75,6 +113,21 @@ def run(args: argparse.Namespace) -> dict:
         for name, step in steps.items():
             results[name] += [w for w, _ in timed_steps(step, args.steps)]
     return {"step_ms": results, "op_ms": _op_durations(pipes["dapple/A"], steps["dapple/A"], args.steps)}
+
+
+def simulated(args: argparse.Namespace) -> dict[str, float]:
+    """Simulated step ms of each dapple schedule on the nominal costs (no transfer time)."""
+    from dapple.core.cluster import Cluster
+    from dapple.core.profile import LayerProfile, Profile
+    from dapple.planner import simulate
+    b, m, ms = args.micro_batch, args.micro_batches, args.ms_per_row
+    model = _model(ms, args.width)
+    names = trace_layers(model).names
+    layers = [LayerProfile(n, [b * ms / 2 if n != "head" else 0.0], [b * ms if n != "head" else 0.0], [0.0], [0.0],
+                           0) for n in names]
+    prof = Profile("emulated", "nominal", [b], layers)
+    cluster = Cluster(1, S, 1e30, 1e30, 0.0, 0.0, 1e12, name="emulated")
+    return {name: simulate(_plan(model, b, m, sch, pol), prof, cluster).latency_ms for name, sch, pol in DAPPLE}
 
 
 def _op_durations(pipe, step, steps: int) -> dict | None:
@@ -113,17 +166,24 @@ def main() -> None:
     fb = max(d["F"] + d["B"] for d in ops.values())
     ideal_ops = (args.micro_batches + S - 1) * fb
     print(f"S={S} M={args.micro_batches} micro-batch={args.micro_batch} F={f:g} ms B={2 * f:g} ms "
-          f"ideal step={ideal:.1f} ms; {args.rounds} interleaved rounds x {args.steps} steps, medians")
+          f"(half weight gradients) ideal 1F1B step={ideal:.1f} ms; {args.rounds} interleaved rounds x "
+          f"{args.steps} steps, medians")
     print("measured op medians per stage (ms): " + ", ".join(f"{r}: F'={d['F']:.2f} B'={d['B']:.2f}"
                                                               for r, d in ops.items()))
     print(f"ideal from measured ops (M + S - 1)(F' + B') = {ideal_ops:.1f} ms")
-    print(f"{'engine':<14}{'median ms':>10}{'min ms':>9}{'efficiency':>12}{'vs ops':>9}")
+    med = {name: statistics.median(ts) for name, ts in res.items()}
+    zb = med["dapple/zb-h1"]
+    print(f"{'engine':<20}{'median ms':>10}{'min ms':>9}{'efficiency':>12}{'vs ops':>9}{'ZB / it':>9}")
     for name, ts in res.items():
-        med = statistics.median(ts)
-        print(f"{name:<14}{med:>10.1f}{min(ts):>9.1f}{ideal / med:>12.3f}{ideal_ops / med:>9.3f}")
+        print(f"{name:<20}{med[name]:>10.1f}{min(ts):>9.1f}{ideal / med[name]:>12.3f}{ideal_ops / med[name]:>9.3f}"
+              f"{med[name] / zb:>9.3f}")
+    sim = simulated(args)
+    print("simulated (nominal costs, no transfer time): " + ", ".join(
+        f"{name} {t:.1f} ms" for name, t in sim.items()) + f"; ZB / 1F1B {sim['dapple/A'] / sim['dapple/zb-h1']:.3f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "ideal_ms": ideal, "ideal_ops_ms": ideal_ops, "op_ms": ops, "step_ms": res}, fh, indent=1)
+            json.dump({"args": vars(args), "ideal_ms": ideal, "ideal_ops_ms": ideal_ops, "op_ms": ops, "step_ms": res,
+                       "simulated_ms": sim}, fh, indent=1)
 
 
 if __name__ == "__main__":
