@@ -25,6 +25,7 @@ class LayerProfile:
     saved_bytes: list[int]  # activations autograd keeps for this layer's backward
     param_bytes: int  # parameters owned by this layer (a tied parameter counts once, at its first layer)
     inputs: list[int] | None = None  # earlier layers whose outputs this layer reads (None: the previous one)
+    weight_ms: list[float] | None = None  # of backward_ms, the weight gradients' part (None: not measured)
 
 
 @dataclass
@@ -130,6 +131,17 @@ class Profile:
     def boundary_bytes(self, layer: int, batch: float) -> float:
         return self.costs(batch).boundary_bytes[layer]
 
+    def weight_share(self, start: int, end: int, batch: float) -> float | None:
+        """Of the backward of layers [start, end) at ``batch`` rows, the share that computes weight gradients (what
+        a split backward's W runs); None unless every one of them has ``weight_ms``."""
+        layers = self.layers[start:end]
+        if not layers or any(layer.weight_ms is None for layer in layers):
+            return None
+        xs = self.batch_sizes
+        w = sum(interpolate(xs, layer.weight_ms, batch) for layer in layers)
+        b = sum(interpolate(xs, layer.backward_ms, batch) for layer in layers)
+        return min(1.0, max(0.0, w / b)) if b > 0 else None
+
     def saved_bytes(self, layer: int, batch: float) -> float:
         return self.costs(batch).saved_bytes[layer]
 
@@ -154,8 +166,10 @@ class Profile:
                 raise TypeError(f"{where}.layers[{i}]: expected a LayerProfile, got {type(layer).__name__}")
             if not isinstance(layer.name, str):
                 raise TypeError(f"{where}.layers[{i}].name: expected a string (the module path), got {layer.name!r}")
-            for key in ("forward_ms", "backward_ms", "boundary_bytes", "saved_bytes"):
+            for key in ("forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "weight_ms"):
                 values = getattr(layer, key)
+                if key == "weight_ms" and values is None:
+                    continue
                 if not isinstance(values, (list, tuple)) or len(values) != n:
                     raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: expected {n} values, one per "
                                      f"batch size {self.batch_sizes}, got {values!r:.120}")
@@ -184,6 +198,8 @@ class Profile:
                  "saved_bytes": [int(v) for v in layer.saved_bytes], "param_bytes": int(layer.param_bytes)}
             if layer.inputs is not None:
                 d["inputs"] = list(layer.inputs)
+            if layer.weight_ms is not None:
+                d["weight_ms"] = [round(float(v), 6) for v in layer.weight_ms]
             layers.append(d)
         doc["layers"] = layers
         return doc
@@ -210,13 +226,16 @@ class Profile:
         n = len(batch_sizes)
 
         def layer(g: documents.Fields) -> LayerProfile:
-            g.known("name", "forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "param_bytes", "inputs")
+            g.known("name", "forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "param_bytes", "inputs",
+                    "weight_ms")
             inputs = g.numbers("inputs", integer=True, default=[]) if "inputs" in g.data else None
+            weight = g.numbers("weight_ms", n) if "weight_ms" in g.data else None  # older profiles: none
             return LayerProfile(name=g.str("name"), forward_ms=g.numbers("forward_ms", n),
                                 backward_ms=g.numbers("backward_ms", n),
                                 boundary_bytes=g.numbers("boundary_bytes", n),
                                 saved_bytes=g.numbers("saved_bytes", n),
-                                param_bytes=g.number("param_bytes", integer=False), inputs=inputs)
+                                param_bytes=g.number("param_bytes", integer=False), inputs=inputs,
+                                weight_ms=weight)
 
         layers = f.each("layers", layer)
         meta = f.mapping("meta")

@@ -18,10 +18,12 @@ from .export_graph import retarget_devices
 from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
 from .layers import arity, trace_layers
-from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds
+from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time_weight_shares
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
 from .state import model_dtype, on_device, resolve_device, untouched
+
+WEIGHT_RUNS = 3  # split backward runs per layer and batch size, after the rounds, for its weight-gradient share
 
 
 def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -146,7 +148,7 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
         retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
         layers = [layer_module(lg, k) for k in range(lg.num_layers)]
         state = state_storages([model, lg.gm])
-        groups, wholes = [], []
+        groups, wholes, layer_timers = [], [], []
         for b in sizes:  # recorded inputs of every batch size stay alive: the rounds interleave them
             x = tuple(to_model(resize(t, b), dev, dtype) for t in inputs)
             ys = tuple(to_model(resize(t, b), dev, dtype) for t in targets)
@@ -157,11 +159,13 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
             out.calls.append(call_timer(dev, dtype, state))
             bar.update(len(timers) + 1)
             groups.append(timers + [out.calls[-1]])
+            layer_timers.append(timers)
             wholes.append((model, x, ys, loss_fn))
             del values
         out.steps.extend(time_rounds(groups, warmup, repeats, bar, wholes=wholes if check_step else None,
                                      device=dev))
-        del groups, wholes
+        time_weight_shares(layer_timers, WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats)
+        del groups, wholes, layer_timers
     return out
 
 
@@ -174,7 +178,8 @@ def _layer_profiles(lg: LayerGraph, runs: _Measured) -> list[LayerProfile]:
                          backward_ms=[round(m[k].backward_ms, 6) for m in runs.layers],
                          boundary_bytes=[bb[k] for bb in runs.boundary], saved_bytes=[s[k] for s in saved],
                          param_bytes=sum(p.numel() * p.element_size() for _, p in params[k]),
-                         inputs=lg.layer_inputs(k))
+                         inputs=lg.layer_inputs(k),
+                         weight_ms=[round(m[k].backward_ms * m[k].weight_share, 6) for m in runs.layers])
             for k, layer_name in enumerate(lg.names)]
 
 

@@ -1,4 +1,5 @@
-"""Timing layers on their own: forward and backward from recorded inputs, in rounds; saved-tensor sizes."""
+"""Timing layers on their own: forward and backward (and its weight-gradient part) from recorded inputs, in rounds;
+saved-tensor sizes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from ..core.backward import backward_input, backward_weight
 from .record import LayerModule, fresh
 from .sizes import SavedTensors, tensors
 
@@ -26,6 +28,8 @@ class LayerMeasurement:
     saved_outputs: set[fx.Node] = field(default_factory=set)  # output nodes the layer itself saved
     forward_s: list[float] = field(default_factory=list)  # one per timed run
     backward_s: list[float] = field(default_factory=list)
+    weight_s: list[float] = field(default_factory=list)  # split backward runs: the weight-gradient part (W)
+    split_s: list[float] = field(default_factory=list)  # the same runs: input gradients and W together
 
     @property
     def forward_ms(self) -> float:
@@ -34,6 +38,13 @@ class LayerMeasurement:
     @property
     def backward_ms(self) -> float:
         return statistics.median(self.backward_s) * 1e3
+
+    @property
+    def weight_share(self) -> float:
+        """Of the backward, the share W takes in the split runs (0 without any: no backward)."""
+        if not self.split_s or statistics.median(self.split_s) <= 0:
+            return 0.0
+        return min(1.0, statistics.median(self.weight_s) / statistics.median(self.split_s))
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -107,6 +118,26 @@ class LayerTimer:
         if keep:
             self.result.forward_s.append(t1 - t0)
             self.result.backward_s.append(t2 - t1 if roots else 0.0)
+
+    def split_run(self) -> None:
+        """One forward, then the backward split as a zero-bubble schedule runs it (``core.backward``: input
+        gradients, then weight gradients); records W's time and the whole split's (``weight_s``, ``split_s``)."""
+        args = self._ready()
+        out, roots = self._forward(args)
+        if not roots:
+            return
+        inputs = [t for t in tensors(args) if t.requires_grad]
+        params = [p for p in self.lm.gm.parameters() if p.requires_grad]
+        self.sync()
+        t0 = time.perf_counter()
+        _, work = backward_input(roots, self.grads, inputs, params)
+        self.sync()
+        t1 = time.perf_counter()
+        backward_weight(work)
+        self.sync()
+        t2 = time.perf_counter()
+        self.result.weight_s.append(t2 - t1)
+        self.result.split_s.append(t2 - t0)
 
     def queue(self) -> tuple:
         """One forward + backward queued on the current CUDA stream between events, with no host sync: run layer
@@ -207,6 +238,21 @@ def time_rounds(groups: list[list[LayerTimer]], warmup: int, repeats: int, bar: 
         if gc_was_enabled:
             gc.enable()
     return [statistics.median(s) for s in steps] if wholes is not None else []
+
+
+def time_weight_shares(groups: list[list[LayerTimer]], runs: int) -> None:
+    """After the rounds: ``runs`` split backward runs of every layer at every batch size (``LayerTimer.split_run``),
+    for each layer's weight-gradient share of its backward."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(runs):
+            for timers in groups:
+                for t in timers:
+                    t.split_run()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _run_group(timers: list[LayerTimer], keep: bool, bar: Any, device: torch.device) -> None:

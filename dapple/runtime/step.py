@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..core.backward import WeightWork, backward_input, backward_weight
 from ..core.dist import wait_for
 from ..core.plan import Plan
 from ..core.schedule import SPLIT_BACKWARD, Op
-from .backward import WeightWork, backward_input, backward_weight
 from ..core.split_concat import slice_bounds
 from .batchnorm import StatsSlot, commit, gather_sums
 from .channels import Channels

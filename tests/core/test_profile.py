@@ -168,3 +168,17 @@ def test_fit_beyond_the_profiled_points_stays_sensible():
     # a falling (noisy) last segment: more rows never cost less than the last point
     assert interpolate([4, 8], [3.0, 2.0], 16) == pytest.approx(2.0)
     assert interpolate([2, 4, 8], [1.0, 2.0, 5.0], 6) == pytest.approx(3.5)
+
+
+def test_weight_ms_is_optional_round_trips_and_gives_the_weight_share(tmp_path):
+    layers = [LayerProfile("a", [1.0], [2.0], [0], [0], 0, weight_ms=[0.5]),
+              LayerProfile("b", [1.0], [6.0], [0], [0], 0, weight_ms=[4.5])]
+    prof = Profile("m", "cpu", [8], layers)
+    prof.save(tmp_path / "p.yaml")
+    back = Profile.load(tmp_path / "p.yaml")
+    assert [layer.weight_ms for layer in back.layers] == [[0.5], [4.5]]
+    assert back.weight_share(0, 2, 8) == pytest.approx(5.0 / 8.0)
+    older = Profile("m", "cpu", [8], [LayerProfile("a", [1.0], [2.0], [0], [0], 0)])
+    assert "weight_ms" not in older.to_dict()["layers"][0] and older.weight_share(0, 1, 8) is None
+    with pytest.raises(ValueError, match=r"layers\[0\] \(a\)\.weight_ms: expected 1 values"):
+        Profile("m", "cpu", [8], [LayerProfile("a", [1.0], [2.0], [0], [0], 0, weight_ms=[1.0, 2.0])])

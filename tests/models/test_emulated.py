@@ -33,7 +33,7 @@ def test_layer_forward_and_backward_times_scale_with_rows():
 
 def test_weight_share_is_held_in_the_weight_gradient_backward():
     """weight_share=0.5: half of the backward holds on the weight's path, which a split backward runs in W."""
-    from dapple.runtime.backward import backward_input, backward_weight
+    from dapple.core.backward import backward_input, backward_weight
     torch.manual_seed(0)
     layer = EmulatedLayer(4, ms_per_row=1.0, weight_share=0.5)
     x = torch.randn(6, 4, requires_grad=True)  # 6 rows: forward 6 ms, backward 12 ms: B 6, W 6

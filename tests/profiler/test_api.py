@@ -294,3 +294,16 @@ def test_the_export_tracer_names_the_torch_it_needs(monkeypatch):
     x, y = random_tokens(2, 8, 16)
     with pytest.raises(TraceError, match=r"torch.export needs torch >= 2.9; this is torch 2.4.1\+cpu \(use tracer='fx'"):
         dapple.profile(model, x, lm_loss, targets=y, tracer="export", repeats=1, warmup=0, progress=False)
+
+
+def test_the_weight_gradient_part_of_each_backward_is_measured():
+    """EmulatedLayer(weight_share=0.5): half of each backward holds on the weight's path. A layer whose input needs
+    a gradient splits there; the first layer, whose input needs none, is all weight gradients (as the runtime's
+    first stage: its B is empty)."""
+    ms = 2.0
+    prof = dapple.profile(EmulatedNet([ms, ms], weight_share=0.5), torch.randn(4, 16), batch_sizes=(4,), **FAST)
+    first, second = prof.layers[0], prof.layers[1]
+    assert 0.4 <= second.weight_ms[0] / second.backward_ms[0] <= 0.6, second
+    assert first.weight_ms[0] / first.backward_ms[0] >= 0.9, first
+    assert 0.4 <= prof.weight_share(1, 2, 4) <= 0.6
+    assert dapple.Profile.from_dict(prof.to_dict()).layers[1].weight_ms == second.weight_ms

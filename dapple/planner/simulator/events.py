@@ -89,8 +89,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     """Play ``plan``'s iteration (any Plan: DAPPLE's, PipeDream's, ...) event by event.
 
     Each device runs ``pipeline_stage_ops`` of its stage (the runtime's order) on its slice of every micro-batch
-    (a split backward: B the input-gradient share of the backward, W the rest, :data:`WEIGHT_SHARE` of it; on the
-    first stage, which has no input gradients to compute, B takes no time and W the whole backward);
+    (a split backward: W the weight-gradient share of the backward, as profiled, else ``split.WEIGHT_SHARE``, B the
+    rest; on the first stage, which has no input gradients to compute, B takes no time and W the whole backward);
     split-concat transfers (``core.split_concat.routes``) occupy the directed links of ``Cluster.graph()``
     they cross (sender/receiver device links, server up/downlinks), start in order of readiness and overlap
     with compute; each replicated stage AllReduces its gradients after its last backward. AllReduce does not
@@ -171,6 +171,7 @@ class _Sim:
                     for d in st.devices}
         self.split = schedule in SPLIT_BACKWARD
         self.last_kind = "W" if self.split else "B"  # the op after which a stage's gradients are final
+        self.shares: dict[tuple[int, int], float | None] = {}  # (stage, replica) -> profiled weight share
         self.where = {d: (i, k) for i, st in enumerate(plan.stages) for k, d in enumerate(st.devices)}
         self.ptr = {d: 0 for d in self.ops}
         self.busy = {d: False for d in self.ops}
@@ -196,7 +197,14 @@ class _Sim:
         f, b = self.cm.compute_rows(a, c, self.rows[i][k])
         if kind == "F":
             return f
-        return b if not self.split else split_backward(i, b)[kind == "W"]
+        return b if not self.split else split_backward(i, b, self.share(i, k))[kind == "W"]
+
+    def share(self, i: int, k: int) -> float | None:
+        """Replica k of stage i: the weight-gradient share of its backward, as profiled (None: not measured)."""
+        if (i, k) not in self.shares:
+            a, c = self.plan.stages[i].layers
+            self.shares[(i, k)] = self.cm.profile.weight_share(a, c, self.rows[i][k])
+        return self.shares[(i, k)]
 
     def ready(self, d: int) -> bool:
         i, k = self.where[d]
@@ -300,7 +308,7 @@ class _Sim:
         ready = self.cm.bucket_ready(a, c, rows)
         if not self.split:
             return ready
-        share = split_backward(stage, 1.0)[1]
+        share = split_backward(stage, 1.0, self.cm.profile.weight_share(a, c, rows))[1]
         return [(t * share, nbytes) for t, nbytes in ready]
 
     def run(self) -> SimResult:

@@ -42,7 +42,9 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
         slices.append([cm.compute_rows(a, c, e - s) for s, e in slice_bounds(plan.micro_batch_size, st.replicas)])
     split = plan.schedule in SPLIT_BACKWARD
     fmin = [min(f for f, _ in fb) for fb in slices]
-    bmin = [min(_chained(s, b, split) for _, b in fb) for s, fb in enumerate(slices)]
+    shares = [[cm.profile.weight_share(*st.layers, e - s) if split else None
+               for s, e in slice_bounds(plan.micro_batch_size, st.replicas)] for st in plan.stages]
+    bmin = [min(_chained(s, b, split, w) for (_, b), w in zip(fb, shares[s])) for s, fb in enumerate(slices)]
     floor = above_f = above_b = 0.0  # above: micro-batch 0's forwards and M - 1's backwards in the stages above
     for s, st in enumerate(plan.stages):
         below = sum(fmin[s + 1:]) + sum(bmin[s + 1:])  # micro-batch M - 1's round trip below stage s
@@ -50,8 +52,8 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
         ar = 0.0
         if not overlap and st.replicas > 1:
             ar = cm.ring_allreduce_ms(cm.params(*st.layers), layout_of(cm.cluster, st.devices))
-        for f, b in slices[s]:
-            bc = _chained(s, b, split)  # what of its backward the chains wait for
+        for (f, b), share in zip(slices[s], shares[s]):
+            bc = _chained(s, b, split, share)  # what of its backward the chains wait for
             work = above_f + M * (f + b)  # its ops, one after another
             chain = above_f + M * f + (M - k) * bc + below + bc  # its last backward (split: last B) ends
             last_b = max(above_f + M * (f + bc), chain) if split else max(work, chain)  # split: W's may follow
@@ -61,6 +63,6 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
     return floor
 
 
-def _chained(stage: int, backward_ms: float, split: bool) -> float:
+def _chained(stage: int, backward_ms: float, split: bool, share: float | None) -> float:
     """The part of a backward that the next stage up waits for: all of it, or a split backward's B."""
-    return split_backward(stage, backward_ms)[0] if split else backward_ms
+    return split_backward(stage, backward_ms, share)[0] if split else backward_ms

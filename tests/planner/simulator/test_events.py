@@ -296,3 +296,14 @@ def test_zb_h1_gantt_shows_w(tmp_path):
     from dapple.planner.simulator.gantt import draw_plan
     sim = draw_plan(_straight(2, 4, schedule="zb-h1"), linear_profile([1.0] * 2), cluster(1, 2), tmp_path / "zb.png")
     assert (tmp_path / "zb.png").stat().st_size > 0 and any(o.kind == "W" for o in sim.ops)
+
+
+def test_zb_h1_splits_the_backward_as_the_profile_measured():
+    """weight_ms a quarter of each backward: B takes three quarters, W one (no measurement: half each)."""
+    prof = linear_profile([1.0] * 3)  # B = 16 ms per stage of 8 rows
+    for layer in prof.layers:
+        layer.weight_ms = [b / 4 for b in layer.backward_ms]
+    sim = simulate(_straight(3, 4, schedule="zb-h1"), prof, cluster(1, 3))
+    assert {o.duration_ms for o in sim.ops if o.kind == "B" and o.stage > 0} == {12.0}
+    assert {o.duration_ms for o in sim.ops if o.kind == "W" and o.stage > 0} == {4.0}
+    assert {o.duration_ms for o in sim.ops if o.kind == "W" and o.stage == 0} == {16.0}

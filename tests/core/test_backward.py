@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dapple.runtime.backward import backward_input, backward_weight
+from dapple.core.backward import backward_input, backward_weight
 
 
 class Tied(nn.Module):
