@@ -71,7 +71,8 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--model", choices=("refined", "paper"), default="refined", help="latency model")
     p.add_argument("--overlap", action="store_true", help="the runtime overlaps AllReduce with the last backward")
     p.add_argument("--max-stages", type=int, default=None, help="limit the pipeline depth")
-    p.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
+    p.add_argument("--schedule", choices=("dapple", "gpipe", "zb-h1", "auto"), default="dapple",
+                   help="auto: dapple or zb-h1 (zero bubble), whichever the simulator finds faster for the plan")
     p.add_argument("--search", choices=("auto", "full", "compact"), default="auto",
                    help="placements searched (auto: full up to 4 servers, compact above)")
     p.add_argument("--time-limit", type=_seconds, default="auto",
@@ -124,7 +125,7 @@ def _add_simulate(sub: "argparse._SubParsersAction") -> None:
                                                     "plan was made for, recorded in it)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap AllReduce with the last backward (DDP-style); default: as the plan was made")
-    p.add_argument("--schedule", choices=("dapple", "gpipe"), default=None, help="default: the plan's")
+    p.add_argument("--schedule", choices=("dapple", "gpipe", "zb-h1"), default=None, help="default: the plan's")
     p.add_argument("--link-sharing", choices=("held", "shared"), default=None,
                    help="a transfer holds its links whole, or shares them max-min fairly (default: the cluster's)")
     p.set_defaults(run=_run_simulate)

@@ -13,6 +13,7 @@ from ..core.schedule import SCHEDULES, WARMUP_POLICIES
 from .checks import profile_and_cluster
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
+from .schedule_choice import AUTO, choose_schedule
 from .search import choice, forking
 from .search.choice import Candidate, Choice, choose, devices_of
 from .search.dp import INF, DPSearch, SearchConfig, SearchResult, can_occupy, most_stages
@@ -55,7 +56,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             (formula 2 as printed).
         overlap: the runtime overlaps gradient AllReduce with the last backward (DDP-style; dapple's runtime does,
             so pass True for a job it runs; False is formula 2's assumption).
-        schedule: the Plan's schedule (core.schedule.SCHEDULES).
+        schedule: the Plan's schedule (core.schedule.SCHEDULES), or "auto": the search assumes dapple's 1F1B, then
+            the simulator picks dapple or zb-h1 (zero bubble) for the plan found, zb-h1 only where every stage
+            can hold K_0 micro-batches (schedule_choice.choose_schedule; ``meta["schedule_choice"]`` records it).
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties: it holds fewer
             activations). K_i is recorded per stage.
         optimizer_factor: bytes held per parameter byte (weights, gradients, optimizer state).
@@ -113,15 +116,22 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
                          f"sizes {sorted(sizes)}: even the best split exceeds device memory; "
                          f"try a larger cluster or smaller micro-batches")
+    auto = schedule == AUTO
     picked = choose(profile, cluster, global_batch_size, _candidates(searched, seeds), model=model, overlap=overlap,
-                    schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor, verify=verify,
-                    deadline=deadline, workers=workers, spare=spare)
+                    schedule="dapple" if auto else schedule, warmup_policy=warmup_policy,
+                    optimizer_factor=optimizer_factor, verify=verify, deadline=deadline, workers=workers, spare=spare)
     stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor)
+    if auto:
+        schedule, chosen = choose_schedule(profile, cluster, stages, global_batch_size,
+                                           picked.chosen.micro_batch_size, overlap=overlap,
+                                           optimizer_factor=optimizer_factor)
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
                    overlap=overlap)
     meta = _meta(profile, cluster, config, searches, searched, picked, search, time_limit, gap, workers)
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
+    if auto:
+        meta["schedule_choice"] = chosen
     return Plan(global_batch_size=global_batch_size, micro_batch_size=picked.chosen.micro_batch_size, stages=stages,
                 schedule=schedule, warmup_policy=picked.chosen.warmup_policy, layer_names=list(profile.layer_names),
                 estimate=est, meta=meta)
@@ -143,8 +153,8 @@ def _checked(profile: "Profile", cluster: "Cluster", g: int, model: str, schedul
         number("time_limit", time_limit)
     if model not in MODELS:
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in SCHEDULES and schedule != AUTO:
+        raise ValueError(f"schedule: expected one of {SCHEDULES} or {AUTO!r}, got {schedule!r}")
     if not is_real(gap) or not 0 <= gap < 1:
         raise ValueError(f"gap: expected a fraction in [0, 1), e.g. 0.01 for 1%, got {gap!r}")
     if search not in SEARCHES:

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.checks import positive_int
 from ...core.plan import Estimate, Plan, Stage, check_fit, check_stages
-from ...core.schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
+from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
+from ..simulator.latency import simulated_latency
 from .cost import CostModel, Span, layout_of
 from .memory import check_stage_memory, slices_that_fit
 from .pivot import Latency, paper_latency
@@ -161,7 +162,8 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         stages: (layer_start, layer_end_exclusive, [device ids]) tuples, Stages (their warmup K_i is used if
             every stage gives one), or a Plan.
         global_batch_size, micro_batch_size: samples per iteration and per micro-batch.
-        schedule: "dapple" (default) or "gpipe".
+        schedule: "dapple" (default), "gpipe" or "zb-h1" (the refined model simulates its split backward,
+            :mod:`dapple.planner.simulator.latency`; the paper's formula 2 knows only 1F1B).
         warmup_policy: "A" (default) or "B", for K_i when the stages give none.
         optimizer_factor: static bytes per parameter byte.
         model: "paper" (default: formula 2 with the pivot of Algorithm 1) or "refined"
@@ -181,6 +183,10 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     spans = [Span(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
     pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, given)
     lat = pc.latency(opt.model, opt.overlap)
+    if opt.schedule in SPLIT_BACKWARD and opt.model == "refined":  # the closed form is 1F1B's: simulate the split
+        played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k) for s, k in zip(sts, pc.K)],
+                      schedule=opt.schedule)
+        lat = simulated_latency(played, profile, cluster, opt.overlap)
     return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule)
 
 
