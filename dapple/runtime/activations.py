@@ -30,7 +30,9 @@ class ActivationMeter:
             self.now += entry[1]
             self.peak = max(self.peak, self.now)
         entry[0] += 1
-        return _Held(self, key, t)
+        # detached: a saved output holding itself (and so its grad_fn, which holds this) would be a reference
+        # cycle, freed only by the garbage collector where a backward keeps its graph (retain_graph, split W)
+        return _Held(self, key, t.detach())
 
     @staticmethod
     def _unpack(h: Any) -> torch.Tensor:

@@ -134,7 +134,10 @@ class StepRunner:
                 self.p2p.post_recv(t, torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device))
             elif ins.action == "send":
                 lo = t.start - self.rows[0]  # rows of this rank's slice that the route covers
-                self.p2p.send(t, self._checked(outbox[t.value][lo:lo + t.rows], self._spec(key, t), t))
+                # detached: a send in flight until the step's end must not keep the graph (a split backward
+                # retains it, so its saved tensors would live on)
+                piece = outbox[t.value][lo:lo + t.rows].detach()
+                self.p2p.send(t, self._checked(piece, self._spec(key, t), t))
             else:
                 j, kind = ins.op.micro_batch, ins.op.kind
                 count = len(self.graph.recv if kind == "F" else self.graph.send)

@@ -15,6 +15,7 @@ ZB_SHAPES = [s for s in SHAPES if s != "gpipe"]  # "gpipe" names its schedule
 @pytest.fixture(scope="module")
 def results():
     cases = workers.with_schedule({k: workers.CASES_4[k] for k in ZB_SHAPES}, "zb-h1")
+    cases["memory"] = (workers.case_memory, (), {"schedules": ("dapple", "zb-h1")})
     return run_ranks(workers.run_cases, 4, cases, timeout=300)
 
 
@@ -38,3 +39,13 @@ def test_zb_h1_gradient_allreduce_starts_in_the_last_w(results):
         for res in per_step:
             buckets, early = res["buckets"]
             assert buckets > 0 and early == buckets, (rank, res["buckets"])  # all launched by the last W's hooks
+
+
+@pytest.mark.slow
+def test_zb_h1_holds_k0_micro_batches_on_every_stage_whatever_m(results):
+    """Saved-for-backward bytes per rank (straight 4 stages, K = 4, 3, 2, 1): a micro-batch's activations stay until
+    its W, and every stage defers W up to K_0 = 4 in flight: 4 micro-batches on each rank, at M = 4 and 8."""
+    for rank, peaks in enumerate(r["memory"] for r in results):
+        per_micro_batch = peaks["dapple/4"] / (4 - rank)  # dapple holds K_i
+        for m in (4, 8):
+            assert peaks[f"zb-h1/{m}"] == pytest.approx(4 * per_micro_batch, rel=0.02), (rank, m, peaks)

@@ -354,10 +354,10 @@ def case_resnet(stages, gbs, mbs) -> list[dict]:
     return [_compare(pipe, pipe.train_step(x, y), ref_loss, ref)]
 
 
-def case_memory(m_values=(4, 8)) -> dict[str, int]:
+def case_memory(m_values=(4, 8), schedules=("dapple", "gpipe")) -> dict[str, int]:
     """Peak saved-activation bytes of this rank per (schedule, M) at a fixed micro-batch size (straight 4)."""
     out = {}
-    for schedule in ("dapple", "gpipe"):
+    for schedule in schedules:
         for m in m_values:
             torch.manual_seed(0)
             model = Chain(width=64).double()
