@@ -235,3 +235,20 @@ def test_example_script_writes_trace_and_png(tmp_path):
     assert doc["otherData"]["warmup"] == [3, 2, 1] and len(_events(doc)) > 50
     for r, stage in doc["otherData"]["stage_of_rank"].items():
         assert _order(_events(doc), int(r)) == _expected("dapple", 4, [3, 2, 1][stage])
+
+
+def test_a_split_backward_traces_w_ops_as_weight_gradient_backwards(tmp_path):
+    """zb-h1: B3 is the input-gradient backward, W3 the weight-gradient one (kind backward, part weight), drawn in
+    the Gantt chart in its own colour."""
+    from dapple.planner.simulator.gantt import colour_key, draw_gantt
+    rec = Recorder(rank=0)
+    rec.clock = iter([0.0, 1.0]).__next__  # read by begin_step and end_step
+    rec.begin_step(1)
+    for kind, start in (("F", 0.1), ("B", 0.3), ("W", 0.5)):
+        rec.compute(kind, 3, start, start + 0.2)
+    rec.end_step()
+    got = {e.name: e for e in rec.events if e.kind in ("forward", "backward")}
+    assert [(n, e.kind, e.args.get("part")) for n, e in got.items()] == [
+        ("F3", "forward", None), ("B3", "backward", None), ("W3", "backward", "weight")]
+    assert [colour_key(e) for e in got.values()] == ["forward", "backward", "weight"]
+    assert draw_gantt(rec.events, tmp_path / "zb.png").stat().st_size > 0

@@ -24,7 +24,7 @@ TRANSFER = (-0.42, 0.27)
 CHAR_WIDTH = 0.0058  # width of one label character, as a fraction of the axis (fontsize 7, 12 in wide)
 
 
-def _colour_key(e: Event) -> str:
+def colour_key(e: Event) -> str:
     """The COLOURS key of ``e``: its kind, or "weight" for a split backward's W (kind "backward")."""
     return "weight" if e.kind == "backward" and e.args.get("part") == "weight" else e.kind
 
@@ -93,7 +93,7 @@ def _bars(ax, drawn: list[Event], row: dict, t0: float, span_ms: float) -> dict[
         off, height = TRANSFER if thin else COMPUTE
         lo = row[e.rank] * ROW + off
         x, w = (e.start - t0) * 1e3, e.duration * 1e3
-        colour = COLOURS.get(_colour_key(e), COLOURS["other"])
+        colour = COLOURS.get(colour_key(e), COLOURS["other"])
         bars.setdefault((lane_of(e) != "allreduce", lo, height, colour, e.kind == "idle", thin), []).append(
             (x, max(w, hair) if thin and e.kind != "idle" else w))
         text = None if thin else _label(e)
@@ -123,7 +123,7 @@ def _axes(ax, ranks: list, row: dict, labels: dict, span_ms: float, drawn: list[
     ax.set_xlim(0, span_ms * 1.005)
     ax.set_xlabel("time (ms)")
     ax.grid(axis="x", alpha=0.3)
-    kinds = [k for k in COLOURS if any(_colour_key(e) == k for e in drawn)]
+    kinds = [k for k in COLOURS if any(colour_key(e) == k for e in drawn)]
     handles = [Patch(facecolor=COLOURS[k], label=LEGEND[k], hatch="///" if k == "idle" else None,
                      edgecolor="#BBBBBB" if k == "idle" else COLOURS[k]) for k in kinds]
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), fontsize=8,
