@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -87,13 +87,15 @@ def backward_weight(work: WeightWork) -> None:
     work.groups.clear()
 
 
-def _recorder(group: WeightGroup, i: int):
+def _recorder(group: WeightGroup, i: int) -> Callable[[tuple], None]:
+    """A node pre-hook that records the gradients flowing into ``group.nodes[i]`` (in B)."""
     def hook(grad_outputs: tuple) -> None:
         group.seeds[i] = tuple(grad_outputs)
     return hook
 
 
-def _replacer(seed: tuple | None):
+def _replacer(seed: tuple | None) -> Callable[[tuple], tuple]:
+    """A node pre-hook that replaces what flows into the node (in W) by what B recorded there."""
     def hook(grad_outputs: tuple) -> tuple:
         return seed if seed is not None else tuple(None for _ in grad_outputs)
     return hook
@@ -114,7 +116,6 @@ class _Graph:
             stack += kids
         self.to_inputs = _reaching(self.children, leaf_nodes)
         self.to_params = _reaching(self.children, param_nodes)
-        self.param_nodes = param_nodes
 
     def weight_groups(self, edges: list[GradientEdge], grads: Sequence[torch.Tensor],
                       param_of: dict[Node, torch.Tensor]) -> list[WeightGroup]:
@@ -149,7 +150,8 @@ class _Graph:
         return _grouped(starts, owner, find, param_of)
 
 
-def _grouped(starts, owner, find, param_of) -> list[WeightGroup]:
+def _grouped(starts: list[tuple[Node, GradientEdge | None, torch.Tensor | None]], owner: dict[Node, int],
+             find: Callable[[int], int], param_of: dict[Node, torch.Tensor]) -> list[WeightGroup]:
     """One WeightGroup per set of starts that share a node, with the parameters they reach."""
     groups: dict[int, WeightGroup] = {}
     for s, (n, e, g) in enumerate(starts):
