@@ -67,3 +67,14 @@ def test_random_plans_equal_single_process(world, seed):
         for step in range(len(results[0][name])):  # every parameter is checked on some rank
             seen = set().union(*(r[name][step]["grads"] for r in results))
             assert seen == set(results[0][name][step]["expected"]), (name, args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, seed", [(3, 5), (4, 6)])
+def test_random_plans_equal_single_process_under_zero_bubble(world, seed):
+    """The same hunt on zb-h1 (plans that name gpipe keep it): B and W split on any shape."""
+    todo = workers.with_schedule(cases(SEED + seed, world, CASES), "zb-h1")
+    results = run_ranks(workers.run_cases, world, todo, timeout=240 + 10 * CASES)
+    for name, (_, args, kw) in todo.items():
+        worst = max(max([step["loss"], *step["grads"].values()]) for r in results for step in r[name])
+        assert worst <= TOL, (name, args, kw, worst)

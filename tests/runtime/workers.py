@@ -431,7 +431,7 @@ CASES_2: dict[str, tuple[Callable, tuple, dict]] = {
 }
 
 
-def run_with_schedule(schedule: str, fn: Callable, *args: Any, **kw: Any) -> Any:
+def run_with_schedule(schedule: str, fn: Callable, /, *args: Any, **kw: Any) -> Any:
     """Run case ``fn`` with ``schedule`` as its plans' schedule (those that name none)."""
     _SCHEDULE[0] = schedule
     try:
