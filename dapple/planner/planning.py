@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
 from ..core.plan import Plan, Stage
-from ..core.schedule import SCHEDULES, WARMUP_POLICIES
+from ..core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
 from .checks import profile_and_cluster
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
-from .schedule_choice import AUTO, choose_schedule
+from .schedule_choice import AUTO, choose_schedule, zero_bubble_unfit
 from .search import choice, forking
 from .search.choice import Candidate, Choice, choose, devices_of
 from .search.dp import INF, DPSearch, SearchConfig, SearchResult, can_occupy, most_stages
@@ -58,7 +58,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             so pass True for a job it runs; False is formula 2's assumption).
         schedule: the Plan's schedule (core.schedule.SCHEDULES), or "auto": the search assumes dapple's 1F1B, then
             the simulator picks dapple or zb-h1 (zero bubble) for the plan found, zb-h1 only where every stage
-            can hold K_0 micro-batches (schedule_choice.choose_schedule; ``meta["schedule_choice"]`` records it).
+            can hold K_0 micro-batches (schedule_choice.choose_schedule; ``meta["schedule_choice"]`` records it);
+            an explicit "zb-h1" whose plan cannot hold them raises ValueError.
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties: it holds fewer
             activations). K_i is recorded per stage.
         optimizer_factor: bytes held per parameter byte (weights, gradients, optimizer state).
@@ -125,6 +126,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         schedule, chosen = choose_schedule(profile, cluster, stages, global_batch_size,
                                            picked.chosen.micro_batch_size, overlap=overlap,
                                            optimizer_factor=optimizer_factor)
+    elif schedule in SPLIT_BACKWARD and (why := zero_bubble_unfit(profile, cluster, stages, global_batch_size,
+                                                                   picked.chosen.micro_batch_size, optimizer_factor)):
+        raise ValueError(f"schedule={schedule!r}: the plan found does not fit: {why}; schedule='auto' falls back "
+                         f"to 'dapple' where it does not")
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
                    overlap=overlap)

@@ -41,7 +41,7 @@ def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Sta
     simulated: dict[str, float] = {}
     refused: dict[str, str] = {}
     for name in CHOICES:
-        if name == "zb-h1" and (why := _unfit(cm, stages, holds, cluster.device_memory)):
+        if name == "zb-h1" and (why := holds_unfit(cm, stages, holds, cluster.device_memory)):
             refused[name] = why
             continue
         plan = Plan(global_batch_size, micro_batch_size, list(stages), schedule=name)
@@ -53,7 +53,16 @@ def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Sta
     return chosen, record
 
 
-def _unfit(cm: CostModel, stages: Sequence[Stage], holds: Sequence[int], memory: float) -> str:
+def zero_bubble_unfit(profile: "Profile", cluster: "Cluster", stages: Sequence[Stage], global_batch_size: int,
+                      micro_batch_size: int, optimizer_factor: float) -> str:
+    """Why zb-h1 does not fit ``stages`` (their K_i set) in device memory ("" where it fits): each stage holds
+    K_0 micro-batches until their W."""
+    cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
+    holds = stage_holds([s.warmup for s in stages], global_batch_size // micro_batch_size)
+    return holds_unfit(cm, stages, holds, cluster.device_memory)
+
+
+def holds_unfit(cm: CostModel, stages: Sequence[Stage], holds: Sequence[int], memory: float) -> str:
     """Why holding ``holds[i]`` micro-batches on stage i does not fit somewhere ("" where it fits)."""
     for i, (st, h) in enumerate(zip(stages, holds)):
         a, c = st.layers

@@ -58,3 +58,14 @@ def test_the_refined_model_of_zb_h1_is_its_simulation():
     assert est.latency_ms == pytest.approx(simulate(plan, prof, c).latency_ms)
     assert est.latency_ms < evaluate(prof, c, plan, model="refined", schedule="dapple").latency_ms
     assert est.warmup_ms > 0 and est.steady_ms > 0 and est.ending_ms > 0
+
+
+def test_an_explicit_zero_bubble_plan_that_does_not_fit_is_refused():
+    """The last stage's activations fit once (K_3 = 1 under dapple) but not K_0 = 4 times (zb-h1)."""
+    prof = linear_profile([1.0] * 8, params=2e9, boundary=1e3, saved=[1e3] * 6 + [1e9] * 2)
+    c = cluster(1, 4, intra=1e10, memory=5e10)
+    plan = dapple.plan(prof, c, 64, 8, overlap=True, schedule="auto")
+    assert plan.schedule == "dapple" and [s.warmup for s in plan.stages] == [4, 3, 2, 1]
+    assert plan.meta["schedule_choice"]["refused"]["zb-h1"].startswith("stage 3 would hold 4 micro-batches")
+    with pytest.raises(ValueError, match=r"schedule='zb-h1': the plan found does not fit: stage 3 would hold 4"):
+        dapple.plan(prof, c, 64, 8, overlap=True, schedule="zb-h1")
