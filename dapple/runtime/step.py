@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..core.backward import WeightWork, backward_input, backward_weight
+from ..core.backward import BackwardPlan, WeightWork, backward_weight, plan_backward, run_backward_input
 from ..core.dist import wait_for
 from ..core.plan import Plan
 from ..core.schedule import SPLIT_BACKWARD, Op
@@ -141,6 +141,8 @@ class StepRunner:
             else:
                 j, kind = ins.op.micro_batch, ins.op.kind
                 count = len(self.graph.recv if kind == "F" else self.graph.send)
+                # split: the graph is walked while the gradients are still on their way
+                prepared = self._plan_backward(j, alive, layout) if kind == "B" and self.split else None
                 pieces = self._gather(ins.op, waits[ins.op], count, rec)
                 start = rec.clock() if rec is not None else 0.0
                 if kind == arm and j == self.plan.num_micro_batches - 1:  # the last backward of the step
@@ -154,7 +156,7 @@ class StepRunner:
                             b = self.plan.micro_batch_size
                             kept.append((range(j * b + self.rows[0], j * b + self.rows[1]), m.output))
                 elif kind == "B":
-                    outbox = self._backward(j, pieces, alive, layout, pending)
+                    outbox = self._backward(j, pieces, alive, layout, pending, prepared)
                 else:
                     self._backward_weight(j, pending)
                 if rec is not None:
@@ -258,46 +260,63 @@ class StepRunner:
         return loss * ((hi - lo) / self.batch_rows)
 
     def _backward(self, j: int, pieces: list[list[torch.Tensor]], alive: dict[int, _MicroBatch],
-                  layout: BoundaryLayout, pending: dict[int, WeightWork]) -> list[torch.Tensor | None]:
-        """Micro-batch ``j``'s backward (split: its input gradients only, the rest kept in ``pending`` for its W);
-        returns the gradients to send back, per received value (None: none)."""
+                  layout: BoundaryLayout, pending: dict[int, WeightWork],
+                  prepared: tuple[list[tuple[int | None, torch.Tensor]], BackwardPlan] | None = None
+                  ) -> list[torch.Tensor | None]:
+        """Micro-batch ``j``'s backward (split, ``prepared`` by :meth:`_plan_backward`: its input gradients only,
+        the rest kept in ``pending`` for its W); returns the gradients to send back, per received value (None:
+        none)."""
         m = alive.pop(j)  # dropping it after this backward frees the micro-batch's activations (split: after W)
-        wanted = [leaf for leaf in m.leaves if leaf.requires_grad]
         found: dict[int, torch.Tensor | None] = {}
         with self._noted(j, lambda: f"in the backward of layers {self.layers}"):
-            roots, grads = self._roots(m, pieces, layout)
-            if self.split:
-                params = [p for p in self.module.parameters() if p.requires_grad]
-                got, pending[j] = backward_input(roots, grads, wanted, params)
-                found = {id(x): g for x, g in zip(wanted, got)}
-            elif roots:
-                torch.autograd.backward(roots, grads)
+            if prepared is not None:
+                roots, plan = prepared
+                got, pending[j] = run_backward_input(plan, self._root_grads(roots, pieces))
+                found = {id(x): g for x, g in zip(plan.inputs, got)}
+            elif roots := self._root_values(m, layout):
+                torch.autograd.backward([r for _, r in roots], self._root_grads(roots, pieces))
         if self.stage == 0:
             return []
         out: list[torch.Tensor | None] = []
         for v, leaf in enumerate(m.leaves):
             if v in layout.grads[self.stage - 1]:
-                g = found.get(id(leaf)) if self.split else leaf.grad
+                g = found.get(id(leaf)) if prepared is not None else leaf.grad
                 out.append(g if g is not None else torch.zeros_like(leaf))
             else:
                 out.append(None)
         return out
 
-    def _roots(self, m: _MicroBatch, pieces: list[list[torch.Tensor]], layout: BoundaryLayout
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """What micro-batch ``m``'s backward starts from and with which gradients: the (scaled) loss on the last
-        stage, else the sent values that require grad with the gradients that came back for them."""
+    def _plan_backward(self, j: int, alive: dict[int, _MicroBatch], layout: BoundaryLayout
+                       ) -> tuple[list[tuple[int | None, torch.Tensor]], BackwardPlan]:
+        """Micro-batch ``j``'s roots and the plan of its split backward (before its gradients are waited for)."""
+        m = alive[j]
+        roots = self._root_values(m, layout)
+        with self._noted(j, lambda: f"in the backward of layers {self.layers}"):
+            return roots, plan_backward([r for _, r in roots], [x for x in m.leaves if x.requires_grad],
+                                        [p for p in self.module.parameters() if p.requires_grad])
+
+    def _root_values(self, m: _MicroBatch, layout: BoundaryLayout) -> list[tuple[int | None, torch.Tensor]]:
+        """What micro-batch ``m``'s backward starts from: the (scaled) loss on the last stage (value None), else
+        the sent values that require grad and whose gradient comes back (their index)."""
         if m.loss is not None:
             if not m.loss.requires_grad:
-                return [], []
-            return [m.loss * self.scaler.scale if self.scaler.enabled else m.loss], [None]
-        roots, grads = [], []
-        for v in layout.grads[self.stage]:  # split: gradients come back along the routes they went
-            g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
-            if m.sent[v].requires_grad:
-                roots.append(m.sent[v])
-                grads.append(g.to(m.sent[v].dtype))
-        return roots, grads
+                return []
+            return [(None, m.loss * self.scaler.scale if self.scaler.enabled else m.loss)]
+        return [(v, m.sent[v]) for v in layout.grads[self.stage] if m.sent[v].requires_grad]
+
+    @staticmethod
+    def _root_grads(roots: list[tuple[int | None, torch.Tensor]], pieces: list[list[torch.Tensor]]
+                    ) -> list[torch.Tensor | None]:
+        """The roots' gradients: None for the loss (one), else the pieces that came back (split-concat: along
+        the routes the values went), concatenated."""
+        out: list[torch.Tensor | None] = []
+        for v, root in roots:
+            if v is None:
+                out.append(None)
+            else:
+                g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
+                out.append(g.to(root.dtype))
+        return out
 
     def _backward_weight(self, j: int, pending: dict[int, WeightWork]) -> None:
         """Micro-batch ``j``'s W: its parameter gradients into ``.grad``; then its activations are freed."""
