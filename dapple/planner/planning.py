@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import takewhile
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
 from ..core.plan import MIXED_PRECISIONS, Plan, Stage
@@ -85,13 +85,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             seeds took forking.FORK_WORTH seconds, and its candidates' simulations likewise. Workers that use no
             CPU for forking.WORKER_STUCK seconds with work pending are stuck: they are ended and plan() raises
             RuntimeError (as for a worker that dies).
-        recompute: activation recomputation (a stage keeps only its inputs per micro-batch in flight and runs its
-            forward again in backward: backward += forward): False (no stage), True (every stage), or "auto": only
-            where memory binds, where a stage's K_i would have to drop without it, and only if that is faster
-            (docs/planner.md: two searches). ``Stage.recompute`` records it per stage.
-        mixed_precision: "bf16" or "fp16": the job runs under autocast; activations (held and sent) take half the
-            profiled bytes, parameters, gradients and the AllReduce stay fp32. ``Plan.mixed_precision`` records
-            it (dapple.pipeline runs the plan so). None: full precision.
+        recompute: False, True (every stage) or "auto": only where memory binds and it is faster (docs/planner.md).
+        mixed_precision: "bf16"/"fp16": activations take half the bytes (docs/planner.md); None: full precision.
 
     Returns:
         The Plan, with its estimate and ``meta`` (what was searched, how, and what it proves).
@@ -100,13 +95,11 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         ValueError: a bad argument (naming it), or no plan fits in device memory.
         TypeError: ``profile`` or ``cluster`` is not a loaded Profile / Cluster.
     """
-    if recompute == "auto":
-        args = dict(locals())
-        return _where_memory_binds(lambda rc: plan(**{**args, "recompute": rc}), profile, cluster, optimizer_factor)
+    if _check_activations(recompute, mixed_precision) == "auto":
+        return _where_memory_binds(dict(locals()))
     t0 = time.perf_counter()
     search, time_limit = _checked(profile, cluster, global_batch_size, model, schedule, warmup_policy,
                                   optimizer_factor, beam, max_stages, search, time_limit, gap, verify, overlap)
-    _check_activations(recompute, mixed_precision)
     sizes = _micro_batch_sizes(global_batch_size, micro_batch_size, micro_batch_sizes)
     config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy if model == "refined" else None,
                           optimizer_factor=optimizer_factor, beam=beam, max_stages=max_stages,
@@ -126,9 +119,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     if searched.found is None:
         raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
-                         f"sizes {sorted(sizes)}: even the best split exceeds device memory; "
-                         f"try a larger cluster or smaller micro-batches"
-                         + ("" if recompute else ", or recompute=\"auto\" or mixed_precision=\"bf16\""))
+                         f"sizes {sorted(sizes)}: even the best split exceeds device memory; try a larger cluster or "
+                         f"smaller micro-batches{'' if mixed_precision else ', or mixed_precision=bf16'}")
     picked = choose(profile, cluster, global_batch_size, _candidates(searched, seeds), model=model, overlap=overlap,
                     schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor, verify=verify,
                     deadline=deadline, workers=workers, spare=spare, recompute=recompute,
@@ -138,24 +130,22 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
                    overlap=overlap, mixed_precision=mixed_precision)
     meta = _meta(profile, cluster, config, searches, searched, picked, search, time_limit, gap, workers)
-    if recompute is not False:
-        meta["recompute"] = recompute  # the rule asked for; each stage's outcome is its Stage.recompute
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=global_batch_size, micro_batch_size=picked.chosen.micro_batch_size, stages=stages,
                 schedule=schedule, warmup_policy=picked.chosen.warmup_policy, layer_names=list(profile.layer_names),
                 estimate=est, meta=meta, mixed_precision=mixed_precision)
 
 
-def _where_memory_binds(search: Callable[[bool], Plan], profile: "Profile", cluster: "Cluster",
-                        optimizer_factor: float) -> Plan:
-    """recompute="auto": the best plans ``search`` makes without recomputation and with it in every stage, each
-    stage of each then recomputing as model.evaluate.auto_recompute says (where its K_i would have to drop
-    otherwise, if that is faster); the faster of the two (the one without on ties)."""
+def _where_memory_binds(args: dict) -> Plan:
+    """recompute="auto": the plans :func:`plan` (``args``: its arguments) makes without recomputation and with it in
+    every stage, each stage of each then recomputing as model.evaluate.auto_recompute says (where its K_i would
+    have to drop otherwise, if that is faster); the faster of the two (the one without on ties)."""
     t0 = time.perf_counter()
     plans, errors = [], []
     for rc in (False, True):
         try:
-            plans.append(_reflagged(search(rc), profile, cluster, optimizer_factor))
+            plans.append(_reflagged(plan(**{**args, "recompute": rc}), args["profile"], args["cluster"],
+                                    args["optimizer_factor"]))
         except ValueError as e:  # no plan fits that way
             errors.append(e)
     if not plans:
@@ -185,12 +175,13 @@ def _reflagged(p: Plan, profile: "Profile", cluster: "Cluster", optimizer_factor
     return out
 
 
-def _check_activations(recompute: object, mixed_precision: object) -> None:
-    """ValueError naming ``recompute`` or ``mixed_precision`` unless plan() knows it."""
+def _check_activations(recompute: object, mixed_precision: object) -> object:
+    """``recompute``, or ValueError naming ``recompute`` or ``mixed_precision`` unless plan() knows it."""
     recompute_mode(recompute)
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"mixed_precision: expected one of {MIXED_PRECISIONS} or None (full precision), got "
                          f"{mixed_precision!r}")
+    return recompute
 
 
 def _checked(profile: "Profile", cluster: "Cluster", g: int, model: str, schedule: str, warmup_policy: str | None,

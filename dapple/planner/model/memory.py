@@ -90,5 +90,6 @@ def check_stage_memory(stage: int, static_bytes: float, saved_bytes: float, devi
         f"(parameters x optimizer factor {static_bytes / GB:.3f} GB + {held}) but a device has "
         f"{device_memory / GB:.3f} GB: exceeds by {(need - device_memory) / GB:.3f} GB; use more replicas or stages, "
         f"a smaller micro-batch, a smaller warmup K_{stage}"
-        + (", activation recomputation (recompute=True or \"auto\") or mixed precision" if recomputed is None else
-           " or mixed precision"))
+        # (recomputing holds more than a plain stage with K_i = 1: it helps only a stage holding more)
+        + (", activation recomputation (recompute=True or \"auto\")" if recomputed is None and warmup > 1 else "")
+        + " or mixed precision")
