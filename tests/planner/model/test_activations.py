@@ -127,3 +127,10 @@ def test_the_simulator_agrees_with_the_refined_model_on_such_plans(overlap):
     tight = cluster(1, 2, memory=3e9)
     auto = dapple.plan(PROF, tight, 32, 8, recompute="auto", verify=0)
     assert auto.estimate.latency_ms == pytest.approx(simulate(auto, PROF, tight).latency_ms, rel=0.01)
+
+
+def test_auto_with_the_simulators_choice_records_the_simulated_latency_of_the_plan_it_returns():
+    tight = cluster(1, 2, memory=3e9)
+    auto = dapple.plan(PROF, tight, 32, 8, recompute="auto")  # verify: candidates simulated
+    assert [s.recompute for s in auto.stages] == [True, False]
+    assert auto.meta["simulated_ms"] == pytest.approx(simulate(auto, PROF, tight).latency_ms, abs=1e-4)
