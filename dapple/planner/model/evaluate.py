@@ -135,7 +135,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
             users = add_users(users, cl.servers, 2 * i + 1)
             AR.append(0.0)
             E.append(cl.busiest)
-    K = _warmup(cm, spans, M, policy, warmup, D, RC if check else None)
+    K = _warmup(cm, spans, M, policy, warmup, D, RC, check)
     period, drain = cm.link_periods(spans)
     queue.append(False)  # the last stage: no gradients from below
     return PricedStages(PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F)),
@@ -148,13 +148,13 @@ def _check_memory(i: int, need: StageBytes, mem: float, recompute: bool, warmup:
 
 
 def _warmup(cm: CostModel, spans: Sequence[Span], M: int, policy: str, warmup: Sequence[int] | None,
-            D: list[int], recompute: list[bool] | None) -> list[int]:
-    """K_i: the policy's within D, or ``warmup`` (checked against device memory unless ``recompute``, the stages'
-    recompute flags, is None)."""
+            D: list[int], recompute: list[bool], check: bool) -> list[int]:
+    """K_i: the policy's within D, or ``warmup`` (checked against device memory with ``check``, the stages
+    recomputing as ``recompute`` says)."""
     if warmup is None:
         return warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
     K = [int(k) for k in warmup]
-    if recompute is not None:
+    if check:
         for i, (a, c, lay) in enumerate(spans):
             if K[i] > D[i]:
                 _check_memory(i, cm.stage_bytes(a, c, len(lay), recompute[i]), cm.cluster.device_memory,
@@ -216,8 +216,8 @@ def auto_recompute(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
                    warmup: Sequence[int] | None = None, model: str = "refined", overlap: bool = False) -> list[bool]:
     """Which stages recompute under recompute="auto": only where memory binds, and then only if that is faster.
 
-    A recomputing stage holds one micro-batch's activations more than a plain one with K_i = 1 (memory.StageBytes),
-    so recomputation never makes a stage fit that does not fit at all: it lets a stage hold more micro-batches.
+    With K_i = 1 a recomputing stage holds its inputs on top of what a plain one holds (memory.StageBytes), so
+    recomputation never makes a stage fit that does not fit at all: it lets a stage hold more micro-batches.
     Two choices are priced: "need", the stages that cannot hold their given ``warmup`` K_i otherwise (none without
     ``warmup``), and "hold", also every stage whose policy's K_i (capped by what fits either way) is above what fits
     without recomputing, its K_i that would have to drop. The faster under ``model`` wins; "need" on ties.
