@@ -82,15 +82,25 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--workers", type=_workers, default="auto",
                    help="processes searching micro-batch sizes side by side (default auto: one per core for the "
                         "compact search and for a full search whose seeds took 0.1 s, Linux only)")
+    p.add_argument("--recompute", choices=tuple(RECOMPUTE), default="off",
+                   help="activation recomputation: off, on (every stage), or auto (only where memory binds: where a "
+                        "stage's K_i would have to drop without it, if that is faster)")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                   help="plan for a job run under autocast in this dtype (activations take half the bytes); the "
+                        "plan records it and dapple.pipeline runs it so")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     p.set_defaults(run=_run_plan)
+
+
+RECOMPUTE = {"off": False, "on": True, "auto": "auto"}  # dapple plan --recompute -> dapple.plan's recompute
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile, args.profile_batch)
     result = plan(prof, load_cluster(args.cluster), args.global_batch, args.micro_batch, model=args.model,
                   overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule, search=args.search,
-                  time_limit=args.time_limit, gap=args.gap, workers=args.workers)
+                  time_limit=args.time_limit, gap=args.gap, workers=args.workers,
+                  recompute=RECOMPUTE[args.recompute], mixed_precision=args.mixed_precision)
     print(result)
     if args.output:
         result.save(args.output)

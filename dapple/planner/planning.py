@@ -8,16 +8,18 @@ from itertools import takewhile
 from typing import TYPE_CHECKING, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
-from ..core.plan import Plan, Stage
+from ..core.plan import MIXED_PRECISIONS, Plan, Stage
 from ..core.schedule import SCHEDULES, WARMUP_POLICIES
 from .checks import profile_and_cluster
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
+from .model.memory import recompute_mode
 from .search import choice, forking
 from .search.choice import Candidate, Choice, choose, devices_of
 from .search.dp import INF, DPSearch, SearchConfig, SearchResult, can_occupy, most_stages
 from .search.forking import Step, in_workers, resolve_workers
 from .search.memo import gc_paused
+from .simulator.events import simulate
 
 if TYPE_CHECKING:
     from ..core.cluster import Cluster
@@ -39,7 +41,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
          model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | str | None = "auto",
-         gap: float = 0.0, verify: int = 6, workers: int | str = "auto") -> Plan:
+         gap: float = 0.0, verify: int = 6, workers: int | str = "auto", recompute: bool | str = False,
+         mixed_precision: str | None = None) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``,
     among the plans that use every device of it (a plan's device ids are the ranks 0..n-1 of the job that runs
     it). Where fewer devices may do better (a tiny global batch, very slow links), plan for a smaller Cluster
@@ -82,6 +85,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             seeds took forking.FORK_WORTH seconds, and its candidates' simulations likewise. Workers that use no
             CPU for forking.WORKER_STUCK seconds with work pending are stuck: they are ended and plan() raises
             RuntimeError (as for a worker that dies).
+        recompute: False, True (every stage) or "auto": only where memory binds and it is faster (docs/planner.md).
+        mixed_precision: "bf16"/"fp16": activations take half the bytes (docs/planner.md); None: full precision.
 
     Returns:
         The Plan, with its estimate and ``meta`` (what was searched, how, and what it proves).
@@ -90,13 +95,16 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         ValueError: a bad argument (naming it), or no plan fits in device memory.
         TypeError: ``profile`` or ``cluster`` is not a loaded Profile / Cluster.
     """
+    if _check_activations(recompute, mixed_precision) == "auto":
+        return _where_memory_binds(dict(locals()))
     t0 = time.perf_counter()
     search, time_limit = _checked(profile, cluster, global_batch_size, model, schedule, warmup_policy,
                                   optimizer_factor, beam, max_stages, search, time_limit, gap, verify, overlap)
     sizes = _micro_batch_sizes(global_batch_size, micro_batch_size, micro_batch_sizes)
     config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy if model == "refined" else None,
                           optimizer_factor=optimizer_factor, beam=beam, max_stages=max_stages,
-                          partial_kinds=1 if search == "compact" else None, gap=float(gap))
+                          partial_kinds=1 if search == "compact" else None, gap=float(gap), recompute=recompute,
+                          mixed_precision=mixed_precision)
     searches = _searches(profile, cluster, global_batch_size, sizes, config)
     auto = workers == "auto"
     workers = resolve_workers(workers, len(searches), search == "compact")
@@ -111,20 +119,69 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     if searched.found is None:
         raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
-                         f"sizes {sorted(sizes)}: even the best split exceeds device memory; "
-                         f"try a larger cluster or smaller micro-batches")
+                         f"sizes {sorted(sizes)}: even the best split exceeds device memory; try a larger cluster or "
+                         f"smaller micro-batches{'' if mixed_precision else ', or mixed_precision=bf16'}")
     picked = choose(profile, cluster, global_batch_size, _candidates(searched, seeds), model=model, overlap=overlap,
                     schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor, verify=verify,
-                    deadline=deadline, workers=workers, spare=spare)
-    stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor)
+                    deadline=deadline, workers=workers, spare=spare, recompute=recompute,
+                    mixed_precision=mixed_precision)
+    stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor, config)
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
-                   overlap=overlap)
+                   overlap=overlap, mixed_precision=mixed_precision)
     meta = _meta(profile, cluster, config, searches, searched, picked, search, time_limit, gap, workers)
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=global_batch_size, micro_batch_size=picked.chosen.micro_batch_size, stages=stages,
                 schedule=schedule, warmup_policy=picked.chosen.warmup_policy, layer_names=list(profile.layer_names),
-                estimate=est, meta=meta)
+                estimate=est, meta=meta, mixed_precision=mixed_precision)
+
+
+def _where_memory_binds(args: dict) -> Plan:
+    """recompute="auto": the plans :func:`plan` (``args``: its arguments) makes without recomputation and with it in
+    every stage, each stage of each then recomputing as model.evaluate.auto_recompute says (where its K_i would
+    have to drop otherwise, if that is faster); the faster of the two (the one without on ties)."""
+    t0 = time.perf_counter()
+    plans, errors = [], []
+    for rc in (False, True):
+        try:
+            plans.append(_reflagged(plan(**{**args, "recompute": rc}), args["profile"], args["cluster"],
+                                    args["optimizer_factor"]))
+        except ValueError as e:  # no plan fits that way
+            errors.append(e)
+    if not plans:
+        raise errors[0]
+    best = min(plans, key=lambda p: p.estimate.latency_ms)  # (the first on ties)
+    # two searches under two pricings: neither one's lower bound holds for the plans "auto" may make
+    best.meta.pop("latency_lower_bound_ms", None)
+    best.meta.update(recompute="auto", planning_time_s=round(time.perf_counter() - t0, 4))
+    return best
+
+
+def _reflagged(p: Plan, profile: "Profile", cluster: "Cluster", optimizer_factor: float) -> Plan:
+    """``p`` with each stage recomputing as auto_recompute says (K_i from its policy again), re-estimated (and
+    re-simulated if it was simulated and a stage changed)."""
+    overlap = bool(p.meta.get("overlap"))
+    est = evaluate(profile, cluster, [Stage(s.layers, s.devices) for s in p.stages], p.global_batch_size,
+                   p.micro_batch_size, schedule=p.schedule, warmup_policy=p.warmup_policy,
+                   optimizer_factor=optimizer_factor, model=p.meta.get("latency_model"), overlap=overlap,
+                   recompute="auto", mixed_precision=p.mixed_precision)
+    stages = [Stage(s.layers, s.devices, d["warmup"], d.get("recompute", False))
+              for s, d in zip(p.stages, est.details["stages"])]
+    out = Plan(p.global_batch_size, p.micro_batch_size, stages, schedule=p.schedule, warmup_policy=p.warmup_policy,
+               layer_names=p.layer_names, estimate=est, meta=dict(p.meta), mixed_precision=p.mixed_precision)
+    changed = [(s.warmup, s.recompute) for s in stages] != [(s.warmup, s.recompute) for s in p.stages]
+    if changed and "simulated_ms" in out.meta:
+        out.meta["simulated_ms"] = round(simulate(out, profile, cluster, overlap=overlap).latency_ms, 4)
+    return out
+
+
+def _check_activations(recompute: object, mixed_precision: object) -> object:
+    """``recompute``, or ValueError naming ``recompute`` or ``mixed_precision`` unless plan() knows it."""
+    recompute_mode(recompute)
+    if mixed_precision is not None and mixed_precision not in MIXED_PRECISIONS:
+        raise ValueError(f"mixed_precision: expected one of {MIXED_PRECISIONS} or None (full precision), got "
+                         f"{mixed_precision!r}")
+    return recompute
 
 
 def _checked(profile: "Profile", cluster: "Cluster", g: int, model: str, schedule: str, warmup_policy: str | None,
@@ -267,13 +324,15 @@ def _candidates(searched: _Searched, seeds: list[Candidate]) -> list[Candidate]:
         others, key=lambda c: (c.latency, c.micro_batch_size))
 
 
-def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Choice, optimizer_factor: float) -> list[Stage]:
-    """The chosen plan's stages on concrete devices, with their K_i."""
+def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Choice, optimizer_factor: float,
+            config: SearchConfig) -> list[Stage]:
+    """The chosen plan's stages on concrete devices, with their K_i and recompute flags."""
     b, spans, _, policy = picked.chosen
-    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=config.recompute,
+                   mixed_precision=config.mixed_precision)
     pc, _ = pipeline_costs(cm, spans, g // b, policy)
     devs = devices_of(spans, cluster)
-    return [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)]
+    return [Stage((a, c), ds, k, rc) for (a, c, _), ds, k, rc in zip(spans, devs, pc.K, pc.recompute)]
 
 
 def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches: list[DPSearch],

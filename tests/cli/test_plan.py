@@ -238,3 +238,23 @@ def test_version_and_help_name_the_distribution(capsys):
     assert "pip install dapple-pipeline" in capsys.readouterr().out
     import importlib.metadata
     assert importlib.metadata.metadata("dapple-pipeline")["Name"] == "dapple-pipeline"
+
+
+def test_plan_recompute_and_mixed_precision_flags(tmp_path, capsys):
+    from tests.planner.helpers import cluster, linear_profile
+    linear_profile([1.0] * 4, params=1e8, boundary=1e6, saved=1e8).save(tmp_path / "prof.yaml")
+    cluster(1, 2, memory=3e9).save(tmp_path / "c.yaml")
+    base = ["plan", str(tmp_path / "prof.yaml"), "--cluster", str(tmp_path / "c.yaml"), "--global-batch", "32",
+            "--micro-batch", "8"]
+    assert main([*base, "--recompute", "auto", "--mixed-precision", "bf16", "-o", str(tmp_path / "p.yaml")]) == 0
+    assert "mixed precision bf16" in capsys.readouterr().out
+    plan = Plan.load(tmp_path / "p.yaml")
+    assert plan.mixed_precision == "bf16" and plan.meta["recompute"] == "auto"
+    assert main([*base, "--recompute", "on", "-o", str(tmp_path / "on.yaml")]) == 0
+    assert "recompute" in capsys.readouterr().out  # the table's column
+    assert all(s.recompute for s in Plan.load(tmp_path / "on.yaml").stages)
+    assert main([*base, "-o", str(tmp_path / "off.yaml")]) == 0
+    off = Plan.load(tmp_path / "off.yaml")
+    assert off.mixed_precision is None and not any(s.recompute for s in off.stages)
+    with pytest.raises(SystemExit):
+        main([*base, "--recompute", "maybe"])

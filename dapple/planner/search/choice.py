@@ -76,7 +76,8 @@ def devices_of(spans: Sequence[tuple[int, int, ServerLayout]], cluster: "Cluster
 
 def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candidates: Sequence[Candidate], *,
            model: str, overlap: bool, schedule: str, warmup_policy: str | None, optimizer_factor: float,
-           verify: int, deadline: float | None = None, workers: int = 1, spare: int | None = None) -> Choice:
+           verify: int, deadline: float | None = None, workers: int = 1, spare: int | None = None,
+           recompute: bool | str = False, mixed_precision: str | None = None) -> Choice:
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator.
 
     Args:
@@ -91,6 +92,7 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
             ran past it simulates nothing (the model's choice).
         workers: processes simulating side by side (forking.forked_map); ``spare`` (more): used instead once the
             first simulation says the rest would take forking.FORK_WORTH.
+        recompute, mixed_precision: as the search priced the stages (SearchConfig); the trial plans record them.
 
     A candidate whose floor (floor.latency_floor) is above the best simulated before it is not simulated: it
     could not win.
@@ -98,7 +100,8 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
     pols = (warmup_policy,) if warmup_policy else ("A", "B")
 
     def priced(b: int, spans: tuple) -> dict[str, PipelineCosts]:  # per warmup policy (none where it does not fit)
-        cm, out = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor), {}
+        cm, out = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=recompute,
+                            mixed_precision=mixed_precision), {}
         for pol in pols:
             try:
                 out[pol] = pipeline_costs(cm, spans, global_batch_size // b, pol)[0]
@@ -113,7 +116,8 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
     late = deadline is not None and time.perf_counter() > deadline  # (no time left for simulations)
     if not verify or too_big or late:
         return Choice(chosen, None, 0, 0, 1)
-    trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size, schedule)
+    trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size, schedule,
+                         mixed_precision)
     return Simulations(profile, cluster, overlap, trials, workers).judge(chosen, spare)
 
 
@@ -125,16 +129,17 @@ def better_policy(costs: dict[str, PipelineCosts], overlap: bool) -> str:
 
 
 def trial_plan(cluster: "Cluster", global_batch_size: int, b: int, spans: tuple, pc: PipelineCosts,
-               pol: str, schedule: str) -> Plan:
-    """The Plan of a candidate with warmup policy ``pol`` (its K_i from ``pc``)."""
+               pol: str, schedule: str, mixed_precision: str | None = None) -> Plan:
+    """The Plan of a candidate with warmup policy ``pol`` (its K_i and recompute flags from ``pc``)."""
     devs = devices_of(spans, cluster)
-    return Plan(global_batch_size, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)],
-                schedule=schedule, warmup_policy=pol)
+    rc = pc.recompute or [False] * len(spans)
+    return Plan(global_batch_size, b, [Stage((a, c), ds, k, r) for (a, c, _), ds, k, r in zip(spans, devs, pc.K, rc)],
+                schedule=schedule, warmup_policy=pol, mixed_precision=mixed_precision)
 
 
 def list_trials(candidates: Sequence[Candidate], first: dict, priced: Callable[[int, tuple], dict], verify: int,
                 deadline: float | None, overlap: bool, cluster: "Cluster", global_batch_size: int,
-                schedule: str) -> list[Trial]:
+                schedule: str, mixed_precision: str | None = None) -> list[Trial]:
     """The trials to simulate, in order: the first ``verify`` distinct candidates within VERIFY_WITHIN of the
     first (none past ``deadline`` but the first) x their warmup policies within VERIFY_WITHIN of the better one
     (``first``: the first candidate's pipeline costs per policy; ``priced(b, spans)`` gives another's)."""
@@ -153,7 +158,7 @@ def list_trials(candidates: Sequence[Candidate], first: dict, priced: Callable[[
             if lats[pol] > min(lats.values()) * (1 + VERIFY_WITHIN):
                 continue
             trials.append(Trial(b, spans, policies, pol, trial_plan(cluster, global_batch_size, b, spans, pc, pol,
-                                                                    schedule)))
+                                                                    schedule, mixed_precision)))
     return trials
 
 
@@ -226,6 +231,7 @@ class Simulations:
         if k not in self.floors:
             b = self.trials[k].micro_batch_size
             if b not in self.cms:
-                self.cms[b] = CostModel(self.profile, self.cluster, b)
+                self.cms[b] = CostModel(self.profile, self.cluster, b,
+                                        mixed_precision=self.trials[k].plan.mixed_precision)
             self.floors[k] = latency_floor(self.trials[k].plan, self.cms[b], self.overlap) * (1 - 1e-9)
         return self.floors[k]

@@ -88,6 +88,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     they cross (sender/receiver device links, server up/downlinks), start in order of readiness and overlap
     with compute; each replicated stage AllReduces its gradients after its last backward. AllReduce does not
     contend with transfers.
+    The plan's ``mixed_precision`` puts activations and their gradients on the wire in half the bytes (the
+    AllReduce stays fp32); a recomputing stage (``Stage.recompute``) runs its forward again before each backward.
 
     Args:
         plan, profile, cluster: what runs, its layers' costs, and where.
@@ -114,7 +116,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     schedule = schedule or plan.schedule
     check_fit(plan.stages, profile.num_layers, cluster.num_devices, "simulate")
     plan.check_layers(profile.layer_names, f"the profile of {profile.model}")
-    cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
+    cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes,
+                   mixed_precision=plan.mixed_precision)
     return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
 
 
@@ -183,7 +186,7 @@ class _Sim:
     def duration(self, d: int, kind: str) -> float:
         i, k = self.where[d]
         a, c = self.plan.stages[i].layers
-        f, b = self.cm.compute_rows(a, c, self.rows[i][k])
+        f, b = self.cm.compute_rows(a, c, self.rows[i][k], self.plan.stages[i].recompute)
         return f if kind == "F" else b
 
     def ready(self, d: int) -> bool:
@@ -236,7 +239,7 @@ class _Sim:
         self.blocked, self.freed = len(still), False
 
     def record(self, item: _Pending, start: float, end: float) -> None:
-        nbytes = self.cm.profile.costs(item.rows).boundary_bytes[item.layer]
+        nbytes = self.cm.profile.costs(item.rows).boundary_bytes[item.layer] * self.cm.activation_scale
         self.transfers.append(TimelineOp(item.src, self.where[item.src][0], "send_" + item.kind, item.mb, start, end,
                                          item.dst, item.rows, nbytes))
 
@@ -269,7 +272,8 @@ class _Sim:
                 t0 = max(self.done_at[d] for d in st.devices)
                 steps = [(t0, self.cm.params(a, c))]
             else:  # bucket ready when every replica's last backward has produced it
-                per = [self.cm.bucket_ready(a, c, self.rows[i][k]) for k in range(len(st.devices))]  # per replica
+                per = [self.cm.bucket_ready(a, c, self.rows[i][k], st.recompute)  # per replica
+                       for k in range(len(st.devices))]
                 steps = []
                 for n, (_, nbytes) in enumerate(per[0]):
                     steps.append((max(self.last_b_start[d] + per[k][n][0] for k, d in enumerate(st.devices)), nbytes))

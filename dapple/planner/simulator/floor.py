@@ -34,7 +34,8 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
     slices = []  # per stage, per replica: (F, B) ms of its slice
     for st in plan.stages:
         a, c = st.layers
-        slices.append([cm.compute_rows(a, c, e - s) for s, e in slice_bounds(plan.micro_batch_size, st.replicas)])
+        slices.append([cm.compute_rows(a, c, e - s, st.recompute)
+                       for s, e in slice_bounds(plan.micro_batch_size, st.replicas)])
     fmin = [min(f for f, _ in fb) for fb in slices]
     bmin = [min(b for _, b in fb) for fb in slices]
     floor = above_f = above_b = 0.0  # above: micro-batch 0's forwards and M - 1's backwards in the stages above
