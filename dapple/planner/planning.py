@@ -36,7 +36,7 @@ def divisors(n: int) -> list[int]:
 
 @gc_paused()  # the seeds and the simulator's checks allocate as much as the search
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
-         model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
+         model: str = "refined", overlap: bool = True, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | str | None = "auto",
          gap: float = 0.0, verify: int = 6, workers: int | str = "auto") -> Plan:
@@ -53,8 +53,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         micro_batch_size: plan for this micro-batch size only (a divisor of the global batch).
         model: "refined" (the latency model that tracks the event simulator, planner.model.refined) or "paper"
             (formula 2 as printed).
-        overlap: the runtime overlaps gradient AllReduce with the last backward (DDP-style; dapple's runtime does,
-            so pass True for a job it runs; False is formula 2's assumption).
+        overlap: gradient AllReduce overlapped with the last backward, bucket by bucket (DDP-style), as dapple's
+            runtime runs every plan: the default. False is formula 2's assumption: ``model="paper",
+            overlap=False`` is the paper's planner, for reproducing its tables (formula 2 models no overlap; with
+            ``model="paper"`` this only says how the simulator plays the candidates).
         schedule: the Plan's schedule (core.schedule.SCHEDULES).
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties: it holds fewer
             activations). K_i is recorded per stage.
