@@ -110,6 +110,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     widen = 1 + choice.VERIFY_WITHIN if verify and search == "full" else 1.0
     early = deadline is not None and seeding > EARLY_BOUNDS * time_limit
     searched = _search(searches, workers, deadline, widen, early)
+    _certify(searches, searched, gap)
     if searched.found is None:
         raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
@@ -253,6 +254,21 @@ def _search(searches: list[DPSearch], workers: int, deadline: float | None, wide
     return out
 
 
+def _certify(searches: list[DPSearch], searched: _Searched, gap: float) -> None:
+    """Small instances: every plan of each size below the best so far enumerated (DPSearch.certify: what makes
+    the lower bound the model's optimum); a plan the DP missed becomes its size's best."""
+    for s in searches:
+        before = s.best.latency
+        cut = (searched.found.latency if searched.found is not None else INF) / (1 + gap)
+        if not s.certify(cut) or s.best.latency >= before:
+            continue
+        res = s.result()
+        searched.bests = [c for c in searched.bests if c.micro_batch_size != s.b] + [
+            Candidate(res.latency, res.micro_batch_size, res.spans, res.policies)]
+        if searched.found is None or res.latency < searched.found.latency:
+            searched.found = res
+
+
 def _bound_by(wave: list[DPSearch], lead: DPSearch, bound: float) -> None:
     """The sizes' incumbent (but ``lead``'s): ``bound`` where their own best is not below it."""
     for s in wave:
@@ -293,7 +309,7 @@ def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches
     if gap:
         meta["gap"] = gap
     # what the search proves: no modelled L below this (a finished full search: its best plan's)
-    meta["latency_lower_bound_ms"] = round(lower_bound(searches, found.latency, search == "full", gap), 4)
+    meta["latency_lower_bound_ms"] = round(lower_bound(searches, found.latency, gap), 4)
     if picked.simulated_ms is not None:
         meta["simulated_ms"] = round(picked.simulated_ms, 4)
         meta["candidates_simulated"] = picked.simulated
@@ -329,10 +345,11 @@ def refine_promising(searches: Sequence[DPSearch], workers: int = 1) -> None:
         i += len(batch)
 
 
-def lower_bound(searches: Sequence[DPSearch], best: float, exhaustive: bool = True, gap: float = 0.0) -> float:
+def lower_bound(searches: Sequence[DPSearch], best: float, gap: float = 0.0) -> float:
     """A lower bound on the modelled L of every plan, after the searches (one per micro-batch size; the others fit
-    no device) ran: a finished full search found all plans below ``best`` / (1 + ``gap``); an unfinished or compact
-    one contributes its root bound (DPSearch.root_bound: the rest bounds at the root, over the stages below the cut
-    the search started with, and once it tightened them the same below its cut then and the period bound), each
-    at least ``best`` / (1 + ``gap``)."""
-    return min([best / (1 + gap)] + [s.root_bound for s in searches if not (s.complete and exhaustive)])
+    no device) ran: a size whose every plan below ``best`` / (1 + ``gap``) was enumerated (DPSearch.certify)
+    has none below that; any other contributes its root bound (DPSearch.root_bound: the rest bounds at the root,
+    over the stages below the cut the search started with, and once it tightened them the same below its cut
+    then and the period bound), whatever its search found: the DP keeps one prefix per state and tries only
+    Fresh/Append/Scatter placements in two replica orders, so a finished search proves no more than that."""
+    return min([best / (1 + gap)] + [s.root_bound for s in searches if not s.certified])
