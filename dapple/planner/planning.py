@@ -78,7 +78,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             and the sizes' seed plans, the first ``verify`` of them modelled within choice.VERIFY_WITHIN of the
             DP's plan, each with the warmup policies modelled within that of the better one, is made by the event
             simulator (0: trust the model; skipped above choice.SIMULATE_LIMIT devices x micro-batches); ``meta``
-            records it.
+            records it. Where all sizes have at most exact.JUDGE_EVERY plans together, the simulator judges every
+            plan and policy instead.
         workers: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
             any number). "auto": one per core for the compact search; the full search runs in-process unless its
             seeds took forking.FORK_WORTH seconds, and its candidates' simulations likewise. Workers that use no
@@ -116,9 +117,12 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
                          f"sizes {sorted(sizes)}: even the best split exceeds device memory; "
                          f"try a larger cluster or smaller micro-batches")
-    picked = choose(profile, cluster, global_batch_size, _candidates(searched, seeds), model=model, overlap=overlap,
-                    schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor, verify=verify,
-                    deadline=deadline, workers=workers, spare=spare)
+    cands = _candidates(searched, seeds)
+    every = choice.every_candidate(searches) if verify else None  # a small instance: the simulator judges every plan
+    picked = choose(profile, cluster, global_batch_size, cands if every is None else cands[:1] + every, model=model,
+                    overlap=overlap, schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor,
+                    verify=verify if every is None else len(every) + 1, deadline=deadline, workers=workers,
+                    spare=spare, within=choice.VERIFY_WITHIN if every is None else INF)
     stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor)
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,

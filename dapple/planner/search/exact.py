@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # plans of one micro-batch size (plan_count) above which it is not enumerated:
 # the DP's space (Fresh/Append/Scatter, two replica orders, one prefix per state) is then all it searched
 EXACT_PLANS = 200_000
+# plans of all micro-batch sizes together up to which plan() has the simulator judge every one (every_plan)
+JUDGE_EVERY = 400
 
 
 class Exact(NamedTuple):
@@ -188,14 +190,15 @@ class Walk:
             else ("A",)
         self.best = Exact(INF, (), "A", 0)
         self.priced = 0
+        self.kept: list | None = None  # every plan priced, (L, spans, warmup policy) (every_plan), or None
         self._layouts: dict = {}  # (replicas, free per server, servers opened) -> [(layout, free, opened)]
         self._comm: dict = {}  # (layout, next layout, cut) -> the transfer's busiest link ms
         self._ar: dict = {}  # (a, c, layout) -> AllReduce ms
 
     @property
     def bar(self) -> float:
-        """What a plan must stay below: the cut, or the best plan found if lower."""
-        return self.cut if self.cut < self.best.latency else self.best.latency
+        """What a plan must stay below: the cut, or the best plan found if lower (every plan: the cut)."""
+        return self.cut if self.kept is not None or self.cut < self.best.latency else self.best.latency
 
     def split(self, bounds: tuple, counts: tuple) -> None:
         """Every plan of these stages below the bar; the best kept."""
@@ -261,11 +264,16 @@ class Walk:
         config, M = self.config, self.M
         pc, D = pipeline_costs(self.cm, spans, M, "A", check=False, endings=config.overlap)
         self.priced += 1
+        least = None
         for pol in self.policies:
             pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
             t = pc.latency(config.model, config.overlap).total
             if t < self.best.latency:
                 self.best = Exact(t, spans, pol, 0)
+            if least is None or t < least[0]:
+                least = (t, spans, pol)
+        if self.kept is not None:
+            self.kept.append(least)
 
 
 def exact_search(cm: "CostModel", M: int, config: SearchConfig, cut: float = INF, limit: int = EXACT_PLANS,
@@ -299,3 +307,13 @@ def exact_search(cm: "CostModel", M: int, config: SearchConfig, cut: float = INF
             return None
         walk.split(bounds, counts)
     return walk.best._replace(priced=walk.priced)
+
+
+def every_plan(cm: "CostModel", M: int, config: SearchConfig) -> list[tuple[float, tuple, str]]:
+    """Every plan of one micro-batch size that fits in memory, as (its L under the model with the better warmup
+    policy, spans, that policy), lowest first (for instances of a few hundred plans: plan_count)."""
+    walk = Walk(cm, M, config, INF)
+    walk.kept = []
+    for _, bounds, counts in splits(cm, M, config, INF):
+        walk.split(bounds, counts)
+    return sorted(walk.kept, key=lambda k: k[0])
