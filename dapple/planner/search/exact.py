@@ -54,12 +54,16 @@ def plan_count(layers: int, servers: int, per_server: int, micro: int, max_stage
     ``micro`` each) x :func:`layout_count` server layouts."""
     G = servers * per_server
     depth = min(layers, G) if max_stages is None else min(layers, G, max_stages)
-    ways = [[0] * (G + 1) for _ in range(depth + 1)]  # ways[S][n]: n devices as S stages of 1..micro replicas
-    ways[0][0] = 1
+    ways = [1] + [0] * G  # ways[n]: n devices as S stages of 1..micro replicas, S = 0, 1, ... in turn
+    total = 0
     for S in range(1, depth + 1):
+        run, nxt = 0, [0] * (G + 1)  # run: ways[n - micro .. n - 1] summed
         for n in range(G + 1):
-            ways[S][n] = sum(ways[S - 1][n - r] for r in range(1, min(micro, n) + 1))
-    return sum(comb(layers - 1, S - 1) * ways[S][G] for S in range(1, depth + 1)) * layout_count(servers, per_server)
+            nxt[n] = run
+            run += ways[n] - (ways[n - micro] if n >= micro else 0)
+        ways = nxt
+        total += comb(layers - 1, S - 1) * ways[G]
+    return total * layout_count(servers, per_server)
 
 
 def server_sequences(servers: int, per_server: int) -> Iterator[tuple[int, ...]]:
