@@ -312,7 +312,7 @@ def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches
             "cluster_spec": cluster.to_dict(), **profile.source()}
     if gap:
         meta["gap"] = gap
-    # what the search proves: no modelled L below this (a finished full search: its best plan's)
+    # what the search proves: no modelled L below this (every size enumerated: its best plan's)
     meta["latency_lower_bound_ms"] = round(lower_bound(searches, found.latency, gap), 4)
     if picked.simulated_ms is not None:
         meta["simulated_ms"] = round(picked.simulated_ms, 4)
