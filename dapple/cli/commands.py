@@ -68,8 +68,11 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--global-batch", type=int, required=True, help="samples per training iteration")
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: searched)")
     p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
-    p.add_argument("--model", choices=("refined", "paper"), default="refined", help="latency model")
-    p.add_argument("--overlap", action="store_true", help="the runtime overlaps AllReduce with the last backward")
+    p.add_argument("--model", choices=("refined", "paper"), default="refined",
+                   help="latency model (the paper's planner: --model paper --no-overlap)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="AllReduce overlapped with the last backward, as dapple's runtime runs every plan (default); "
+                        "--no-overlap: formula 2's assumption")
     p.add_argument("--max-stages", type=int, default=None, help="limit the pipeline depth")
     p.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
     p.add_argument("--search", choices=("auto", "full", "compact"), default="auto",

@@ -38,7 +38,7 @@ def divisors(n: int) -> list[int]:
 
 @gc_paused()  # the seeds and the simulator's checks allocate as much as the search
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
-         model: str = "refined", overlap: bool = False, schedule: str = "dapple", warmup_policy: str | None = None,
+         model: str = "refined", overlap: bool = True, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | str | None = "auto",
          gap: float = 0.0, verify: int = 6, workers: int | str = "auto", recompute: bool | str = False,
@@ -56,8 +56,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         micro_batch_size: plan for this micro-batch size only (a divisor of the global batch).
         model: "refined" (the latency model that tracks the event simulator, planner.model.refined) or "paper"
             (formula 2 as printed).
-        overlap: the runtime overlaps gradient AllReduce with the last backward (DDP-style; dapple's runtime does,
-            so pass True for a job it runs; False is formula 2's assumption).
+        overlap: gradient AllReduce overlapped with the last backward, bucket by bucket (DDP-style), as dapple's
+            runtime runs every plan: the default. False is formula 2's assumption: ``model="paper",
+            overlap=False`` is the paper's planner, for reproducing its tables (formula 2 models no overlap; with
+            ``model="paper"`` this only says how the simulator plays the candidates).
         schedule: the Plan's schedule (core.schedule.SCHEDULES).
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties: it holds fewer
             activations). K_i is recorded per stage.
@@ -79,7 +81,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             and the sizes' seed plans, the first ``verify`` of them modelled within choice.VERIFY_WITHIN of the
             DP's plan, each with the warmup policies modelled within that of the better one, is made by the event
             simulator (0: trust the model; skipped above choice.SIMULATE_LIMIT devices x micro-batches); ``meta``
-            records it.
+            records it. Where all sizes have at most exact.JUDGE_EVERY plans together, the simulator judges every
+            plan and policy instead.
         workers: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
             any number). "auto": one per core for the compact search; the full search runs in-process unless its
             seeds took forking.FORK_WORTH seconds, and its candidates' simulations likewise. Workers that use no
@@ -116,14 +119,18 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     widen = 1 + choice.VERIFY_WITHIN if verify and search == "full" else 1.0
     early = deadline is not None and seeding > EARLY_BOUNDS * time_limit
     searched = _search(searches, workers, deadline, widen, early)
+    _certify(searches, searched, gap)
     if searched.found is None:
         raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
                          f"sizes {sorted(sizes)}: even the best split exceeds device memory; try a larger cluster or "
                          f"smaller micro-batches{'' if mixed_precision else ', or mixed_precision=bf16'}")
-    picked = choose(profile, cluster, global_batch_size, _candidates(searched, seeds), model=model, overlap=overlap,
-                    schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor, verify=verify,
-                    deadline=deadline, workers=workers, spare=spare, recompute=recompute,
+    cands = _candidates(searched, seeds)
+    every = choice.every_candidate(searches) if verify else None  # a small instance: the simulator judges every plan
+    picked = choose(profile, cluster, global_batch_size, cands if every is None else cands[:1] + every, model=model,
+                    overlap=overlap, schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor,
+                    verify=verify if every is None else len(every) + 1, deadline=deadline, workers=workers,
+                    spare=spare, within=choice.VERIFY_WITHIN if every is None else INF, recompute=recompute,
                     mixed_precision=mixed_precision)
     stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor, config)
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
@@ -308,6 +315,21 @@ def _search(searches: list[DPSearch], workers: int, deadline: float | None, wide
     return out
 
 
+def _certify(searches: list[DPSearch], searched: _Searched, gap: float) -> None:
+    """Small instances: every plan of each size below the best so far enumerated (DPSearch.certify: what makes
+    the lower bound the model's optimum); a plan the DP missed becomes its size's best."""
+    for s in searches:
+        before = s.best.latency
+        cut = (searched.found.latency if searched.found is not None else INF) / (1 + gap)
+        if not s.certify(cut) or s.best.latency >= before:
+            continue
+        res = s.result()
+        searched.bests = [c for c in searched.bests if c.micro_batch_size != s.b] + [
+            Candidate(res.latency, res.micro_batch_size, res.spans, res.policies)]
+        if searched.found is None or res.latency < searched.found.latency:
+            searched.found = res
+
+
 def _bound_by(wave: list[DPSearch], lead: DPSearch, bound: float) -> None:
     """The sizes' incumbent (but ``lead``'s): ``bound`` where their own best is not below it."""
     for s in wave:
@@ -349,8 +371,8 @@ def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches
             "cluster_spec": cluster.to_dict(), **profile.source()}
     if gap:
         meta["gap"] = gap
-    # what the search proves: no modelled L below this (a finished full search: its best plan's)
-    meta["latency_lower_bound_ms"] = round(lower_bound(searches, found.latency, search == "full", gap), 4)
+    # what the search proves: no modelled L below this (every size enumerated: its best plan's)
+    meta["latency_lower_bound_ms"] = round(lower_bound(searches, found.latency, gap), 4)
     if picked.simulated_ms is not None:
         meta["simulated_ms"] = round(picked.simulated_ms, 4)
         meta["candidates_simulated"] = picked.simulated
@@ -386,10 +408,11 @@ def refine_promising(searches: Sequence[DPSearch], workers: int = 1) -> None:
         i += len(batch)
 
 
-def lower_bound(searches: Sequence[DPSearch], best: float, exhaustive: bool = True, gap: float = 0.0) -> float:
+def lower_bound(searches: Sequence[DPSearch], best: float, gap: float = 0.0) -> float:
     """A lower bound on the modelled L of every plan, after the searches (one per micro-batch size; the others fit
-    no device) ran: a finished full search found all plans below ``best`` / (1 + ``gap``); an unfinished or compact
-    one contributes its root bound (DPSearch.root_bound: the rest bounds at the root, over the stages below the cut
-    the search started with, and once it tightened them the same below its cut then and the period bound), each
-    at least ``best`` / (1 + ``gap``)."""
-    return min([best / (1 + gap)] + [s.root_bound for s in searches if not (s.complete and exhaustive)])
+    no device) ran: a size whose every plan below ``best`` / (1 + ``gap``) was enumerated (DPSearch.certify)
+    has none below that; any other contributes its root bound (DPSearch.root_bound: the rest bounds at the root,
+    over the stages below the cut the search started with, and once it tightened them the same below its cut
+    then and the period bound), whatever its search found: the DP keeps one prefix per state and tries only
+    Fresh/Append/Scatter placements in two replica orders, so a finished search proves no more than that."""
+    return min([best / (1 + gap)] + [s.root_bound for s in searches if not s.certified])

@@ -15,7 +15,7 @@ def test_plan_then_simulate(tmp_path, capsys):
     profile = str(pipedream_path("xlnet_36"))
     out = tmp_path / "plan.yaml"
     assert main(["plan", profile, "--profile-batch", "1", "--cluster", "A", "--global-batch", "128",
-                 "-o", str(out)]) == 0
+                 "--no-overlap", "-o", str(out)]) == 0  # (the paper's assumption: overlapped, xlnet_36 is DP)
     text = capsys.readouterr().out
     assert "dapple plan: 2 stage(s) on 16 device(s)" in text and "estimate (refined model)" in text
     plan = Plan.load(out)
@@ -258,3 +258,15 @@ def test_plan_recompute_and_mixed_precision_flags(tmp_path, capsys):
     assert off.mixed_precision is None and not any(s.recompute for s in off.stages)
     with pytest.raises(SystemExit):
         main([*base, "--recompute", "maybe"])
+
+
+def test_plan_overlaps_the_allreduce_unless_told_not_to(tmp_path, capsys):
+    """`dapple plan` plans for the runtime (AllReduce overlapped with the last backward); --no-overlap (with
+    --model paper: the paper's planner) plans with formula 2's assumption."""
+    profile = str(pipedream_path("bert_48"))
+    for flags, overlap in (([], True), (["--no-overlap"], False), (["--model", "paper", "--no-overlap"], False)):
+        out = tmp_path / "plan.yaml"
+        assert main(["plan", profile, "--profile-batch", "2", "--cluster", "A", "--global-batch", "64", *flags,
+                     "-o", str(out)]) == 0
+        assert Plan.load(out).meta["overlap"] is overlap, flags
+        capsys.readouterr()
