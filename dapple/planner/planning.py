@@ -56,10 +56,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         micro_batch_size: plan for this micro-batch size only (a divisor of the global batch).
         model: "refined" (the latency model that tracks the event simulator, planner.model.refined) or "paper"
             (formula 2 as printed).
-        overlap: gradient AllReduce overlapped with the last backward, bucket by bucket (DDP-style), as dapple's
-            runtime runs every plan: the default. False is formula 2's assumption: ``model="paper",
-            overlap=False`` is the paper's planner, for reproducing its tables (formula 2 models no overlap; with
-            ``model="paper"`` this only says how the simulator plays the candidates).
+        overlap: gradient AllReduce overlapped with the last backward, bucket by bucket, as dapple's runtime runs
+            every plan (the default). ``model="paper", overlap=False`` is the paper's planner, for its tables.
         schedule: the Plan's schedule (core.schedule.SCHEDULES).
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties: it holds fewer
             activations). K_i is recorded per stage.
@@ -84,10 +82,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             records it. Where all sizes have at most exact.JUDGE_EVERY plans together, the simulator judges every
             plan and policy instead.
         workers: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
-            any number). "auto": one per core for the compact search; the full search runs in-process unless its
-            seeds took forking.FORK_WORTH seconds, and its candidates' simulations likewise. Workers that use no
-            CPU for forking.WORKER_STUCK seconds with work pending are stuck: they are ended and plan() raises
-            RuntimeError (as for a worker that dies).
+            any number); "auto" as docs/planner.md says. A worker that dies or is stuck (forking.WORKER_STUCK)
+            makes plan() raise RuntimeError.
         recompute: False, True (every stage) or "auto": only where memory binds and it is faster (docs/planner.md).
         mixed_precision: "bf16"/"fp16": activations take half the bytes (docs/planner.md); None: full precision.
 
