@@ -66,9 +66,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         micro_batch_sizes: the sizes to search (divisors of the global batch); default: every divisor.
         max_stages: the most stages (pipeline depth) a plan may have.
         search: "full" composes Fresh/Append/Scatter freely; "compact" keeps only placements after which all
-            partly used servers are alike (same free devices, same replicas of the new stage), which makes large
-            clusters plannable in seconds per micro-batch size; "auto": full up to COMPACT_ABOVE servers, compact
-            above (benchmarks/compact_vs_full.py: what it gives up).
+            partly used servers are alike (large clusters in seconds; docs/planner.md); "auto": full up to
+            COMPACT_ABOVE servers, compact above.
         time_limit: seconds; when they run out the best plan found so far is returned and
             ``meta["search_complete"]`` is False (``meta["latency_lower_bound_ms"]`` says how far from the
             optimum it can be). "auto": no limit for the full search, COMPACT_TIME_LIMIT for the compact one;
