@@ -67,9 +67,11 @@ def main() -> None:
                   (f"synthetic 128 layers, global 512, 8x8, micro-batch searched, gap {args.gap:.1%}",
                    lambda: synthetic(128), eight, 512, None, args.time_limit, args.gap)]
     if args.big:
-        cases.append(("synthetic 128 layers, global 8192, 128x8 (1024 devices), micro-batch 64",
-                      lambda: synthetic(128), lambda: Cluster.preset("A", servers=128), 8192, 64, args.time_limit,
-                      0.0))
+        big = lambda: Cluster.preset("A", servers=128)  # noqa: E731
+        cases += [("synthetic 128 layers, global 8192, 128x8 (1024 devices), micro-batch 64",
+                   lambda: synthetic(128), big, 8192, 64, args.time_limit, 0.0),
+                  ("synthetic 128 layers, global 8192, 128x8 (1024 devices), micro-batch searched",
+                   lambda: synthetic(128), big, 8192, None, args.time_limit, 0.0)]
     for name, prof, cluster, g, b, limit, gap in cases:
         p, c = prof(), cluster()
         med, times, result = timed(args.repeats, lambda: plan(p, c, g, b, model=args.model, time_limit=limit,

@@ -68,8 +68,11 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--global-batch", type=int, required=True, help="samples per training iteration")
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: searched)")
     p.add_argument("--profile-batch", type=int, default=None, help="batch size a PipeDream profile was taken at")
-    p.add_argument("--model", choices=("refined", "paper"), default="refined", help="latency model")
-    p.add_argument("--overlap", action="store_true", help="the runtime overlaps AllReduce with the last backward")
+    p.add_argument("--model", choices=("refined", "paper"), default="refined",
+                   help="latency model (the paper's planner: --model paper --no-overlap)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="AllReduce overlapped with the last backward, as dapple's runtime runs every plan (default); "
+                        "--no-overlap: formula 2's assumption")
     p.add_argument("--max-stages", type=int, default=None, help="limit the pipeline depth")
     p.add_argument("--schedule", choices=("dapple", "gpipe", "zb-h1", "auto"), default="dapple",
                    help="auto: dapple or zb-h1 (zero bubble), whichever the simulator finds faster for the plan")
@@ -83,15 +86,25 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--workers", type=_workers, default="auto",
                    help="processes searching micro-batch sizes side by side (default auto: one per core for the "
                         "compact search and for a full search whose seeds took 0.1 s, Linux only)")
+    p.add_argument("--recompute", choices=tuple(RECOMPUTE), default="off",
+                   help="activation recomputation: off, on (every stage), or auto (only where memory binds: where a "
+                        "stage's K_i would have to drop without it, if that is faster)")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                   help="plan for a job run under autocast in this dtype (activations take half the bytes); the "
+                        "plan records it and dapple.pipeline runs it so")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     p.set_defaults(run=_run_plan)
+
+
+RECOMPUTE = {"off": False, "on": True, "auto": "auto"}  # dapple plan --recompute -> dapple.plan's recompute
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile, args.profile_batch)
     result = plan(prof, load_cluster(args.cluster), args.global_batch, args.micro_batch, model=args.model,
                   overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule, search=args.search,
-                  time_limit=args.time_limit, gap=args.gap, workers=args.workers)
+                  time_limit=args.time_limit, gap=args.gap, workers=args.workers,
+                  recompute=RECOMPUTE[args.recompute], mixed_precision=args.mixed_precision)
     print(result)
     if args.output:
         result.save(args.output)

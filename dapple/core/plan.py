@@ -11,6 +11,8 @@ from .plan_table import format_plan
 from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 
 VERSION = 1
+MIXED_PRECISIONS = ("bf16", "fp16")  # a plan's mixed_precision: autocast dtype of every stage (None: full precision)
+FULL_PRECISION = "fp32"  # what a caller passes to run a plan made for mixed precision in full precision
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Plan:
     layer_names: list[str] | None = None
     estimate: Estimate | None = None
     meta: dict = field(default_factory=dict)  # model, cluster, planner name, planning time, ...
+    mixed_precision: str | None = None  # "bf16"/"fp16": the stages run under autocast (None: full precision)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, Stage) else Stage(*s) for s in self.stages]
@@ -162,6 +165,12 @@ class Plan:
             raise ValueError(f"{where}.schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
         if self.warmup_policy not in WARMUP_POLICIES:
             raise ValueError(f"{where}.warmup_policy: expected one of {WARMUP_POLICIES}, got {self.warmup_policy!r}")
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(f"{where}.mixed_precision: expected one of {MIXED_PRECISIONS} or None (full precision), "
+                             f"got {self.mixed_precision!r}")
+        for i, s in enumerate(self.stages):
+            if not isinstance(s.recompute, bool):
+                raise ValueError(f"{where}.stages[{i}].recompute: expected True or False, got {s.recompute!r}")
         if not self.stages:
             raise ValueError(f"{where}.stages: expected at least one stage, got none")
         start = check_stages(self.stages, self.micro_batch_size, where)
@@ -205,6 +214,7 @@ class Plan:
         doc: dict = {"dapple_plan": VERSION, "global_batch_size": self.global_batch_size,
                      "micro_batch_size": self.micro_batch_size, "schedule": self.schedule,
                      "warmup_policy": self.warmup_policy,
+                     **({"mixed_precision": self.mixed_precision} if self.mixed_precision else {}),
                      "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup,
                                  **({"recompute": True} if s.recompute else {})} for s in self.stages]}
         if self.layer_names is not None:
@@ -221,7 +231,8 @@ class Plan:
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Plan") -> "Plan":
         f = documents.Fields(doc, where).known("dapple_plan", "global_batch_size", "micro_batch_size", "schedule",
-                                         "warmup_policy", "stages", "layer_names", "estimate", "meta")
+                                         "warmup_policy", "stages", "layer_names", "estimate", "meta",
+                                         "mixed_precision")
 
         def stage(g: documents.Fields) -> Stage:
             g.known("layers", "devices", "warmup", "recompute")
@@ -242,7 +253,7 @@ class Plan:
                        micro_batch_size=f.number("micro_batch_size", integer=True, minimum=1),
                        stages=f.each("stages", stage), schedule=f.str("schedule", default="dapple"),
                        warmup_policy=str(f.data.get("warmup_policy", "A")), layer_names=names, estimate=estimate,
-                       meta=f.mapping("meta"))
+                       meta=f.mapping("meta"), mixed_precision=f.data.get("mixed_precision"))
         except documents.DocumentError:
             raise
         except ValueError as e:
@@ -251,6 +262,22 @@ class Plan:
     @classmethod
     def load(cls, path: documents.PathLike) -> "Plan":
         return cls.from_dict(documents.load(path, "dapple_plan", VERSION), where=str(path))
+
+    def precision(self, given: str | None = None) -> str | None:
+        """The autocast dtype to run the plan with: ``given`` ("bf16", "fp16", or "fp32" for full precision), or
+        None for the plan's own ``mixed_precision``. Returns "bf16", "fp16" or None (full precision).
+
+        Raises:
+            ValueError: ``given`` is none of those (naming it).
+        """
+        if given is None:
+            return self.mixed_precision
+        if given == FULL_PRECISION:
+            return None
+        if given not in MIXED_PRECISIONS:
+            raise ValueError(f"mixed_precision: expected one of {MIXED_PRECISIONS}, {FULL_PRECISION!r} (full "
+                             f"precision) or None (as the plan says), got {given!r}")
+        return given
 
     # ---- display -------------------------------------------------------------------------------
     def __str__(self) -> str:

@@ -31,8 +31,10 @@ def format_plan(plan: "Plan") -> str:
     per_stage = details.get("stages") or []
     lines = [_head(plan)] + _table(plan, per_stage)
     if per_stage:
+        rc = "; recompute: the stage runs its forward again in its backward (in B)" if any(
+            s.recompute for s in plan.stages) else ""
         lines.append("  (F/B: one micro-batch slice on the slowest replica; AR: gradient AllReduce over the stage's "
-                     "devices; send: activations to the next stage, gradients take as long back)")
+                     f"devices; send: activations to the next stage, gradients take as long back{rc})")
     if est is not None:
         lines += _estimate_lines(est, details)
     if plan.meta.get("planning_time_s") is not None:
@@ -44,6 +46,8 @@ def _head(plan: "Plan") -> str:
     head = (f"dapple plan: {plan.num_stages} stage(s) on {plan.num_devices} device(s), "
             f"global batch {plan.global_batch_size} = {plan.num_micro_batches} micro-batches x "
             f"{plan.micro_batch_size}, schedule {plan.schedule}, warmup policy {plan.warmup_policy}")
+    if plan.mixed_precision:
+        head += f", mixed precision {plan.mixed_precision}"
     if plan.meta.get("model"):
         head += f", model {plan.meta['model']}"
     if plan.meta.get("cluster"):
@@ -54,6 +58,9 @@ def _head(plan: "Plan") -> str:
 def _table(plan: "Plan", per_stage: list) -> list[str]:
     """The stage table's lines: a header row, a rule, a row per stage (its estimated costs where known)."""
     rows = [("stage", "layers", "devices", "K_i", "F ms", "B ms", "AR ms", "send ms", "mem GB")]
+    marks = any(s.recompute for s in plan.stages)  # a column only where some stage recomputes (older tables unchanged)
+    if marks:
+        rows[0] += ("recompute",)
     for i, s in enumerate(plan.stages):
         d = per_stage[i] if i < len(per_stage) else {}
 
@@ -62,7 +69,8 @@ def _table(plan: "Plan", per_stage: list) -> list[str]:
 
         rows.append((str(i), _layer_span(plan, *s.layers), f"{device_ranges(s.devices)} (x{len(s.devices)})",
                      str(s.warmup), num("forward_ms"), num("backward_ms"), num("allreduce_ms"),
-                     num("send_forward_ms"), num("memory_gb", "{:.2f}")))
+                     num("send_forward_ms"), num("memory_gb", "{:.2f}")) + (("yes" if s.recompute else "no",)
+                                                                              if marks else ()))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = []
     for k, r in enumerate(rows):

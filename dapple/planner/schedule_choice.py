@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ..core.plan import Plan, Stage
-from ..core.schedule import stage_holds
+from ..core.schedule import SPLIT_BACKWARD, stage_holds
 from .model.cost import CostModel
 from .simulator.events import simulate
 
@@ -17,12 +17,40 @@ AUTO = "auto"
 CHOICES = ("dapple", "zb-h1")  # in order of preference on a tie: dapple holds fewer activations on later stages
 
 
+def settle_schedule(schedule: str, profile: "Profile", cluster: "Cluster", stages: Sequence[Stage],
+                    global_batch_size: int, micro_batch_size: int, overlap: bool, optimizer_factor: float,
+                    mixed_precision: str | None = None) -> tuple[str, dict | None]:
+    """plan()'s last word on the schedule of the plan it found: "auto" picks (:func:`choose_schedule`, with its
+    record); a split-backward schedule asked for by name must fit in memory (ValueError naming the stage); any other
+    stays as it is (record None).
+
+    Args:
+        schedule: what plan() was asked for.
+        profile, cluster, stages, global_batch_size, micro_batch_size: the plan found (K_i set).
+        overlap, optimizer_factor, mixed_precision: as planned.
+    """
+    if schedule == AUTO:
+        return choose_schedule(profile, cluster, stages, global_batch_size, micro_batch_size, overlap=overlap,
+                               optimizer_factor=optimizer_factor, mixed_precision=mixed_precision)
+    if schedule in SPLIT_BACKWARD:
+        cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor,
+                       mixed_precision=mixed_precision)
+        why = holds_unfit(cm, stages, stage_holds([s.warmup for s in stages], global_batch_size // micro_batch_size),
+                          cluster.device_memory)
+        if why:
+            raise ValueError(f"schedule={schedule!r}: the plan found does not fit: {why}; schedule='auto' falls "
+                             f"back to 'dapple' where it does not")
+    return schedule, None
+
+
 def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Stage], global_batch_size: int,
-                    micro_batch_size: int, *, overlap: bool, optimizer_factor: float) -> tuple[str, dict]:
+                    micro_batch_size: int, *, overlap: bool, optimizer_factor: float,
+                    mixed_precision: str | None = None) -> tuple[str, dict]:
     """The faster of :data:`CHOICES` for ``stages`` (their K_i set), simulated, and what was found.
 
     zb-h1 keeps each micro-batch's activations until its W and lets every stage hold K_0 of them
-    (``core.schedule.stage_holds``): it is a candidate only where that fits in device memory on every stage.
+    (``core.schedule.stage_holds``; a recomputing stage runs its whole backward in B and holds its K_i): it is a
+    candidate only where that fits in device memory on every stage.
 
     Args:
         profile, cluster: the model's layers and the devices.
@@ -30,21 +58,22 @@ def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Sta
         global_batch_size, micro_batch_size: the plan's batch sizes.
         overlap: AllReduce overlapped with the last backward, as planned.
         optimizer_factor: bytes held per parameter byte.
+        mixed_precision: the plan's ("bf16"/"fp16"; None: full precision).
 
     Returns:
         (schedule, record): ``record["simulated_ms"]`` per candidate, ``record["refused"]`` a reason per one left
         out, ``record["chosen"]``.
     """
-    cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
-    M = global_batch_size // micro_batch_size
-    holds = stage_holds([s.warmup for s in stages], M)
+    cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor,
+                   mixed_precision=mixed_precision)
+    holds = stage_holds([s.warmup for s in stages], global_batch_size // micro_batch_size)
     simulated: dict[str, float] = {}
     refused: dict[str, str] = {}
     for name in CHOICES:
-        if name == "zb-h1" and (why := holds_unfit(cm, stages, holds, cluster.device_memory)):
+        if name in SPLIT_BACKWARD and (why := holds_unfit(cm, stages, holds, cluster.device_memory)):
             refused[name] = why
             continue
-        plan = Plan(global_batch_size, micro_batch_size, list(stages), schedule=name)
+        plan = Plan(global_batch_size, micro_batch_size, list(stages), schedule=name, mixed_precision=mixed_precision)
         simulated[name] = round(simulate(plan, profile, cluster, overlap=overlap).latency_ms, 6)
     chosen = min(simulated, key=lambda n: (simulated[n], CHOICES.index(n)))
     record: dict = {"simulated_ms": simulated, "chosen": chosen}
@@ -53,18 +82,12 @@ def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Sta
     return chosen, record
 
 
-def zero_bubble_unfit(profile: "Profile", cluster: "Cluster", stages: Sequence[Stage], global_batch_size: int,
-                      micro_batch_size: int, optimizer_factor: float) -> str:
-    """Why zb-h1 does not fit ``stages`` (their K_i set) in device memory ("" where it fits): each stage holds
-    K_0 micro-batches until their W."""
-    cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
-    holds = stage_holds([s.warmup for s in stages], global_batch_size // micro_batch_size)
-    return holds_unfit(cm, stages, holds, cluster.device_memory)
-
-
 def holds_unfit(cm: CostModel, stages: Sequence[Stage], holds: Sequence[int], memory: float) -> str:
-    """Why holding ``holds[i]`` micro-batches on stage i does not fit somewhere ("" where it fits)."""
+    """Why holding ``holds[i]`` micro-batches on stage i does not fit somewhere ("" where it fits); a recomputing
+    stage is left out (its backward runs whole in B: it holds what it holds under dapple)."""
     for i, (st, h) in enumerate(zip(stages, holds)):
+        if st.recompute:
+            continue
         a, c = st.layers
         need = cm.static_bytes(a, c) + h * cm.saved_bytes(a, c, st.replicas)
         if need > memory:

@@ -56,12 +56,17 @@ class Pipeline:
                  layers: Sequence[str] | None = None, check_inputs: bool = True,
                  mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
-        precision = Precision.of(mixed_precision)
-        self.scaler = LossScaler(precision.dtype == torch.float16)  # fp16: dynamic loss scaling
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
         self.check_inputs = check_inputs
+        # (a plan that is no Plan: check_plan names it below)
+        precision = Precision.of(plan.precision(mixed_precision) if isinstance(plan, Plan) else mixed_precision)
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
+        self.scaler = LossScaler(precision.dtype == torch.float16)  # fp16: dynamic loss scaling
+        if plan.mixed_precision and precision.name != plan.mixed_precision and self.ctx.rank == 0:
+            warnings.warn(f"dapple.pipeline: mixed_precision={mixed_precision!r} but the plan was made for "
+                          f"{plan.mixed_precision or 'full precision'}: its memory and time estimates assume that "
+                          f"(plan with mixed_precision={precision.name!r} to match)", stacklevel=3)
         local = os.environ.get("LOCAL_WORLD_SIZE")
         mismatch = layout_mismatch(plan, int(local) if local and local.isdigit() else None)
         if mismatch and self.ctx.rank == 0:
@@ -374,8 +379,10 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
         mixed_precision: "bf16" or "fp16": each stage runs its forward and the loss under ``torch.autocast`` in that
             dtype (parameters and gradients stay fp32), and activations and their gradients cross stages in it
             (half the bytes). "fp16" scales the loss dynamically, with one decision per step for every rank:
-            ``pipe.scaler.step(opt); pipe.scaler.update()`` as with ``torch.amp.GradScaler``. None: the model's
-            own dtypes.
+            ``pipe.scaler.step(opt); pipe.scaler.update()`` as with ``torch.amp.GradScaler``. "fp32": the model's
+            own dtypes. None (default): as the plan says (``plan.mixed_precision``; a plan without it: the model's
+            own dtypes). A value other than a plan's recorded one runs as asked, with a warning on rank 0 (the
+            plan's memory and time estimates assumed its own).
         recompute: activation recomputation: a stage keeps only its inputs per micro-batch in flight and runs its
             forward again in the backward (``torch.utils.checkpoint``); True or False for every stage, one bool per
             stage, or None: as the plan's stages say (``Stage.recompute``).

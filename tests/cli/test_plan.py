@@ -15,7 +15,7 @@ def test_plan_then_simulate(tmp_path, capsys):
     profile = str(pipedream_path("xlnet_36"))
     out = tmp_path / "plan.yaml"
     assert main(["plan", profile, "--profile-batch", "1", "--cluster", "A", "--global-batch", "128",
-                 "-o", str(out)]) == 0
+                 "--no-overlap", "-o", str(out)]) == 0  # (the paper's assumption: overlapped, xlnet_36 is DP)
     text = capsys.readouterr().out
     assert "dapple plan: 2 stage(s) on 16 device(s)" in text and "estimate (refined model)" in text
     plan = Plan.load(out)
@@ -238,3 +238,35 @@ def test_version_and_help_name_the_distribution(capsys):
     assert "pip install dapple-pipeline" in capsys.readouterr().out
     import importlib.metadata
     assert importlib.metadata.metadata("dapple-pipeline")["Name"] == "dapple-pipeline"
+
+
+def test_plan_recompute_and_mixed_precision_flags(tmp_path, capsys):
+    from tests.planner.helpers import cluster, linear_profile
+    linear_profile([1.0] * 4, params=1e8, boundary=1e6, saved=1e8).save(tmp_path / "prof.yaml")
+    cluster(1, 2, memory=3e9).save(tmp_path / "c.yaml")
+    base = ["plan", str(tmp_path / "prof.yaml"), "--cluster", str(tmp_path / "c.yaml"), "--global-batch", "32",
+            "--micro-batch", "8"]
+    assert main([*base, "--recompute", "auto", "--mixed-precision", "bf16", "-o", str(tmp_path / "p.yaml")]) == 0
+    assert "mixed precision bf16" in capsys.readouterr().out
+    plan = Plan.load(tmp_path / "p.yaml")
+    assert plan.mixed_precision == "bf16" and plan.meta["recompute"] == "auto"
+    assert main([*base, "--recompute", "on", "-o", str(tmp_path / "on.yaml")]) == 0
+    assert "recompute" in capsys.readouterr().out  # the table's column
+    assert all(s.recompute for s in Plan.load(tmp_path / "on.yaml").stages)
+    assert main([*base, "-o", str(tmp_path / "off.yaml")]) == 0
+    off = Plan.load(tmp_path / "off.yaml")
+    assert off.mixed_precision is None and not any(s.recompute for s in off.stages)
+    with pytest.raises(SystemExit):
+        main([*base, "--recompute", "maybe"])
+
+
+def test_plan_overlaps_the_allreduce_unless_told_not_to(tmp_path, capsys):
+    """`dapple plan` plans for the runtime (AllReduce overlapped with the last backward); --no-overlap (with
+    --model paper: the paper's planner) plans with formula 2's assumption."""
+    profile = str(pipedream_path("bert_48"))
+    for flags, overlap in (([], True), (["--no-overlap"], False), (["--model", "paper", "--no-overlap"], False)):
+        out = tmp_path / "plan.yaml"
+        assert main(["plan", profile, "--profile-batch", "2", "--cluster", "A", "--global-batch", "64", *flags,
+                     "-o", str(out)]) == 0
+        assert Plan.load(out).meta["overlap"] is overlap, flags
+        capsys.readouterr()

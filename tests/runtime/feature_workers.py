@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -62,6 +63,19 @@ def case_bf16() -> dict[str, Any]:
     return {**res, "sent": sorted(set(sent)), "vs_fp32": vs_fp32,
             "param_dtypes": sorted({str(p.dtype) for p in pipe.parameters()}),
             "grad_dtypes": sorted({str(p.grad.dtype) for p in pipe.parameters() if p.grad is not None})}
+
+
+def case_plan_precision(run_as: str | None) -> dict[str, Any]:
+    """A plan made for bf16 (Plan.mixed_precision) run with ``run_as`` (None: as the plan says): the wire dtypes, and
+    the warnings about running it otherwise."""
+    model = _gpt()
+    plan = _plan(model, GPT_STAGES, 8, 4, mixed_precision="bf16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = dapple.pipeline(model, plan, lm_loss, timeout=30, mixed_precision=run_as)
+    sent = _wire_dtypes(pipe)
+    pipe.train_step(*_tokens(8))
+    return {"sent": sorted(set(sent)), "warned": [str(w.message) for w in caught if "mixed_precision" in str(w.message)]}
 
 
 def case_fp16_overflow() -> dict[str, Any]:
@@ -144,6 +158,8 @@ def case_loss_without_gradient() -> dict[str, Any]:
 CASES: dict[str, tuple[Callable, tuple, dict]] = {
     "bf16": (case_bf16, (), {}),
     "fp16_overflow": (case_fp16_overflow, (), {}),
+    "plan_bf16": (case_plan_precision, (None,), {}),
+    "plan_bf16_run_fp32": (case_plan_precision, ("fp32",), {}),
     "recompute_all": (case_recompute, (CHAIN_STAGES, 9, 3, True), {}),
     "recompute_some_gpt": (case_recompute, (GPT_STAGES, 8, 4, [True, False, True]), {"gpt": True}),
     "recompute_batchnorm": (case_recompute_batchnorm, (), {}),

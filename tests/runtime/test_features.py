@@ -29,6 +29,18 @@ def test_bf16_is_autocast_with_half_the_bytes_on_the_wire(results):
 
 
 @pytest.mark.slow
+def test_a_plan_made_for_bf16_runs_in_bf16_unless_the_caller_says_fp32(results):
+    for rank, r in enumerate(results):
+        own, fp32 = r["plan_bf16"], r["plan_bf16_run_fp32"]
+        assert all(d.endswith("torch.bfloat16") for d in own["sent"]), (rank, own)
+        assert own["warned"] == []
+        assert all(d.endswith("torch.float32") for d in fp32["sent"]), (rank, fp32)
+        # rank 0 says the plan's estimates assumed bf16
+        assert len(fp32["warned"]) == (rank == 0) and all("made for bf16" in w for w in fp32["warned"]), fp32
+    assert any(r["plan_bf16"]["sent"] for r in results) and any(r["plan_bf16_run_fp32"]["sent"] for r in results)
+
+
+@pytest.mark.slow
 def test_fp16_skips_an_overflowing_step_on_every_rank(results):
     for rank, res in enumerate(r["fp16_overflow"] for r in results):
         assert res["first"]["loss"] < 1e-3 and max(res["first"]["grads"].values()) < 0.05, (rank, res["first"])

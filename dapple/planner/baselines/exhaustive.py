@@ -30,26 +30,40 @@ class Best(NamedTuple):
     warmup_policy: str
 
 
+def server_orders(cluster: "Cluster") -> list[tuple[int, ...]]:
+    """Every distinct sequence of the devices' servers (devices of a server are interchangeable): the orders in
+    which a plan's stages, one after another, can take all devices."""
+    left = [cluster.devices_per_server] * cluster.servers
+    out: list[tuple[int, ...]] = []
+
+    def walk(seq: tuple[int, ...]) -> None:
+        if len(seq) == cluster.num_devices:
+            out.append(seq)
+        for s in range(cluster.servers):
+            if left[s]:
+                left[s] -= 1
+                walk(seq + (s,))
+                left[s] += 1
+    walk(())
+    return out
+
+
 def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[tuple[ServerLayout, ...]]:
     """Every way to give ``stages`` stages all devices (each stage a non-empty ordered list of at most
     ``max_replicas`` devices), as server layouts, without repeats (devices of a server are interchangeable)."""
     G = cluster.num_devices
-    seen = set()
-    for order in itertools.permutations(range(G)):
+    for order in server_orders(cluster):
         for cuts in itertools.combinations(range(1, G), stages - 1):
             bounds = (0,) + cuts + (G,)
-            if any(bounds[i + 1] - bounds[i] > max_replicas for i in range(stages)):
-                continue
-            lays = tuple(tuple(cluster.server_of(d) for d in order[bounds[i]:bounds[i + 1]]) for i in range(stages))
-            if lays not in seen:
-                seen.add(lays)
-                yield lays
+            if all(bounds[i + 1] - bounds[i] <= max_replicas for i in range(stages)):
+                yield tuple(order[bounds[i]:bounds[i + 1]] for i in range(stages))
 
 
 def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
-               max_stages: int | None = None) -> Iterator[Candidate]:
+               max_stages: int | None = None, endings: bool = True) -> Iterator[Candidate]:
     """Every plan that fits in memory: all layer splits x device assignments that use every device, with at
-    most ``max_stages`` stages."""
+    most ``max_stages`` stages (``endings``: with each stage's overlapped AllReduce ending priced, see
+    pipeline_costs)."""
     N, G, b = profile.num_layers, cluster.num_devices, cm.micro
     for S in range(1, min(N, G, G if max_stages is None else max_stages) + 1):
         lays_all = list(assignments(cluster, S, b))
@@ -58,7 +72,7 @@ def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
             for lays in lays_all:
                 spans = tuple(Span(bounds[i], bounds[i + 1], lays[i]) for i in range(S))
                 try:
-                    pc, D = pipeline_costs(cm, spans, M, "A")
+                    pc, D = pipeline_costs(cm, spans, M, "A", endings=endings)
                 except ValueError:  # does not fit in memory
                     continue
                 yield Candidate(spans, pc, D)
@@ -81,7 +95,7 @@ def exhaustive_search(profile: "Profile", cluster: "Cluster", global_batch_size:
     M = global_batch_size // micro_batch_size
     cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
     best = Best(float("inf"), (), "A")
-    for spans, pc, D in every_plan(profile, cluster, M, cm, max_stages):
+    for spans, pc, D in every_plan(profile, cluster, M, cm, max_stages, endings=overlap):
         for pol in ((warmup_policy,) if warmup_policy else ("A", "B")) if model == "refined" else ("A",):
             pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
             t = pc.latency(model, overlap).total

@@ -9,6 +9,7 @@ import numpy as np
 from ...core.buckets import BUCKET_BYTES, bucket
 from ...core.checks import number, positive_int
 from ...core.split_concat import routes
+from .memory import StageBytes, activation_scale, recompute_mode
 from .transfers import CommLinks, CommPair, GradientPorts, ServerLoad
 
 if TYPE_CHECKING:
@@ -98,13 +99,20 @@ class CostModel:
         micro_batch_size: rows of one micro-batch.
         optimizer_factor: static bytes per parameter byte (4: fp32 weights, gradients, Adam's two moments).
         bucket_bytes: the gradient bucket size of the overlapped AllReduce (``core.buckets``).
+        recompute: whether the stages it prices recompute activations by default (methods take it per stage too).
+        mixed_precision: "bf16" or "fp16": activations (saved and sent) take half the profiled fp32 bytes;
+            parameters, gradients, optimizer state and the gradient AllReduce stay fp32. None: full precision.
     """
 
     def __init__(self, profile: "Profile", cluster: "Cluster", micro_batch_size: int,
-                 optimizer_factor: float = 4.0, bucket_bytes: float = BUCKET_BYTES):
+                 optimizer_factor: float = 4.0, bucket_bytes: float = BUCKET_BYTES, *,
+                 recompute: bool | str = False, mixed_precision: str | None = None):
         positive_int("micro_batch_size", micro_batch_size)
         number("optimizer_factor", optimizer_factor, positive=True)
         number("bucket_bytes", bucket_bytes, positive=True, finite=True)
+        recompute_mode(recompute, (False, True))
+        self.recompute, self.mixed_precision = recompute, mixed_precision
+        self.activation_scale = activation_scale(mixed_precision)  # bytes of an activation per profiled byte
         self.profile, self.cluster, self.micro = profile, cluster, micro_batch_size
         self.optimizer_factor, self.bucket_bytes = float(optimizer_factor), float(bucket_bytes)
         self.num_layers = profile.num_layers
@@ -133,23 +141,47 @@ class CostModel:
         hit = self._prefix.get(rows)
         if hit is None:
             fw, bw = self.profile.net_ms(rows)
+            scale = self.activation_scale
             hit = self._prefix[rows] = PrefixSums(_prefix(fw), _prefix(bw),
-                                                  _prefix(self.profile.costs(rows).saved_bytes))
+                                                  _prefix([x * scale for x in self.profile.costs(rows).saved_bytes]))
         return hit
 
-    def compute_rows(self, a: int, c: int, rows: int) -> tuple[float, float]:
-        """(forward ms, backward ms) of layers [a, c) on a slice of ``rows`` rows, run as one op (a < c)."""
+    def compute_rows(self, a: int, c: int, rows: int, recompute: bool = False) -> tuple[float, float]:
+        """(forward ms, backward ms) of layers [a, c) on a slice of ``rows`` rows, run as one op (a < c); a
+        recomputing stage's backward runs its forward first (backward += forward)."""
         f, b, _ = self.prefix_sums(rows)
-        return f[c] - f[a] + self.call_f, b[c] - b[a] + self.call_b
+        fw = f[c] - f[a] + self.call_f
+        bw = b[c] - b[a] + self.call_b
+        return fw, bw + fw if recompute else bw
 
-    def compute(self, a: int, c: int, replicas: int) -> tuple[float, float]:
-        """(F_s, B_s): forward and backward ms of layers [a, c) on the slowest of ``replicas`` replicas."""
-        return self.compute_rows(a, c, self.rows(replicas))
+    def compute(self, a: int, c: int, replicas: int, recompute: bool | None = None) -> tuple[float, float]:
+        """(F_s, B_s): forward and backward ms of layers [a, c) on the slowest of ``replicas`` replicas
+        (``recompute`` None: the model's own)."""
+        return self.compute_rows(a, c, self.rows(replicas), self.recompute if recompute is None else recompute)
 
     def saved_bytes(self, a: int, c: int, replicas: int) -> float:
         """Activations one micro-batch slice keeps for backward on the slowest replica of layers [a, c)."""
         s = self.prefix_sums(self.rows(replicas)).saved
         return s[c] - s[a]
+
+    def input_bytes(self, a: int, replicas: int) -> float:
+        """What a recomputing stage from layer ``a`` keeps per micro-batch slice in flight: the activations that
+        enter it (the tensors crossing the cut before ``a``). The first stage's are the model's input rows, which
+        the profile does not measure and the caller holds in any case: 0."""
+        return 0.0 if a == 0 else float(self._boundary(self.rows(replicas))[a - 1])
+
+    def stage_bytes(self, a: int, c: int, replicas: int, recompute: bool) -> StageBytes:
+        """What layers [a, c) on ``replicas`` replicas hold (memory.StageBytes), recomputing or not."""
+        static, saved = self.static_bytes(a, c), self.saved_bytes(a, c, replicas)
+        if recompute:
+            return StageBytes(static, self.input_bytes(a, replicas), saved)
+        return StageBytes(static, saved)
+
+    def fits(self, a: int, c: int, replicas: int, recompute: bool | None = None) -> int:
+        """D: micro-batch slices of layers [a, c) on ``replicas`` replicas that fit in device memory at once
+        (``recompute`` None: the model's own)."""
+        rc = self.recompute if recompute is None else recompute
+        return self.stage_bytes(a, c, replicas, rc).slices(self.cluster.device_memory)
 
     def params(self, a: int, c: int) -> float:
         """Parameter bytes of layers [a, c)."""
@@ -224,7 +256,9 @@ class CostModel:
         """(N,): bytes crossing each cut for a slice of ``rows`` rows."""
         hit = self._bbytes.get(rows)
         if hit is None:
-            hit = self._bbytes[rows] = np.asarray(self.profile.costs(rows).boundary_bytes, dtype=float)
+            # on the wire in the autocast dtype under mixed precision (half the bytes)
+            hit = self._bbytes[rows] = np.asarray(self.profile.costs(rows).boundary_bytes,
+                                                  dtype=float) * self.activation_scale
         return hit
 
     def link_periods(self, spans: Sequence[Span]) -> LinkPeriods:
@@ -293,22 +327,26 @@ class CostModel:
         groups = bucket([self.param_bytes[layer] for layer in layers], self.bucket_bytes)
         return [(layers[g[-1]], sum(self.param_bytes[layers[i]] for i in g)) for g in groups]
 
-    def bucket_ready(self, a: int, c: int, rows: int) -> list[tuple[float, float]]:
+    def bucket_ready(self, a: int, c: int, rows: int, recompute: bool = False) -> list[tuple[float, float]]:
         """Per bucket of :meth:`buckets`: (ms from the start of the last backward of a ``rows``-row slice until
         it has produced the bucket's gradients, bytes). That backward runs layers c-1 .. a (after the call's own
-        cost); a bucket is done after its lowest layer."""
+        cost, and a recomputing stage's forward); a bucket is done after its lowest layer."""
         bsum = self.prefix_sums(rows).backward
-        return [(bsum[c] - bsum[low] + self.call_b, nbytes) for low, nbytes in self.buckets(a, c)]
+        first = self.call_b + (self.compute_rows(a, c, rows)[0] if recompute else 0.0)
+        return [(bsum[c] - bsum[low] + first, nbytes) for low, nbytes in self.buckets(a, c)]
 
-    def overlapped_ending(self, a: int, c: int, layout: ServerLayout, rows: int | None = None) -> float:
+    def overlapped_ending(self, a: int, c: int, layout: ServerLayout, rows: int | None = None,
+                          recompute: bool | None = None) -> float:
         """Ms from the start of the stage's last backward to the end of its AllReduce, when each bucket is
-        reduced as soon as the last backward has produced it (DDP-style overlap); >= that backward's time."""
+        reduced as soon as the last backward has produced it (DDP-style overlap); >= that backward's time
+        (``recompute`` None: the model's own)."""
+        recompute = self.recompute if recompute is None else recompute
         rows = self.rows(len(layout)) if rows is None else rows
-        _, b = self.compute_rows(a, c, rows)
+        _, b = self.compute_rows(a, c, rows, recompute)
         if len(layout) <= 1:
             return b
         end = 0.0
-        for ready, nbytes in self.bucket_ready(a, c, rows):
+        for ready, nbytes in self.bucket_ready(a, c, rows, recompute):
             end = max(end, ready) + self.ring_allreduce_ms(nbytes, layout)
         return max(end, b)
 

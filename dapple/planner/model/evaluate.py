@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.checks import positive_int
-from ...core.plan import Estimate, Plan, Stage, check_fit, check_stages
+from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
 from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
 from ..simulator.latency import simulated_latency
 from .cost import CostModel, Span, layout_of
-from .memory import check_stage_memory, slices_that_fit
+from .memory import RECOMPUTE_MODES, StageBytes, activation_scale, check_stage_memory, recompute_mode
 from .pivot import Latency, paper_latency
 from .refined import refined_latency
 from .transfers import add_users, feeds, queues
@@ -39,6 +39,7 @@ class PipelineCosts:
     drain_period: float | None = None  # the same once activations stop: gradients alone (default link_period)
     queue: list | None = None  # per compute stage: its first gradient queues behind its activations (queues)
     feed: list | None = None  # per stage: the warmup's floor where server links carry several stages (feeds)
+    recompute: list | None = None  # per compute stage: it recomputes its forward in backward (B includes it)
 
     def latency(self, model: str = "paper", overlap: bool = False) -> Latency:
         """L of formula 2 (``model="paper"``) or of the refined model, with or without overlapped AllReduce."""
@@ -65,6 +66,7 @@ class _Options(NamedTuple):
     warmup_policy: str
     model: str
     overlap: bool
+    mixed_precision: str | None
 
 
 def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
@@ -77,7 +79,7 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
     out = []
     for i, s in enumerate(stages):
         if isinstance(s, Stage):
-            out.append(Stage(s.layers, s.devices, s.warmup))
+            out.append(Stage(s.layers, s.devices, s.warmup, s.recompute))
         elif isinstance(s, (list, tuple)) and len(s) in (3, 4):
             out.append(Stage((s[0], s[1]), list(s[2]), s[3] if len(s) == 4 else None))
         else:
@@ -88,7 +90,8 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
 
 
 def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "A",
-                   warmup: Sequence[int] | None = None, check: bool = True, endings: bool = True) -> PricedStages:
+                   warmup: Sequence[int] | None = None, check: bool = True, endings: bool = True,
+                   recompute: Sequence[bool] | None = None) -> PricedStages:
     """Interleaved costs of stages ``spans`` and D per stage (paper V-C).
 
     Args:
@@ -100,23 +103,27 @@ def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
         check: raise ValueError, naming the stage, when a stage does not fit in device memory.
         endings: price E, the overlapped AllReduce's ending of each stage (False: E = B, for a caller that
             prices no overlap).
+        recompute: per stage, whether it recomputes; None: as ``cm.recompute`` says.
     """
-    F, B, AR, E, D, chain, window, queue = [], [], [], [], [], [], [], []
+    F, B, AR, E, D, chain, window, queue, RC = [], [], [], [], [], [], [], [], []
     hot: tuple = ()  # the busiest inbound links of stage i (transfers.queues), from the transfer into it
     users: dict = {}  # per server, the communication stages on its uplink and downlink (transfers.feeds)
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
-        f, b = cm.compute(a, c, len(lay))
-        d = slices_that_fit(cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
+        rc = cm.recompute if recompute is None else bool(recompute[i])
+        f, b = cm.compute(a, c, len(lay), rc)
+        need = cm.stage_bytes(a, c, len(lay), rc)
+        d = need.slices(mem)
         if d < 1 and check:
-            check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), mem)
+            _check_memory(i, need, mem, rc, 1)
         D.append(d)
+        RC.append(rc)
         F.append(f)
         B.append(b)
         chain.append(b)
         window.append(b)
         AR.append(cm.allreduce(a, c, lay))
-        E.append(cm.overlapped_ending(a, c, lay) if endings else b)
+        E.append(cm.overlapped_ending(a, c, lay, recompute=rc) if endings else b)
         if i + 1 < len(spans):  # the communication stage to the next
             pair = cm.comm_pair(lay, spans[i + 1][2])
             queue.append(queues(hot, pair.ports))
@@ -129,29 +136,37 @@ def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
             users = add_users(users, cl.servers, 2 * i + 1)
             AR.append(0.0)
             E.append(cl.busiest)
-    K = _warmup(cm, spans, M, policy, warmup, D, check)
+    K = _warmup(cm, spans, M, policy, warmup, D, RC, check)
     period, drain = cm.link_periods(spans)
     queue.append(False)  # the last stage: no gradients from below
-    return PricedStages(PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F))), D)
+    return PricedStages(PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F)),
+                                      RC), D)
+
+
+def _check_memory(i: int, need: StageBytes, mem: float, recompute: bool, warmup: int) -> None:
+    """check_stage_memory of stage ``i`` holding ``need`` with K_i = ``warmup``."""
+    check_stage_memory(i, need.static, need.per_slice, mem, warmup, need.once if recompute else None)
 
 
 def _warmup(cm: CostModel, spans: Sequence[Span], M: int, policy: str, warmup: Sequence[int] | None,
-            D: list[int], check: bool) -> list[int]:
-    """K_i: the policy's within D, or ``warmup`` (checked against device memory with ``check``)."""
+            D: list[int], recompute: list[bool], check: bool) -> list[int]:
+    """K_i: the policy's within D, or ``warmup`` (checked against device memory with ``check``, the stages
+    recomputing as ``recompute`` says)."""
     if warmup is None:
         return warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
     K = [int(k) for k in warmup]
     if check:
         for i, (a, c, lay) in enumerate(spans):
             if K[i] > D[i]:
-                check_stage_memory(i, cm.static_bytes(a, c), cm.saved_bytes(a, c, len(lay)), cm.cluster.device_memory,
-                                   K[i])
+                _check_memory(i, cm.stage_bytes(a, c, len(lay), recompute[i]), cm.cluster.device_memory,
+                              recompute[i], K[i])
     return K
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
              micro_batch_size: int | None = None, *, schedule: str | None = None, warmup_policy: str | None = None,
-             optimizer_factor: float = 4.0, model: str | None = None, overlap: bool | None = None) -> Estimate:
+             optimizer_factor: float = 4.0, model: str | None = None, overlap: bool | None = None,
+             recompute: bool | str | None = None, mixed_precision: str | None = None) -> Estimate:
     """Latency of one iteration of ``stages``, with per-stage costs in ``details``.
 
     ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``: for a Plan the defaults are its own batch
@@ -169,30 +184,82 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         model: "paper" (default: formula 2 with the pivot of Algorithm 1) or "refined"
             (:mod:`dapple.planner.model.refined`).
         overlap: AllReduce overlapped with the last backward (default False).
+        recompute: None: as the stages say (``Stage.recompute``; tuples: no); False or True: every stage;
+            "auto": as :func:`auto_recompute` says (K_i from the policy then, or M each for gpipe).
+        mixed_precision: "bf16" or "fp16" (activations in half the bytes), "fp32" (full precision), or None: a
+            Plan's own ``mixed_precision`` (otherwise full precision).
 
     Raises:
         ValueError: bad input, or a plan that does not fit in device memory (naming the stage).
     """
     profile_and_cluster("evaluate", profile, cluster)
-    opt = _options(profile, stages, global_batch_size, micro_batch_size, schedule, warmup_policy, model, overlap)
+    opt = _options(profile, stages, global_batch_size, micro_batch_size, schedule, warmup_policy, model, overlap,
+                   mixed_precision)
     b = opt.micro_batch_size
     sts = stage_list(stages, profile.num_layers, cluster, b)
     M = opt.global_batch_size // b
     given = _given_warmup(sts, M, opt.schedule)
-    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor)
+    recompute_mode(recompute, (None,) + RECOMPUTE_MODES)
+    auto = recompute == "auto"
+    cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor,
+                   recompute=False if recompute is None or auto else recompute, mixed_precision=opt.mixed_precision)
     spans = [Span(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
-    pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, given)
+    if auto:
+        given = [M] * len(sts) if opt.schedule == "gpipe" else None
+        flags = auto_recompute(cm, spans, M, opt.warmup_policy, given, opt.model, opt.overlap)
+    else:
+        flags = [s.recompute for s in sts] if recompute is None else None
+    pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, given, recompute=flags)
     lat = pc.latency(opt.model, opt.overlap)
     if opt.schedule in SPLIT_BACKWARD and opt.model == "refined":  # the closed form is 1F1B's: simulate the split
-        played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k) for s, k in zip(sts, pc.K)],
-                      schedule=opt.schedule)
+        rc = flags if flags is not None else [bool(recompute)] * len(sts)
+        played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k, r) for s, k, r in zip(sts, pc.K, rc)],
+                      schedule=opt.schedule, mixed_precision=opt.mixed_precision)
         lat = simulated_latency(played, profile, cluster, opt.overlap)
     return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule)
 
 
+def auto_recompute(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "A",
+                   warmup: Sequence[int] | None = None, model: str = "refined", overlap: bool = False) -> list[bool]:
+    """Which stages recompute under recompute="auto": only where memory binds, and then only if that is faster.
+
+    With K_i = 1 a recomputing stage holds its inputs on top of what a plain one holds (memory.StageBytes), so
+    recomputation never makes a stage fit that does not fit at all: it lets a stage hold more micro-batches.
+    Two choices are priced: "need", the stages that cannot hold their given ``warmup`` K_i otherwise (none without
+    ``warmup``), and "hold", also every stage whose policy's K_i (capped by what fits either way) is above what fits
+    without recomputing, its K_i that would have to drop. The faster under ``model`` wins; "need" on ties.
+
+    Args:
+        cm: the cost model (its own ``recompute`` is not used).
+        spans: (layer start, layer end, server layout) per stage.
+        M, policy, warmup: micro-batches, warmup policy, and K_i per stage if fixed (gpipe: M each).
+        model, overlap: the latency model, and whether the AllReduce overlaps the last backward.
+    """
+    mem = cm.cluster.device_memory
+    plain = [cm.stage_bytes(a, c, len(lay), False).slices(mem) for a, c, lay in spans]
+    again = [cm.stage_bytes(a, c, len(lay), True).slices(mem) for a, c, lay in spans]
+    if warmup is not None:
+        need = [p < k <= r for p, k, r in zip(plain, warmup, again)]
+    else:
+        need = [False] * len(spans)
+    caps = [max(1, r if r > p else p) for p, r in zip(plain, again)]
+    K = list(warmup) if warmup is not None else warmup_counts(len(spans), M, policy, max_in_flight=caps)
+    hold = [n or p < k <= r for n, p, k, r in zip(need, plain, K, again)]
+    if hold == need:
+        return need
+    lat = [pipeline_costs(cm, spans, M, policy, warmup, check=False, recompute=flags)[0].latency(model, overlap).total
+           for flags in (need, hold)]
+    return hold if lat[1] < lat[0] else need
+
+
 def _options(profile: "Profile", stages: object, g: int | None, b: int | None, schedule: str | None,
-             policy: str | None, model: str | None, overlap: bool | None) -> _Options:
+             policy: str | None, model: str | None, overlap: bool | None, mixed_precision: str | None) -> _Options:
     """evaluate()'s settings: a Plan's own where not given, then the defaults; ValueError naming a bad one."""
+    if isinstance(stages, Plan):
+        mixed_precision = stages.precision(mixed_precision)
+    elif mixed_precision is not None:
+        mixed_precision = None if mixed_precision == FULL_PRECISION else mixed_precision
+        activation_scale(mixed_precision)  # (checks it)
     if isinstance(stages, Plan):
         stages.check_layers(profile.layer_names, f"the profile of {profile.model}")
         g = g or stages.global_batch_size
@@ -212,7 +279,7 @@ def _options(profile: "Profile", stages: object, g: int | None, b: int | None, s
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES}, got {policy!r}")
-    return _Options(g, b, schedule, policy, model, bool(overlap))  # type: ignore[arg-type]
+    return _Options(g, b, schedule, policy, model, bool(overlap), mixed_precision)  # type: ignore[arg-type]
 
 
 def _given_warmup(stages: list[Stage], M: int, schedule: str) -> list[int] | None:
@@ -241,6 +308,7 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
     acr = (sum(comm) / len(comm)) / (sum(compute) / len(compute)) if comm and sum(compute) > 0 else 0.0
     q = lat.pivot
     details = {"model": model, "schedule": schedule, "overlap": overlap, "num_micro_batches": pc.M,
+               **({"mixed_precision": cm.mixed_precision} if cm.mixed_precision else {}),
                "stages": per, "bubble_fraction": round(max(0.0, 1 - busy / (devices * lat.total)), 6)
                if lat.total > 0 else 0.0, "acr": round(acr, 6),
                "pivot": f"stage {q // 2}" if q % 2 == 0 else f"communication {q // 2}->{q // 2 + 1}"}
@@ -254,10 +322,13 @@ def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int,
     """``details["stages"][i]``: stage i's costs, rounded as Estimate.to_dict writes them."""
     a, c, lay = span
     k = pc.K[i]
+    rc = bool(pc.recompute and pc.recompute[i])
     out = {"layers": [a, c], "replicas": len(lay), "rows": cm.rows(len(lay)),
            "forward_ms": round(pc.F[2 * i], 6), "backward_ms": round(pc.B[2 * i], 6),
            "allreduce_ms": round(pc.AR[2 * i], 6), "warmup": k, "max_in_flight": int(min(d, 1 << 20)),
-           "memory_gb": round((cm.static_bytes(a, c) + k * cm.saved_bytes(a, c, len(lay))) / 1e9, 4)}
+           "memory_gb": round(cm.stage_bytes(a, c, len(lay), rc).peak(k) / 1e9, 4)}
+    if rc:
+        out["recompute"] = True
     if overlap and len(lay) > 1:
         out["overlapped_ending_ms"] = round(pc.E[2 * i], 6)
     if sends:

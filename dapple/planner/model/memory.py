@@ -1,10 +1,55 @@
-"""Device memory of a stage: parameters x optimizer factor + K_i saved micro-batch slices (paper V-C, D)."""
+"""Device memory of a stage: parameters x optimizer factor + K_i in-flight micro-batch slices (paper V-C, D), with
+activation recomputation and mixed precision."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 GB = 1e9
+RECOMPUTE_MODES = (False, True, "auto")  # dapple.plan's: never, every stage, only where memory binds (planning.py)
+
+
+def recompute_mode(recompute: object, modes: tuple = RECOMPUTE_MODES) -> None:
+    """ValueError naming ``recompute`` unless it is one of ``modes`` (True and False themselves, not 1 or 0)."""
+    if not any(recompute is m if isinstance(m, bool) else recompute == m for m in modes):
+        raise ValueError(f"recompute: expected one of {modes}, got {recompute!r}")
+HALF_PRECISIONS = ("bf16", "fp16")  # autocast dtypes whose activations take half the bytes of fp32
+
+
+def activation_scale(mixed_precision: str | None) -> float:
+    """Bytes of an activation under ``mixed_precision`` per byte the profile measured (fp32): 0.5 under bf16/fp16
+    (autocast makes the layers' outputs half precision), 1 in full precision (None).
+
+    Raises:
+        ValueError: ``mixed_precision`` is none of None, "bf16", "fp16" (naming it).
+    """
+    if mixed_precision is None:
+        return 1.0
+    if mixed_precision not in HALF_PRECISIONS:
+        raise ValueError(f"mixed_precision: expected one of {HALF_PRECISIONS} or None (full precision), got "
+                         f"{mixed_precision!r}")
+    return 0.5
+
+
+class StageBytes(NamedTuple):
+    """What a stage holds: ``static`` always, ``per_slice`` per micro-batch slice in flight, ``once`` beside them.
+
+    Without recomputation a slice keeps all its saved activations (``once`` = 0); a recomputing stage keeps only
+    its inputs per slice, plus one slice's full activations while it runs a recomputed backward (``once``).
+    """
+
+    static: float  # parameters x optimizer factor
+    per_slice: float
+    once: float = 0.0
+
+    def peak(self, warmup: int) -> float:
+        """Peak bytes with ``warmup`` (K_i) micro-batch slices in flight."""
+        return self.static + self.once + warmup * self.per_slice
+
+    def slices(self, device_memory: float) -> int:
+        """:func:`slices_that_fit` of these bytes."""
+        return slices_that_fit(self.static + self.once, self.per_slice, device_memory)
 
 
 def slices_that_fit(static_bytes: float, saved_bytes: float, device_memory: float) -> int:
@@ -26,13 +71,25 @@ def stage_memory(static_bytes: float, saved_bytes: float, warmup: int) -> float:
 
 
 def check_stage_memory(stage: int, static_bytes: float, saved_bytes: float, device_memory: float,
-                       warmup: int = 1) -> None:
-    """Raise ValueError naming the stage and by how much it exceeds device memory with K_i = ``warmup``."""
-    need = stage_memory(static_bytes, saved_bytes, warmup)
-    if need > device_memory:
-        raise ValueError(
-            f"stage {stage} does not fit in device memory: it needs {need / GB:.3f} GB "
-            f"(parameters x optimizer factor {static_bytes / GB:.3f} GB + {warmup} x {saved_bytes / GB:.3f} GB of "
-            f"saved activations per micro-batch slice) but a device has {device_memory / GB:.3f} GB: exceeds by "
-            f"{(need - device_memory) / GB:.3f} GB; use more replicas or stages, a smaller micro-batch, or a "
-            f"smaller warmup K_{stage}")
+                       warmup: int = 1, recomputed: float | None = None) -> None:
+    """Raise ValueError naming the stage and by how much it exceeds device memory with K_i = ``warmup``.
+
+    Args:
+        recomputed: for a recomputing stage, the full activations of the one slice it recomputes (``saved_bytes``
+            is then what a slice in flight keeps: its inputs); None: the stage does not recompute.
+    """
+    once = recomputed or 0.0
+    need = stage_memory(static_bytes + once, saved_bytes, warmup)
+    if need <= device_memory:
+        return
+    held = (f"{warmup} x {saved_bytes / GB:.3f} GB of saved activations per micro-batch slice" if recomputed is None
+            else f"{warmup} x {saved_bytes / GB:.3f} GB of inputs per micro-batch slice + {once / GB:.3f} GB of one "
+                 f"recomputed slice's activations")
+    raise ValueError(
+        f"stage {stage} does not fit in device memory: it needs {need / GB:.3f} GB "
+        f"(parameters x optimizer factor {static_bytes / GB:.3f} GB + {held}) but a device has "
+        f"{device_memory / GB:.3f} GB: exceeds by {(need - device_memory) / GB:.3f} GB; use more replicas or stages, "
+        f"a smaller micro-batch, a smaller warmup K_{stage}"
+        # (recomputing holds more than a plain stage with K_i = 1: it helps only a stage holding more)
+        + (", activation recomputation (recompute=True or \"auto\")" if recomputed is None and warmup > 1 else "")
+        + " or mixed precision")

@@ -11,6 +11,7 @@ from ..model.evaluate import PipelineCosts, pipeline_costs
 from ..simulator.events import simulate
 from ..simulator.floor import latency_floor
 from . import forking
+from .exact import JUDGE_EVERY, every_plan, plan_count
 from .forking import forked_map
 
 if TYPE_CHECKING:
@@ -76,7 +77,9 @@ def devices_of(spans: Sequence[tuple[int, int, ServerLayout]], cluster: "Cluster
 
 def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candidates: Sequence[Candidate], *,
            model: str, overlap: bool, schedule: str, warmup_policy: str | None, optimizer_factor: float,
-           verify: int, deadline: float | None = None, workers: int = 1, spare: int | None = None) -> Choice:
+           verify: int, deadline: float | None = None, workers: int = 1, spare: int | None = None,
+           within: float | None = None, recompute: bool | str = False,
+           mixed_precision: str | None = None) -> Choice:
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator.
 
     Args:
@@ -85,12 +88,14 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
         model, overlap, schedule, optimizer_factor: how the plans are modelled and run (model is unused here:
             the warmup policies are compared under the refined model, the one that tracks the simulator).
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties).
-        verify: simulate the first ``verify`` distinct candidates modelled within VERIFY_WITHIN of the DP's plan,
-            each with the warmup policies modelled within VERIFY_WITHIN of its better one (0: trust the model).
+        verify: simulate the first ``verify`` distinct candidates modelled within ``within`` of the DP's plan,
+            each with the warmup policies modelled within ``within`` of its better one (0: trust the model).
         deadline: a time.perf_counter() value past which no candidate but the DP's own is listed; a search that
             ran past it simulates nothing (the model's choice).
         workers: processes simulating side by side (forking.forked_map); ``spare`` (more): used instead once the
             first simulation says the rest would take forking.FORK_WORTH.
+        within: a fraction (None: VERIFY_WITHIN; inf: every candidate and policy, up to ``verify`` candidates).
+        recompute, mixed_precision: as the search priced the stages (SearchConfig); the trial plans record them.
 
     A candidate whose floor (floor.latency_floor) is above the best simulated before it is not simulated: it
     could not win.
@@ -98,7 +103,8 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
     pols = (warmup_policy,) if warmup_policy else ("A", "B")
 
     def priced(b: int, spans: tuple) -> dict[str, PipelineCosts]:  # per warmup policy (none where it does not fit)
-        cm, out = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor), {}
+        cm, out = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=recompute,
+                            mixed_precision=mixed_precision), {}
         for pol in pols:
             try:
                 out[pol] = pipeline_costs(cm, spans, global_batch_size // b, pol)[0]
@@ -113,7 +119,8 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
     late = deadline is not None and time.perf_counter() > deadline  # (no time left for simulations)
     if not verify or too_big or late:
         return Choice(chosen, None, 0, 0, 1)
-    trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size, schedule)
+    trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size, schedule,
+                         within, mixed_precision)
     return Simulations(profile, cluster, overlap, trials, workers).judge(chosen, spare)
 
 
@@ -125,35 +132,37 @@ def better_policy(costs: dict[str, PipelineCosts], overlap: bool) -> str:
 
 
 def trial_plan(cluster: "Cluster", global_batch_size: int, b: int, spans: tuple, pc: PipelineCosts,
-               pol: str, schedule: str) -> Plan:
-    """The Plan of a candidate with warmup policy ``pol`` (its K_i from ``pc``)."""
+               pol: str, schedule: str, mixed_precision: str | None = None) -> Plan:
+    """The Plan of a candidate with warmup policy ``pol`` (its K_i and recompute flags from ``pc``)."""
     devs = devices_of(spans, cluster)
-    return Plan(global_batch_size, b, [Stage((a, c), ds, k) for (a, c, _), ds, k in zip(spans, devs, pc.K)],
-                schedule=schedule, warmup_policy=pol)
+    rc = pc.recompute or [False] * len(spans)
+    return Plan(global_batch_size, b, [Stage((a, c), ds, k, r) for (a, c, _), ds, k, r in zip(spans, devs, pc.K, rc)],
+                schedule=schedule, warmup_policy=pol, mixed_precision=mixed_precision)
 
 
 def list_trials(candidates: Sequence[Candidate], first: dict, priced: Callable[[int, tuple], dict], verify: int,
                 deadline: float | None, overlap: bool, cluster: "Cluster", global_batch_size: int,
-                schedule: str) -> list[Trial]:
-    """The trials to simulate, in order: the first ``verify`` distinct candidates within VERIFY_WITHIN of the
-    first (none past ``deadline`` but the first) x their warmup policies within VERIFY_WITHIN of the better one
+                schedule: str, within: float | None = None, mixed_precision: str | None = None) -> list[Trial]:
+    """The trials to simulate, in order: the first ``verify`` distinct candidates within ``within`` of the
+    first (none past ``deadline`` but the first) x their warmup policies within ``within`` of the better one
     (``first``: the first candidate's pipeline costs per policy; ``priced(b, spans)`` gives another's)."""
     seen, trials = set(), []
+    within = VERIFY_WITHIN if within is None else within
     top = candidates[0].latency
     for lat, b, spans, policies in candidates:
-        if lat > top * (1 + VERIFY_WITHIN):
+        if lat > top * (1 + within):
             break  # the rest are sorted by modelled latency: all further off
         if (b, spans) in seen or len(seen) >= verify or (seen and deadline and time.perf_counter() > deadline):
             continue
         costs = first if not seen else priced(b, spans)
         seen.add((b, spans))
-        # a policy the refined model puts more than VERIFY_WITHIN above the other on this plan is not simulated
+        # a policy the refined model puts more than ``within`` above the other on this plan is not simulated
         lats = {pol: pc.latency("refined", overlap).total for pol, pc in costs.items()}
         for pol, pc in costs.items():
-            if lats[pol] > min(lats.values()) * (1 + VERIFY_WITHIN):
+            if lats[pol] > min(lats.values()) * (1 + within):
                 continue
             trials.append(Trial(b, spans, policies, pol, trial_plan(cluster, global_batch_size, b, spans, pc, pol,
-                                                                    schedule)))
+                                                                    schedule, mixed_precision)))
     return trials
 
 
@@ -226,6 +235,21 @@ class Simulations:
         if k not in self.floors:
             b = self.trials[k].micro_batch_size
             if b not in self.cms:
-                self.cms[b] = CostModel(self.profile, self.cluster, b)
+                self.cms[b] = CostModel(self.profile, self.cluster, b,
+                                        mixed_precision=self.trials[k].plan.mixed_precision)
             self.floors[k] = latency_floor(self.trials[k].plan, self.cms[b], self.overlap) * (1 - 1e-9)
         return self.floors[k]
+
+
+def every_candidate(searches: Sequence) -> list[Candidate] | None:
+    """Every plan of every micro-batch size searched (DPSearch-like: b, cm, M, config), by modelled latency, where
+    they number at most exact.JUDGE_EVERY (then the simulator judges them all); None: more."""
+    if not searches:
+        return None
+    cl = searches[0].cm.cluster
+    if sum(plan_count(s.cm.num_layers, cl.servers, cl.devices_per_server, s.b, s.config.max_stages)
+           for s in searches) > JUDGE_EVERY:
+        return None
+    every = [Candidate(lat, s.b, spans, ("enumerated",) * len(spans))
+             for s in searches for lat, spans, _ in every_plan(s.cm, s.M, s.config)]
+    return sorted(every, key=lambda c: (c.latency, -c.micro_batch_size))

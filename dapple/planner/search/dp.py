@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..model.cost import CostModel
 from .bounds import least_work
+from .exact import exact_search
 from .memo import Memo, gc_paused
 from .pruning import BUCKETS_AFTER, TIGHTEN_AFTER, Pruner
 from .records import (INF, Best, BoundOutcome, Found, Incumbent, Outcome, Prefix, RefineOutcome, RunOutcome,
@@ -41,7 +42,8 @@ class DPSearch:
         self.N, self.G, self.b = profile.num_layers, cluster.num_devices, micro_batch_size
         self.M = global_batch_size // micro_batch_size
         self.dps, self.ns = cluster.devices_per_server, cluster.servers
-        self.cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=config.optimizer_factor)
+        self.cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=config.optimizer_factor,
+                            recompute=config.recompute, mixed_precision=config.mixed_precision)
         self.rho = least_work(self.cm, min(self.b, self.G))
         self.incumbent = Incumbent(incumbent, config.gap)
         self.costs = StageCosts(self.cm, config, self.M, self.incumbent)
@@ -51,6 +53,7 @@ class DPSearch:
         self.expander = Expander(self.cm, config, self.M, self.ns, self.costs, self.pruner, self.incumbent)
         self.states = 0  # DP states expanded
         self.complete = True  # whether run() finished (not stopped by the deadline)
+        self.certified = False  # whether certify() proved that no plan of this size is below its incumbent
         self.deadline: float | None = None
 
     # ---- what the search has found -----------------------------------------------------------------------
@@ -103,6 +106,21 @@ class DPSearch:
         with gc_paused():
             self._run()
         return RunOutcome(self.best, self.states, self.transitions, self.complete, self.root_bound)
+
+    def certify(self, cut: float) -> bool:
+        """Every plan of this size below ``cut`` (any split, replicas in any order on any servers) enumerated where
+        the instance is small enough (exact.exact_search): one that beats the incumbent becomes it. Returns whether
+        it ran; then no plan of this size is modelled below min(cut, the incumbent) (``certified``)."""
+        if self.pruner.root_bound >= cut > 0:
+            self.certified = True  # the bounds alone: no plan below the cut (the cut the tables were made for is not
+            return True  # below it)
+        ex = exact_search(self.cm, self.M, self.config, cut, deadline=self.deadline)
+        if ex is None:
+            return False
+        if ex.latency < self.incumbent.latency:
+            self.set_best(ex.latency, Found(ex.spans, ("enumerated",) * len(ex.spans), ex.warmup_policy))
+        self.certified = True
+        return True
 
     def adopt(self, outcome: Outcome) -> None:
         """Stand as if a step whose ``outcome`` a forked worker sent back had run here (what later steps and

@@ -25,6 +25,8 @@ class SearchConfig:
         partial_kinds: only placements after which the partly used servers come in at most this many kinds
             (free devices, replicas of the new stage); None: any (the full search), 1: the compact search.
         gap: prune what cannot beat the best plan so far by more than this fraction.
+        recompute, mixed_precision: the stages' activation recomputation (False, True or "auto") and autocast
+            dtype (None, "bf16" or "fp16"), as CostModel prices them.
     """
 
     model: str = "paper"
@@ -35,6 +37,8 @@ class SearchConfig:
     max_stages: int | None = None
     partial_kinds: int | None = None
     gap: float = 0.0
+    recompute: bool | str = False
+    mixed_precision: str | None = None
 
     @property
     def refined(self) -> bool:

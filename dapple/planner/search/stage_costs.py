@@ -99,7 +99,7 @@ class StageCosts:
         if hit is None:
             cm = self.cm
             f, bb = cm.compute(a, self.N, len(lay))
-            d = slices_that_fit(cm.static_bytes(a, self.N), cm.saved_bytes(a, self.N, len(lay)), self.mem)
+            d = cm.fits(a, self.N, len(lay))
             e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
             hit = row[a] = Tail(f, bb, cm.allreduce(a, self.N, lay), e, d)
         return hit
@@ -126,6 +126,9 @@ class StageCosts:
         fs = pad + [fpre[c] - f0 + cf for c in range(j + 1, end)]
         bs = pad + [bpre[c] - b0 + cb for c in range(j + 1, end)]
         ars = pad + cm.allreduce_ends(j, end, m, multi)
+        if cm.recompute:  # a recomputing stage's backward runs its forward too, and it holds its inputs per slice
+            bs = pad + [b + f for b, f in zip(bs[j + 1:], fs[j + 1:])]
+            return StageLists(fs, bs, ars, [0] * (j + 1) + [cm.fits(j, c, m) for c in range(j + 1, end)])
         static = cm.static_bytes
         ds = [0] * (j + 1) + [slices_that_fit(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
         return StageLists(fs, bs, ars, ds)

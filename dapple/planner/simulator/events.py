@@ -95,6 +95,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     they cross (sender/receiver device links, server up/downlinks), start in order of readiness and overlap
     with compute; each replicated stage AllReduces its gradients after its last backward. AllReduce does not
     contend with transfers.
+    The plan's ``mixed_precision`` puts activations and their gradients on the wire in half the bytes (the
+    AllReduce stays fp32); a recomputing stage (``Stage.recompute``) runs its forward again before each backward.
 
     Args:
         plan, profile, cluster: what runs, its layers' costs, and where.
@@ -121,7 +123,8 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     schedule = schedule or plan.schedule
     check_fit(plan.stages, profile.num_layers, cluster.num_devices, "simulate")
     plan.check_layers(profile.layer_names, f"the profile of {profile.model}")
-    cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes)
+    cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes,
+                   mixed_precision=plan.mixed_precision)
     return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
 
 
@@ -170,7 +173,9 @@ class _Sim:
         self.ops = {d: pipeline_stage_ops(schedule, self.M, plan.warmup, i) for i, st in enumerate(plan.stages)
                     for d in st.devices}
         self.split = schedule in SPLIT_BACKWARD
-        self.last_kind = "W" if self.split else "B"  # the op after which a stage's gradients are final
+        # the op whose run for the last micro-batch makes a stage's gradients final (a recomputing stage runs its
+        # whole backward in B under a split schedule too)
+        self.grad_kind = ["W" if self.split and not st.recompute else "B" for st in plan.stages]
         self.shares: dict[tuple[int, int], float | None] = {}  # (stage, replica) -> profiled weight share
         self.where = {d: (i, k) for i, st in enumerate(plan.stages) for k, d in enumerate(st.devices)}
         self.ptr = {d: 0 for d in self.ops}
@@ -194,10 +199,14 @@ class _Sim:
     def duration(self, d: int, kind: str) -> float:
         i, k = self.where[d]
         a, c = self.plan.stages[i].layers
-        f, b = self.cm.compute_rows(a, c, self.rows[i][k])
+        f, b = self.cm.compute_rows(a, c, self.rows[i][k], self.plan.stages[i].recompute)
         if kind == "F":
             return f
-        return b if not self.split else split_backward(i, b, self.share(i, k))[kind == "W"]
+        if not self.split:
+            return b
+        if self.plan.stages[i].recompute:  # the runtime runs a recomputed stage's whole backward in B
+            return b if kind == "B" else 0.0
+        return split_backward(i, b, self.share(i, k))[kind == "W"]
 
     def share(self, i: int, k: int) -> float | None:
         """Replica k of stage i: the weight-gradient share of its backward, as profiled (None: not measured)."""
@@ -222,7 +231,7 @@ class _Sim:
         i, k = self.where[d]
         end = t + self.duration(d, op.kind)
         self.busy[d] = True
-        if op.kind == self.last_kind and self.ptr[d] == len(self.ops[d]) - 1:
+        if op.kind == self.grad_kind[i] and op.micro_batch == self.M - 1:
             self.last_b_start[d] = t
         self.timeline.append(TimelineOp(d, i, op.kind, op.micro_batch, t, end, rows=self.rows[i][k]))
         self.push(end, "op", (d,))
@@ -258,7 +267,7 @@ class _Sim:
         self.blocked, self.freed = len(still), False
 
     def record(self, item: _Pending, start: float, end: float) -> None:
-        nbytes = self.cm.profile.costs(item.rows).boundary_bytes[item.layer]
+        nbytes = self.cm.profile.costs(item.rows).boundary_bytes[item.layer] * self.cm.activation_scale
         self.transfers.append(TimelineOp(item.src, self.where[item.src][0], "send_" + item.kind, item.mb, start, end,
                                          item.dst, item.rows, nbytes))
 
@@ -303,10 +312,11 @@ class _Sim:
                     self.timeline.append(TimelineOp(d, i, "AR", None, start, end, nbytes=nbytes))
 
     def bucket_ready(self, stage: int, a: int, c: int, rows: int) -> list[tuple[float, float]]:
-        """CostModel.bucket_ready from the start of the stage's last backward op (split: its last W, which runs the
-        weight share of each layer's backward)."""
-        ready = self.cm.bucket_ready(a, c, rows)
-        if not self.split:
+        """CostModel.bucket_ready from the start of the op that makes the stage's gradients final (split: its last
+        W, which runs the weight share of each layer's backward)."""
+        recompute = self.plan.stages[stage].recompute
+        ready = self.cm.bucket_ready(a, c, rows, recompute)
+        if self.grad_kind[stage] != "W":
             return ready
         share = split_backward(stage, 1.0, self.cm.profile.weight_share(a, c, rows))[1]
         return [(t * share, nbytes) for t, nbytes in ready]

@@ -39,7 +39,8 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
     slices = []  # per stage, per replica: (F, B) ms of its slice
     for st in plan.stages:
         a, c = st.layers
-        slices.append([cm.compute_rows(a, c, e - s) for s, e in slice_bounds(plan.micro_batch_size, st.replicas)])
+        slices.append([cm.compute_rows(a, c, e - s, st.recompute)
+                       for s, e in slice_bounds(plan.micro_batch_size, st.replicas)])
     split = plan.schedule in SPLIT_BACKWARD
     fmin = [min(f for f, _ in fb) for fb in slices]
     shares = [[cm.profile.weight_share(*st.layers, e - s) if split else None

@@ -175,8 +175,8 @@ def test_the_simulator_also_judges_the_best_plan_of_other_micro_batch_sizes():
         for i, (f, a, p) in enumerate(spec)])
     c = dapple.Cluster(4, 1, 50e9, 10e9 / 8, 5e-6, 30e-6, 16e9)
     sizes = [4, 8, 16, 32, 64, 128]
-    trusted = dapple.plan(prof, c, 128, micro_batch_sizes=sizes, verify=0)
-    checked = dapple.plan(prof, c, 128, micro_batch_sizes=sizes)
+    trusted = dapple.plan(prof, c, 128, micro_batch_sizes=sizes, verify=0, overlap=False)
+    checked = dapple.plan(prof, c, 128, micro_batch_sizes=sizes, overlap=False)
     assert (trusted.shape, trusted.micro_batch_size) == ("1:2:1", 4)
     assert (checked.shape, checked.micro_batch_size) == ("2:2", 16)
     assert checked.estimate.latency_ms > trusted.estimate.latency_ms  # modelled slower, simulated faster:
@@ -254,7 +254,7 @@ def test_plan_fields():
     assert sorted(d for s in p.stages for d in s.devices) == [0, 1, 2, 3]
     D = [s["max_in_flight"] for s in p.estimate.details["stages"]]
     assert p.warmup == warmup_counts(p.num_stages, p.num_micro_batches, p.warmup_policy, D)
-    again = evaluate(prof, c, p.stages, 64, 8, warmup_policy=p.warmup_policy, model="refined")
+    again = evaluate(prof, c, p.stages, 64, 8, warmup_policy=p.warmup_policy, model="refined", overlap=True)
     assert again.latency_ms == pytest.approx(p.estimate.latency_ms)
     assert simulate(p, prof, c).latency_ms == pytest.approx(p.estimate.latency_ms, rel=0.1)
     two = dapple.plan(prof, c, 64, 8, max_stages=2)
@@ -323,8 +323,8 @@ def test_planner_modules_do_not_import_torch():
 
 
 def test_a_stopped_search_returns_its_best_plan_and_a_true_lower_bound():
-    prof, c = random_profile(random.Random(1), 16), cluster(2, 4)
-    full = dapple.plan(prof, c, 32, 4, verify=0)  # about 0.5 s: completes, and proves its plan the model's best
+    prof, c = random_profile(random.Random(1), 7), cluster(2, 4)
+    full = dapple.plan(prof, c, 32, 4, verify=0)  # small enough to enumerate: proves its plan the model's best
     assert full.meta["search_complete"]
     assert full.meta["latency_lower_bound_ms"] == pytest.approx(full.estimate.latency_ms, abs=1e-4)
     assert "this one is the model's best" in str(full)
@@ -508,3 +508,14 @@ def test_seeds_are_refined_within_refine_within_of_the_best_plan_so_far():
     order.clear()
     planning.refine_promising([Size(4, 104.0, 103.0), Size(8, 100.0, 99.5)])
     assert order == [8, 4]
+
+
+def test_the_default_plans_for_the_runtime_and_the_paper_mode_is_explicit():
+    """dapple.plan plans with the AllReduce overlapped, as dapple's runtime runs every plan; the paper's planner is
+    ``model="paper", overlap=False`` (benchmarks/table5.py --compare-paper: what it costs on the paper's models)."""
+    prof, c = random_profile(random.Random(4), 8), cluster(2, 2, inter=3e8)
+    default = dapple.plan(prof, c, 64, 8)
+    assert default.meta["overlap"] is True and default.meta["latency_model"] == "refined"
+    assert default.stages == dapple.plan(prof, c, 64, 8, overlap=True).stages
+    paper = dapple.plan(prof, c, 64, 8, model="paper", overlap=False)
+    assert paper.meta["overlap"] is False and paper.estimate.details["model"] == "paper"

@@ -20,13 +20,13 @@ def test_uniform_models_get_one_stage_per_server(name, global_batch):
     stage's AllReduce stays on NVLink); the split lands near the paper's (22:19, 13:13 of 26, 30:13)."""
     prof = pipedream_profile(name)
     A = Cluster.preset("A")
-    plan = dapple.plan(prof, A, global_batch)
+    plan = dapple.plan(prof, A, global_batch, overlap=False)  # (the paper's assumption: with overlap, xlnet_36 is DP)
     assert [sorted(s.devices) for s in plan.stages] == [list(range(8)), list(range(8, 16))]
     cut = plan.stages[0].layers[1]
     assert 0.4 * prof.num_layers < cut < 0.75 * prof.num_layers
     sim = simulate(plan, prof, A).latency_ms
     assert plan.estimate.latency_ms == pytest.approx(sim, rel=0.05)
-    pure_dp = dapple.plan(prof, A, global_batch, max_stages=1)  # micro-batch searched (>= 16 rows)
+    pure_dp = dapple.plan(prof, A, global_batch, max_stages=1, overlap=False)  # micro-batch searched (>= 16 rows)
     assert sim < simulate(pure_dp, prof, A).latency_ms  # and the pipeline beats data parallelism
 
 
@@ -49,24 +49,25 @@ def test_vgg19_keeps_the_fully_connected_tail_off_the_replicated_stage():
     assert ours < simulate(dapple.plan(prof, A, 1024, b, max_stages=1), prof, A).latency_ms
 
 
-def test_vgg19_with_the_tail_holding_its_share_of_devices_gets_the_papers_last_stage():
+@pytest.mark.parametrize("scale", [1.29, 1.43, 1.57])
+def test_vgg19_with_the_tail_holding_its_share_of_devices_beats_the_papers_14_2(scale):
     """PipeDream's vgg19 profile gives layers [17, 26) (conv5_1 .. loss) 9.3% of the work where Table VII's 14:2
-    gives them 2 of 16 devices. Scaled to 1.4x their compute (12.5%), the planner's last stage is the paper's,
-    (17, 25) @ [G14, G15], and the simulator finds the plan faster than the paper's 14:2 at any micro-batch size
-    and warmup policy (benchmarks/vgg19_table7.py --tail-scale)."""
+    gives them 2 of 16 devices. Scaled to 1.43x their compute (their 2/16 share, benchmarks/vgg19_table7.py
+    --tail-scale), and 10% either side, dapple's plan (the default: AllReduce overlapped) simulates more than 3%
+    faster than the paper's 14:2 at every micro-batch size and warmup policy (by 5.9% to 11.1% when written; which
+    plan wins, 14:2 at another cut or 11:4:1, changes within the range, so only the margin is asserted)."""
     prof = pipedream_profile("vgg19")
     prof = dataclasses.replace(prof, layers=[
-        dataclasses.replace(lay, forward_ms=[1.4 * t for t in lay.forward_ms],
-                            backward_ms=[1.4 * t for t in lay.backward_ms]) if i >= 17 else lay
+        dataclasses.replace(lay, forward_ms=[scale * t for t in lay.forward_ms],
+                            backward_ms=[scale * t for t in lay.backward_ms]) if i >= 17 else lay
         for i, lay in enumerate(prof.layers)])
     A = Cluster.preset("A")
     plan = dapple.plan(prof, A, 1024)
-    assert plan.stages[-1].layers == (17, 26) and sorted(plan.stages[-1].devices) == [14, 15], plan
     ours = simulate(plan, prof, A).latency_ms
     for b in (16, 32, 64, 128, 256):
         for policy in ("A", "B"):
             paper = Plan(1024, b, [Stage((0, 17), list(range(14))), Stage((17, 26), [14, 15])], warmup_policy=policy)
-            assert ours < simulate(paper, prof, A).latency_ms, (b, policy)
+            assert simulate(paper, prof, A, overlap=True).latency_ms > 1.03 * ours, (b, policy, plan)
 
 
 @pytest.mark.parametrize("name, global_batch, config, replicas", [

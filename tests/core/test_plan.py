@@ -1,0 +1,54 @@
+"""The Plan's mixed_precision: YAML round-trip, validation naming the value, the table, what a run uses."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from dapple import Plan
+from dapple.core.documents import DocumentError
+from dapple.core.plan import Stage
+
+
+def _plan(**kw) -> Plan:
+    return Plan(global_batch_size=8, micro_batch_size=4, stages=[Stage((0, 2), [0]), Stage((2, 4), [1])], **kw)
+
+
+def test_mixed_precision_round_trips_and_only_then_is_written(tmp_path):
+    _plan().save(tmp_path / "old.yaml")
+    assert "mixed_precision" not in yaml.safe_load((tmp_path / "old.yaml").read_text())  # older readers see no change
+    assert Plan.load(tmp_path / "old.yaml").mixed_precision is None
+    plan = _plan(mixed_precision="bf16")
+    plan.save(tmp_path / "p.yaml")
+    doc = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    assert doc["mixed_precision"] == "bf16"
+    assert Plan.load(tmp_path / "p.yaml") == plan
+    doc["mixed_precision"] = "fp8"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(DocumentError, match=r"bad.yaml.mixed_precision: expected one of \('bf16', 'fp16'\) or None.*"
+                                            r"got 'fp8'"):
+        Plan.load(tmp_path / "bad.yaml")
+
+
+def test_bad_mixed_precision_or_recompute_is_named():
+    with pytest.raises(ValueError, match=r"Plan.mixed_precision: .*got 'half'"):
+        _plan(mixed_precision="half")
+    with pytest.raises(ValueError, match=r"Plan.stages\[1\].recompute: expected True or False, got 1"):
+        Plan(8, 4, [Stage((0, 2), [0]), Stage((2, 4), [1], recompute=1)])
+
+
+def test_the_precision_a_run_uses():
+    plan = _plan(mixed_precision="fp16")
+    assert plan.precision() == "fp16" and plan.precision("bf16") == "bf16" and plan.precision("fp32") is None
+    assert _plan().precision() is None
+    with pytest.raises(ValueError, match=r"mixed_precision: expected one of \('bf16', 'fp16'\), 'fp32'.*got 'off'"):
+        plan.precision("off")
+
+
+def test_the_table_shows_precision_and_recompute():
+    text = str(Plan(8, 4, [Stage((0, 2), [0], recompute=True), Stage((2, 4), [1])], mixed_precision="bf16"))
+    head, columns, _, first, second = text.splitlines()[:5]
+    assert head.endswith("mixed precision bf16")
+    assert columns.split()[-1] == "recompute" and first.split()[-1] == "yes" and second.split()[-1] == "no"
+    plain = str(_plan())
+    assert "recompute" not in plain and "mixed precision" not in plain
