@@ -307,3 +307,12 @@ def test_zb_h1_splits_the_backward_as_the_profile_measured():
     assert {o.duration_ms for o in sim.ops if o.kind == "B" and o.stage > 0} == {12.0}
     assert {o.duration_ms for o in sim.ops if o.kind == "W" and o.stage > 0} == {4.0}
     assert {o.duration_ms for o in sim.ops if o.kind == "W" and o.stage == 0} == {16.0}
+
+
+def test_zb_h1_runs_a_recomputing_stage_s_whole_backward_in_b():
+    """As the runtime: a stage with Stage.recompute has no W work (its backward, forward again included, is B)."""
+    prof = linear_profile([1.0] * 2)
+    plan = Plan(32, 8, [Stage((0, 1), [0]), Stage((1, 2), [1], recompute=True)], schedule="zb-h1")
+    sim = simulate(plan, prof, cluster(1, 2))
+    assert {o.duration_ms for o in sim.ops if o.stage == 1 and o.kind == "B"} == {8.0 + 16.0}
+    assert {o.duration_ms for o in sim.ops if o.stage == 1 and o.kind == "W"} == {0.0}
