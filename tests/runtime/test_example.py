@@ -28,10 +28,12 @@ def test_example_plan_matches_the_example_model(tmp_path):
 def test_cnn_example_loads_per_rank_and_matches_the_global_batch():
     """examples/train_cnn.py on 4 processes: each rank's own rows give the global batch's validation loss; stage
     0's replicas pass half the images each, the middle stage nothing, the last stage only the labels."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                          "examples/train_cnn.py", "--steps", "2", "--rows", "64"], cwd=ROOT, check=True,
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                          "examples/train_cnn.py", "--steps", "2", "--rows", "64"], cwd=ROOT,
                          capture_output=True, text=True, timeout=240,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}).stdout
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-8000:]  # the failing rank's traceback
+    out = run.stdout
     losses = re.search(r"global batch (\S+), own rows (\S+)", out)
     assert losses and losses[1] == losses[2], out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d\s+\d\s+\d\s+\d+\s", line)]
