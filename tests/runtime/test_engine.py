@@ -12,6 +12,21 @@ TOL = 1e-9
 SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ", "no_gradient", "shards", "repeatable")]
 
 
+def assert_transparent(results: list[dict], shape: str) -> list[list[dict]]:
+    """Loss and every gradient within TOL of single-process training on every rank and step, and every parameter of
+    the model checked on some rank; returns the case's results per rank, per step."""
+    steps = [r[shape] for r in results]
+    for rank, per_step in enumerate(steps):
+        for step, res in enumerate(per_step):
+            assert res["loss"] <= TOL, (shape, rank, step, res["loss"])
+            bad = {n: e for n, e in res["grads"].items() if not e <= TOL}
+            assert not bad, (shape, rank, step, bad)
+    for step in range(len(steps[0])):
+        seen = set().union(*(set(r[step]["grads"]) for r in steps))
+        assert seen == set(steps[0][step]["expected"]), shape
+    return steps
+
+
 @pytest.fixture(scope="module")
 def results():
     """All cases, run once on one world of 4 ranks (spawning is the expensive part)."""
@@ -21,16 +36,8 @@ def results():
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_pipeline_equals_single_process(results, shape):
-    steps = [r[shape] for r in results]  # per rank, per step
-    for rank, per_step in enumerate(steps):
-        for step, res in enumerate(per_step):
-            assert res["loss"] <= TOL, (shape, rank, step, res["loss"])
-            bad = {n: e for n, e in res["grads"].items() if not e <= TOL}
-            assert not bad, (shape, rank, step, bad)
-    # every parameter of the model is checked on some rank, and replicas of a stage hold the same names
-    for step in range(len(steps[0])):
-        seen = set().union(*(set(r[step]["grads"]) for r in steps))
-        assert seen == set(steps[0][step]["expected"]), shape
+    steps = assert_transparent(results, shape)
+    for step in range(len(steps[0])):  # replicas of a stage hold the same names
         by_stage: dict[int, set] = {}
         for r in steps:
             names = set(r[step]["grads"])

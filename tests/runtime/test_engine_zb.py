@@ -7,7 +7,7 @@ import pytest
 
 from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
-from tests.runtime.test_engine import SHAPES, TOL
+from tests.runtime.test_engine import SHAPES, assert_transparent
 
 ZB_SHAPES = [s for s in SHAPES if s != "gpipe"]  # "gpipe" names its schedule
 
@@ -22,15 +22,7 @@ def results():
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ZB_SHAPES)
 def test_zb_h1_equals_single_process(results, shape):
-    steps = [r[shape] for r in results]  # per rank, per step
-    for rank, per_step in enumerate(steps):
-        for step, res in enumerate(per_step):
-            assert res["loss"] <= TOL, (shape, rank, step, res["loss"])
-            bad = {n: e for n, e in res["grads"].items() if not e <= TOL}
-            assert not bad, (shape, rank, step, bad)
-    for step in range(len(steps[0])):  # every parameter of the model is checked on some rank
-        seen = set().union(*(set(r[step]["grads"]) for r in steps))
-        assert seen == set(steps[0][step]["expected"]), shape
+    assert_transparent(results, shape)
 
 
 @pytest.mark.slow
