@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,6 +67,14 @@ def init_distributed(timeout: float = 60.0, backend: str | None = None) -> DistC
     elif backend is not None and dist.get_backend() != backend:
         raise ValueError(f"backend: got {backend!r}, but the default process group already runs "
                          f"{dist.get_backend()!r}; pass backend=None to use it")
+    atexit.unregister(_collect_at_exit)  # registered once however many pipelines a process builds
+    atexit.register(_collect_at_exit)
     device = group_device()
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=str(dist.get_backend()),
                        device=device)
+
+
+def _collect_at_exit() -> None:
+    """Free unreachable pipelines (their process groups and pending work) while the interpreter is alive: left to
+    interpreter finalization, a gloo group's destructor can abort the process after training succeeded."""
+    gc.collect()
