@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import Cluster, Plan, profile
 from ..core.cluster import ram_per_process
+from ..core.plan import MIXED_PRECISIONS
 from ..planner import evaluate, plan, simulate
 from ..profiler.probe.links import DEFAULT_SIZES, measure, probe_local
 from ..runtime.distributed import init_distributed
@@ -89,7 +90,7 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--recompute", choices=tuple(RECOMPUTE), default="off",
                    help="activation recomputation: off, on (every stage), or auto (only where memory binds: where a "
                         "stage's K_i would have to drop without it, if that is faster)")
-    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default=None,
                    help="plan for a job run under autocast in this dtype (activations take half the bytes); the "
                         "plan records it and dapple.pipeline runs it so")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")

@@ -8,12 +8,12 @@ from itertools import takewhile
 from typing import TYPE_CHECKING, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
-from ..core.plan import MIXED_PRECISIONS, Plan, Stage
+from ..core.plan import Plan, Stage
 from ..core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
 from .checks import profile_and_cluster
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
-from .model.memory import recompute_mode
+from .model.memory import activation_scale, recompute_mode
 from .schedule_choice import AUTO, settle_schedule
 from .search import choice, forking
 from .search.choice import Candidate, Choice, choose, devices_of
@@ -204,9 +204,7 @@ def _reflagged(p: Plan, profile: "Profile", cluster: "Cluster", optimizer_factor
 def _check_activations(recompute: object, mixed_precision: object) -> object:
     """``recompute``, or ValueError naming ``recompute`` or ``mixed_precision`` unless plan() knows it."""
     recompute_mode(recompute)
-    if mixed_precision is not None and mixed_precision not in MIXED_PRECISIONS:
-        raise ValueError(f"mixed_precision: expected one of {MIXED_PRECISIONS} or None (full precision), got "
-                         f"{mixed_precision!r}")
+    activation_scale(mixed_precision)  # (checks it)
     return recompute
 
 

@@ -10,7 +10,9 @@ from typing import Any, ContextManager
 
 import torch
 
-MODES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from ..core.plan import MIXED_PRECISIONS
+
+MODES = dict(zip(MIXED_PRECISIONS, (torch.bfloat16, torch.float16)))  # a plan's names, their dtypes
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ...core.plan import MIXED_PRECISIONS
+
 GB = 1e9
 RECOMPUTE_MODES = (False, True, "auto")  # dapple.plan's: never, every stage, only where memory binds (planning.py)
 
@@ -14,7 +16,6 @@ def recompute_mode(recompute: object, modes: tuple = RECOMPUTE_MODES) -> None:
     """ValueError naming ``recompute`` unless it is one of ``modes`` (True and False themselves, not 1 or 0)."""
     if not any(recompute is m if isinstance(m, bool) else recompute == m for m in modes):
         raise ValueError(f"recompute: expected one of {modes}, got {recompute!r}")
-HALF_PRECISIONS = ("bf16", "fp16")  # autocast dtypes whose activations take half the bytes of fp32
 
 
 def activation_scale(mixed_precision: str | None) -> float:
@@ -26,8 +27,8 @@ def activation_scale(mixed_precision: str | None) -> float:
     """
     if mixed_precision is None:
         return 1.0
-    if mixed_precision not in HALF_PRECISIONS:
-        raise ValueError(f"mixed_precision: expected one of {HALF_PRECISIONS} or None (full precision), got "
+    if mixed_precision not in MIXED_PRECISIONS:  # each an autocast dtype of half the bytes of fp32
+        raise ValueError(f"mixed_precision: expected one of {MIXED_PRECISIONS} or None (full precision), got "
                          f"{mixed_precision!r}")
     return 0.5
 
