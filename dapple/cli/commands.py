@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .. import Cluster, Plan, profile
 from ..core.cluster import ram_per_process
 from ..core.plan import MIXED_PRECISIONS
+from ..core.schedule import SCHEDULES
 from ..planner import evaluate, plan, simulate
 from ..profiler.probe.links import DEFAULT_SIZES, measure, probe_local
 from ..runtime.distributed import init_distributed
@@ -75,7 +76,7 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
                    help="AllReduce overlapped with the last backward, as dapple's runtime runs every plan (default); "
                         "--no-overlap: formula 2's assumption")
     p.add_argument("--max-stages", type=int, default=None, help="limit the pipeline depth")
-    p.add_argument("--schedule", choices=("dapple", "gpipe", "zb-h1", "auto"), default="dapple",
+    p.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="dapple",
                    help="auto: dapple or zb-h1 (zero bubble), whichever the simulator finds faster for the plan")
     p.add_argument("--search", choices=("auto", "full", "compact"), default="auto",
                    help="placements searched (auto: full up to 4 servers, compact above)")
@@ -139,7 +140,7 @@ def _add_simulate(sub: "argparse._SubParsersAction") -> None:
                                                     "plan was made for, recorded in it)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap AllReduce with the last backward (DDP-style); default: as the plan was made")
-    p.add_argument("--schedule", choices=("dapple", "gpipe", "zb-h1"), default=None, help="default: the plan's")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None, help="default: the plan's")
     p.add_argument("--link-sharing", choices=("held", "shared"), default=None,
                    help="a transfer holds its links whole, or shares them max-min fairly (default: the cluster's)")
     p.set_defaults(run=_run_simulate)
