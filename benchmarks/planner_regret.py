@@ -8,6 +8,9 @@ Regret = simulated latency of a plan / the oracle's - 1, for:
 - ``plan verify=0``: the DP's plan alone, trusting the model;
 - ``model's best``: the plan the refined model ranks first among all plans (what a perfect search of the
   model gives).
+With ``--schedule auto`` every plan is simulated under dapple's 1F1B and under zb-h1 (where it fits), and
+``dapple.plan`` is asked for schedule="auto"; with ``--schedule zb-h1``, zb-h1 alone ("model's best" is left out:
+the refined model of zb-h1 is its simulation).
 """
 
 from __future__ import annotations
@@ -76,29 +79,54 @@ def every_plan(prof: Profile, cluster: Cluster, g: int, max_m: int, overlap: boo
                                    warmup_policy=pol), est.latency_ms
 
 
+def fits(plan: Plan, prof: Profile, cluster: Cluster) -> bool:
+    """Whether a plan fits in device memory under its schedule (zb-h1 holds K_0 micro-batches until their W)."""
+    try:
+        evaluate(prof, cluster, plan, model="paper")
+    except ValueError:
+        return False
+    return True
+
+
+def under(cands: list, schedule: str, prof: Profile, cluster: Cluster) -> list:
+    """``cands`` (Plan, modelled ms) as the schedules ``schedule`` stands for ("auto": dapple and zb-h1), a
+    split-backward one only where it fits."""
+    out = []
+    for p, est in cands:
+        for sch in ("dapple", "zb-h1") if schedule == "auto" else (schedule,):
+            q = p if sch == p.schedule else Plan(p.global_batch_size, p.micro_batch_size, p.stages, schedule=sch,
+                                                 warmup_policy=p.warmup_policy)
+            if q is p or fits(q, prof, cluster):
+                out.append((q, est))
+    return out
+
+
 def instance(spec: tuple) -> tuple:
     """One instance: (regret per way of planning, cluster name, global batch, our plan's shape, the oracle's,
     plans simulated)."""
-    seed, layers, max_m, link_sharing, overlap = spec
+    seed, layers, max_m, link_sharing, overlap, schedule = spec
     rng = random.Random(seed)
     prof = synthetic(rng, rng.randint(*layers))
     cluster = rng.choice(clusters())
     cluster.link_sharing = link_sharing
     g = rng.choice([32, 64, 128])
     sizes = [b for b in range(1, g + 1) if g % b == 0 and g // b <= max_m]
-    cands = list(every_plan(prof, cluster, g, max_m, overlap))
+    cands = under(list(every_plan(prof, cluster, g, max_m, overlap)), schedule, prof, cluster)
     if not cands:
         return None
     sims = [simulate(p, prof, cluster, overlap=overlap).latency_ms for p, _ in cands]
     oracle = min(sims)
     model_best = min(range(len(cands)), key=lambda i: cands[i][1])
-    ours = {"plan": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes, overlap=overlap),
-            "plan verify=0": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes, verify=0, overlap=overlap)}
+    ours = {"plan": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes, overlap=overlap, schedule=schedule),
+            "plan verify=0": dapple.plan(prof, cluster, g, micro_batch_sizes=sizes, verify=0, overlap=overlap,
+                                         schedule=schedule)}
     got = {k: simulate(p, prof, cluster, overlap=overlap).latency_ms for k, p in ours.items()}
-    got["model's best"] = sims[model_best]
+    if schedule == "dapple":
+        got["model's best"] = sims[model_best]
     best = cands[min(range(len(sims)), key=sims.__getitem__)][0]
-    return ({k: t / oracle - 1 for k, t in got.items()}, cluster.name, g, ours["plan"].shape,
-            ours["plan"].micro_batch_size, best.shape, best.micro_batch_size, len(cands))
+    mine = ours["plan"]
+    return ({k: t / oracle - 1 for k, t in got.items()}, cluster.name, g, f"{mine.shape} {mine.schedule}",
+            mine.micro_batch_size, f"{best.shape} {best.schedule}", best.micro_batch_size, len(cands))
 
 
 def main() -> None:
@@ -109,16 +137,19 @@ def main() -> None:
     ap.add_argument("--max-micro-batches", type=int, default=32, help="micro-batch sizes with M above this are skipped")
     ap.add_argument("--link-sharing", default="held", choices=("held", "shared"))
     ap.add_argument("--overlap", action="store_true", help="AllReduce overlapped: model, planner and simulator")
+    ap.add_argument("--schedule", default="dapple", choices=("dapple", "auto", "zb-h1"),
+                    help="the schedules every plan is simulated under and dapple.plan is asked for")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     t0 = time.perf_counter()
     specs = [(args.seed * 100_003 + i, tuple(args.layers), args.max_micro_batches, args.link_sharing,
-              args.overlap) for i in range(args.instances)]
+              args.overlap, args.schedule) for i in range(args.instances)]
     with multiprocessing.Pool(args.workers) as pool:
         results = [r for r in pool.map(instance, specs) if r is not None]
     regrets: dict[str, list[float]] = {k: [r[0][k] for r in results] for k in results[0][0]}
     print(f"{len(results)} instances (seed {args.seed}, {args.layers[0]}-{args.layers[1]} layers, link sharing "
-          f"{args.link_sharing}{', overlap' if args.overlap else ''}): {sum(r[-1] for r in results)} plans "
+          f"{args.link_sharing}{', overlap' if args.overlap else ''}, schedule {args.schedule}): "
+          f"{sum(r[-1] for r in results)} plans "
           f"simulated in {time.perf_counter() - t0:.0f} s")
     print("  regret = simulated latency / the best simulated plan's - 1")
     print(f"  {'plan':<14} {'optimal':>8} {'median':>8} {'p90':>7} {'max':>7} {'<=1%':>6} {'<=5%':>6}")

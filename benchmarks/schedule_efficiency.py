@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 
 import torch
@@ -84,6 +85,8 @@ def _pippy_step(args: argparse.Namespace, kind: str, cls, stage_cls, x, y):
     def step() -> None:
         kw = {"target": y} if last else {}
         sched.step(*((x,) if first else ()), **kw)
+    order = getattr(sched, "pipeline_order", None) or {}
+    step.actions = {r: [str(a) for a in acts if a is not None] for r, acts in order.items()}  # for replay()
     return step
 
 
@@ -112,7 +115,9 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.rounds):
         for name, step in steps.items():
             results[name] += [w for w, _ in timed_steps(step, args.steps)]
-    return {"step_ms": results, "op_ms": _op_durations(pipes["dapple/A"], steps["dapple/A"], args.steps)}
+    actions = {name: getattr(step, "actions", None) for name, step in steps.items()}
+    return {"step_ms": results, "op_ms": _op_durations(pipes["dapple/A"], steps["dapple/A"], args.steps),
+            "actions": {name: a for name, a in actions.items() if a}}
 
 
 def simulated(args: argparse.Namespace) -> dict[str, float]:
@@ -128,6 +133,43 @@ def simulated(args: argparse.Namespace) -> dict[str, float]:
     prof = Profile("emulated", "nominal", [b], layers)
     cluster = Cluster(1, S, 1e30, 1e30, 0.0, 0.0, 1e12, name="emulated")
     return {name: simulate(_plan(model, b, m, sch, pol), prof, cluster).latency_ms for name, sch, pol in DAPPLE}
+
+
+ACTION = re.compile(r"(\d+)([FIWB])(\d+)")  # PiPPy's compute actions: stage, kind, micro-batch ("3I5")
+
+
+def _waits_for(s: int, k: str, m: int, last: int) -> list[tuple]:
+    """The actions (stage, kind, micro-batch) one of which PiPPy's action (s, k, m) waits for."""
+    if k == "F":
+        return [(s - 1, "F", m)] if s > 0 else []
+    if k in "IB":  # input gradients come from the stage below; the last stage's from its own forward
+        return [(s, "F", m)] if s == last else [(s + 1, "I", m), (s + 1, "B", m)]
+    return [(s, "I", m)]  # W after its own I
+
+
+def replay(actions: dict[int, list[str]], chunk_ms: float) -> float:
+    """Step ms of PiPPy's own per-rank action lists played with nominal durations and free transfers: each
+    rank runs its list in order, an action waiting for :func:`_waits_for`; F, I and W of one chunk take
+    ``chunk_ms``, a full B twice that (OVERLAP_F_B runs its parts in a row)."""
+    todo = {r: [(int(s), k, int(m)) for a in acts for s, k, m in ACTION.findall(a)] for r, acts in actions.items()}
+    last = max(s for acts in todo.values() for s, _, _ in acts)
+    done: dict[tuple, float] = {}
+    free = {r: 0.0 for r in todo}
+    while any(todo.values()):
+        moved = False
+        for r, acts in todo.items():
+            while acts:
+                needs = _waits_for(*acts[0], last)
+                ready = [done[n] for n in needs if n in done]
+                if needs and not ready:
+                    break
+                start = max([free[r]] + ready)
+                free[r] = done[acts[0]] = start + chunk_ms * (2 if acts[0][1] == "B" else 1)
+                acts.pop(0)
+                moved = True
+        if not moved:
+            raise RuntimeError(f"replay: PiPPy's action lists wait on each other: {todo}")
+    return max(free.values())
 
 
 def _op_durations(pipe, step, steps: int) -> dict | None:
@@ -178,8 +220,13 @@ def main() -> None:
         print(f"{name:<20}{med[name]:>10.1f}{min(ts):>9.1f}{ideal / med[name]:>12.3f}{ideal_ops / med[name]:>9.3f}"
               f"{med[name] / zb:>9.3f}")
     sim = simulated(args)
-    print("simulated (nominal costs, no transfer time): " + ", ".join(
-        f"{name} {t:.1f} ms" for name, t in sim.items()) + f"; ZB / 1F1B {sim['dapple/A'] / sim['dapple/zb-h1']:.3f}")
+    kinds = {name: kind for name, kind, _ in _pippy_engines()[1]}
+    for name, acts in got["actions"].items():  # two-chunk schedules (one layer a chunk); 1F1B/GPipe: dapple's
+        if kinds[name] != "single":
+            sim[name] = replay(acts, f / 2)
+    print("simulated (nominal costs, no transfer time; PiPPy: its own action lists, replay()):")
+    for name, t in sim.items():
+        print(f"  {name:<20}{t:>8.1f} ms   ZB / it {t / sim['dapple/zb-h1']:.3f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "ideal_ms": ideal, "ideal_ops_ms": ideal_ops, "op_ms": ops, "step_ms": res,

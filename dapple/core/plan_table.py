@@ -108,6 +108,10 @@ def _planning_lines(plan: "Plan") -> list[str]:
              + (f"; search stopped at its time limit{_limit(meta.get('time_limit_s'))}: the best "
                 f"plan found so far (time_limit= searches longer)" if meta.get("search_complete") is False else "")
              + (f"; optimality gap {meta['gap']:.1%}" if meta.get("gap") else "")]
+    searched = meta.get("search_schedule")
+    if searched and searched != plan.schedule:  # the search's bound is one of the 1F1B model: none is claimed here
+        lines.append(f"  the search models the {searched} schedule; the simulator judged its candidates under "
+                     f"{plan.schedule}: no lower bound is claimed")
     bound = meta.get("latency_lower_bound_ms")
     if bound and plan.estimate is not None:
         off = plan.estimate.latency_ms / bound - 1

@@ -96,6 +96,16 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
     """
     if schedule in (AUTO, *SPLIT_BACKWARD) or _check_activations(recompute, mixed_precision) == "auto":
         return _where_memory_binds(dict(locals())) if recompute == "auto" else _settled(dict(locals()))
+    return _planned(**locals())
+
+
+def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None, *,
+             model: str, overlap: bool, schedule: str, warmup_policy: str | None, optimizer_factor: float, beam: int,
+             micro_batch_sizes: Sequence[int] | None, max_stages: int | None, search: str,
+             time_limit: float | str | None, gap: float, verify: int, workers: int | str, recompute: bool,
+             mixed_precision: str | None) -> Plan:
+    """:func:`plan` with ``recompute`` settled: the DP's search of every micro-batch size (it models dapple's
+    1F1B), then the final choice among its candidates, simulated under ``schedule`` ("auto": dapple and zb-h1)."""
     t0 = time.perf_counter()
     search, time_limit = _checked(profile, cluster, global_batch_size, model, schedule, warmup_policy,
                                   optimizer_factor, beam, max_stages, search, time_limit, gap, verify, overlap)
@@ -129,6 +139,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
                     spare=spare, within=choice.VERIFY_WITHIN if every is None else INF, recompute=recompute,
                     mixed_precision=mixed_precision)
     stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor, config)
+    schedule = picked.chosen.schedule  # "auto": the simulator's choice (dapple where nothing was simulated)
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
                    overlap=overlap, mixed_precision=mixed_precision)
@@ -140,17 +151,22 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
 
 
 def _settled(args: dict) -> Plan:
-    """schedule "auto" or a split-backward one (zb-h1): the plan :func:`plan` (``args``: its arguments) finds for
-    dapple's 1F1B, which its search models, then its schedule settled by ``schedule_choice.settle_schedule``:
-    "auto" picks dapple or zb-h1, whichever the simulator finds faster (zb-h1 only where every stage can hold K_0
-    micro-batches until their W; ``meta["schedule_choice"]`` records it); zb-h1 asked for by name must fit so
-    (ValueError naming the stage). Re-estimated (and re-simulated if it was) under the schedule settled."""
-    p = plan(**{**args, "schedule": "dapple"})
+    """schedule "auto" or a split-backward one (zb-h1): the plan :func:`_planned` finds (``args``: plan()'s
+    arguments; its DP models dapple's 1F1B, its simulator judges the candidates under the schedules asked for),
+    its schedule then settled by ``schedule_choice.settle_schedule``: "auto" takes zb-h1 where the simulator finds
+    it faster (only where every stage can hold K_0 micro-batches until their W; ``meta["schedule_choice"]``
+    records it); zb-h1 asked for by name must fit so (ValueError naming the stage). Re-estimated (and
+    re-simulated if it was) where that changed the schedule. A zb-h1 plan claims no lower bound: the search's
+    is one of the 1F1B model (``meta["search_schedule"]``)."""
+    p = _planned(**args)
     profile, cluster = args["profile"], args["cluster"]
     schedule, record = settle_schedule(args["schedule"], profile, cluster, p.stages, p.global_batch_size,
                                        p.micro_batch_size, bool(p.meta.get("overlap")), args["optimizer_factor"],
                                        p.mixed_precision)
     meta = {**p.meta, **({"schedule_choice": record} if record is not None else {})}
+    if schedule in SPLIT_BACKWARD:
+        meta.pop("latency_lower_bound_ms", None)
+        meta["search_schedule"] = "dapple"
     if schedule == p.schedule:
         p.meta = meta
         return p
@@ -366,7 +382,7 @@ def _candidates(searched: _Searched, seeds: list[Candidate]) -> list[Candidate]:
 def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Choice, optimizer_factor: float,
             config: SearchConfig) -> list[Stage]:
     """The chosen plan's stages on concrete devices, with their K_i and recompute flags."""
-    b, spans, _, policy = picked.chosen
+    b, spans, _, policy, _ = picked.chosen
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=config.recompute,
                    mixed_precision=config.mixed_precision)
     pc, _ = pipeline_costs(cm, spans, g // b, policy)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ..core.plan import Plan, Stage
-from ..core.schedule import SPLIT_BACKWARD, stage_holds
+from ..core.schedule import SPLIT_BACKWARD
 from .model.cost import CostModel
+from .model.memory import holds_unfit, split_backward_unfit  # noqa: F401 (holds_unfit: also importable here)
 from .simulator.events import simulate
 
 if TYPE_CHECKING:
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
 
 AUTO = "auto"
 CHOICES = ("dapple", "zb-h1")  # in order of preference on a tie: dapple holds fewer activations on later stages
+TIE = 1e-3  # a later choice must simulate this fraction faster than an earlier one to be taken
 
 
 def settle_schedule(schedule: str, profile: "Profile", cluster: "Cluster", stages: Sequence[Stage],
@@ -35,8 +37,7 @@ def settle_schedule(schedule: str, profile: "Profile", cluster: "Cluster", stage
     if schedule in SPLIT_BACKWARD:
         cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor,
                        mixed_precision=mixed_precision)
-        why = holds_unfit(cm, stages, stage_holds([s.warmup for s in stages], global_batch_size // micro_batch_size),
-                          cluster.device_memory)
+        why = split_backward_unfit(cm, stages, global_batch_size // micro_batch_size, cluster.device_memory)
         if why:
             raise ValueError(f"schedule={schedule!r}: the plan found does not fit: {why}; schedule='auto' falls "
                              f"back to 'dapple' where it does not")
@@ -66,31 +67,20 @@ def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Sta
     """
     cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor,
                    mixed_precision=mixed_precision)
-    holds = stage_holds([s.warmup for s in stages], global_batch_size // micro_batch_size)
     simulated: dict[str, float] = {}
     refused: dict[str, str] = {}
+    M = global_batch_size // micro_batch_size
     for name in CHOICES:
-        if name in SPLIT_BACKWARD and (why := holds_unfit(cm, stages, holds, cluster.device_memory)):
+        if name in SPLIT_BACKWARD and (why := split_backward_unfit(cm, stages, M, cluster.device_memory)):
             refused[name] = why
             continue
         plan = Plan(global_batch_size, micro_batch_size, list(stages), schedule=name, mixed_precision=mixed_precision)
         simulated[name] = round(simulate(plan, profile, cluster, overlap=overlap).latency_ms, 6)
-    chosen = min(simulated, key=lambda n: (simulated[n], CHOICES.index(n)))
+    chosen = CHOICES[0]  # another must simulate TIE faster, as when the simulator judges candidates (choice.py)
+    for name in CHOICES[1:]:
+        if name in simulated and simulated[name] < simulated[chosen] * (1 - TIE):
+            chosen = name
     record: dict = {"simulated_ms": simulated, "chosen": chosen}
     if refused:
         record["refused"] = refused
     return chosen, record
-
-
-def holds_unfit(cm: CostModel, stages: Sequence[Stage], holds: Sequence[int], memory: float) -> str:
-    """Why holding ``holds[i]`` micro-batches on stage i does not fit somewhere ("" where it fits); a recomputing
-    stage is left out (its backward runs whole in B: it holds what it holds under dapple)."""
-    for i, (st, h) in enumerate(zip(stages, holds)):
-        if st.recompute:
-            continue
-        a, c = st.layers
-        need = cm.static_bytes(a, c) + h * cm.saved_bytes(a, c, st.replicas)
-        if need > memory:
-            return (f"stage {i} would hold {h} micro-batches until their W: {need / 1e9:.3g} GB > "
-                    f"{memory / 1e9:.3g} GB of device memory")
-    return ""

@@ -1,4 +1,4 @@
-"""schedule="auto": the simulator picks dapple's 1F1B or zb-h1 for the plan found, zb-h1 only where it fits."""
+"""schedule="auto" and "zb-h1": the simulator judges plans under dapple's 1F1B and zb-h1, zb-h1 where it fits."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dapple
 from dapple.core.plan import Stage
 from dapple.planner import evaluate, simulate
 from dapple.planner.model.cost import CostModel
+from dapple.planner.model.memory import split_backward_unfit
 from dapple.planner.schedule_choice import choose_schedule
 
 from .helpers import cluster, linear_profile
@@ -67,5 +68,18 @@ def test_an_explicit_zero_bubble_plan_that_does_not_fit_is_refused():
     plan = dapple.plan(prof, c, 64, 8, overlap=True, schedule="auto")
     assert plan.schedule == "dapple" and [s.warmup for s in plan.stages] == [4, 3, 2, 1]
     assert plan.meta["schedule_choice"]["refused"]["zb-h1"].startswith("stage 3 would hold 4 micro-batches")
+    with pytest.raises(ValueError, match=r"schedule='zb-h1': the plan does not fit: stage 3 would hold 4"):
+        evaluate(prof, c, plan, schedule="zb-h1")
+    # the memory zb-h1 reports: K_0 = 4 micro-batches held on the last stage, 80 GB against K_3 = 1's 32 GB
+    big = cluster(1, 4, intra=1e10, memory=1e11)
+    mem = [evaluate(prof, big, plan, schedule=s).details["stages"][3]["memory_gb"] for s in ("dapple", "zb-h1")]
+    assert mem == [pytest.approx(32.0), pytest.approx(80.0)]
+    # asked for by name, the simulator judges the candidates as zb-h1 plans: the fastest that fits
+    zb = dapple.plan(prof, c, 64, 8, overlap=True, schedule="zb-h1")
+    assert zb.schedule == "zb-h1" and zb.stages != plan.stages
+    assert not split_backward_unfit(CostModel(prof, c, 8), zb.stages, 8, c.device_memory)
+    assert zb.meta["simulated_ms"] == pytest.approx(simulate(zb, prof, c, overlap=True).latency_ms, rel=1e-6)
+    assert "latency_lower_bound_ms" not in zb.meta and zb.meta["search_schedule"] == "dapple"
+    assert "no lower bound is claimed" in str(zb)
     with pytest.raises(ValueError, match=r"schedule='zb-h1': the plan found does not fit: stage 3 would hold 4"):
-        dapple.plan(prof, c, 64, 8, overlap=True, schedule="zb-h1")
+        dapple.plan(prof, c, 64, 8, overlap=True, schedule="zb-h1", verify=0)  # the DP's own plan, unjudged

@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.checks import positive_int
 from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
-from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, validate_warmup, warmup_counts
+from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, stage_holds, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
 from ..simulator.latency import simulated_latency
 from .cost import CostModel, Span, layout_of
-from .memory import RECOMPUTE_MODES, StageBytes, activation_scale, check_stage_memory, recompute_mode
+from .memory import (RECOMPUTE_MODES, StageBytes, activation_scale, check_stage_memory, recompute_mode,
+                     split_backward_unfit)
 from .pivot import Latency, paper_latency
 from .refined import refined_latency
 from .transfers import add_users, feeds, queues
@@ -211,11 +212,14 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         flags = [s.recompute for s in sts] if recompute is None else None
     pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, given, recompute=flags)
     lat = pc.latency(opt.model, opt.overlap)
-    if opt.schedule in SPLIT_BACKWARD and opt.model == "refined":  # the closed form is 1F1B's: simulate the split
+    if opt.schedule in SPLIT_BACKWARD:
         rc = flags if flags is not None else [bool(recompute)] * len(sts)
         played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k, r) for s, k, r in zip(sts, pc.K, rc)],
                       schedule=opt.schedule, mixed_precision=opt.mixed_precision)
-        lat = simulated_latency(played, profile, cluster, opt.overlap)
+        if why := split_backward_unfit(cm, played.stages, M, cluster.device_memory):
+            raise ValueError(f"schedule={opt.schedule!r}: the plan does not fit: {why}")
+        if opt.model == "refined":  # the closed form is 1F1B's: simulate the split
+            lat = simulated_latency(played, profile, cluster, opt.overlap)
     return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule)
 
 
@@ -298,7 +302,10 @@ def _given_warmup(stages: list[Stage], M: int, schedule: str) -> list[int] | Non
 def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Sequence[int], lat: Latency, *,
                   model: str, overlap: bool, schedule: str) -> Estimate:
     """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot."""
-    per = [_stage_details(cm, pc, i, span, D[i], overlap, i + 1 < len(spans)) for i, span in enumerate(spans)]
+    # a split backward holds each micro-batch until its W: stage i holds stage_holds' count, not K_i
+    held = stage_holds(pc.K, pc.M) if schedule in SPLIT_BACKWARD else list(pc.K)
+    per = [_stage_details(cm, pc, i, span, D[i], overlap, i + 1 < len(spans), held[i])
+           for i, span in enumerate(spans)]
     busy = 0.0
     for i, (_, _, lay) in enumerate(spans):
         busy += len(lay) * pc.M * (pc.F[2 * i] + pc.B[2 * i])
@@ -318,15 +325,16 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
 
 
 def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int, overlap: bool,
-                   sends: bool) -> dict:
-    """``details["stages"][i]``: stage i's costs, rounded as Estimate.to_dict writes them."""
+                   sends: bool, held: int) -> dict:
+    """``details["stages"][i]``: stage i's costs, rounded as Estimate.to_dict writes them (``memory_gb`` with
+    ``held`` micro-batches' activations: K_i, or more under a split backward)."""
     a, c, lay = span
     k = pc.K[i]
     rc = bool(pc.recompute and pc.recompute[i])
     out = {"layers": [a, c], "replicas": len(lay), "rows": cm.rows(len(lay)),
            "forward_ms": round(pc.F[2 * i], 6), "backward_ms": round(pc.B[2 * i], 6),
            "allreduce_ms": round(pc.AR[2 * i], 6), "warmup": k, "max_in_flight": int(min(d, 1 << 20)),
-           "memory_gb": round(cm.stage_bytes(a, c, len(lay), rc).peak(k) / 1e9, 4)}
+           "memory_gb": round(cm.stage_bytes(a, c, len(lay), rc).peak(k if rc else held) / 1e9, 4)}
     if rc:
         out["recompute"] = True
     if overlap and len(lay) > 1:

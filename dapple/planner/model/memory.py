@@ -4,9 +4,14 @@ activation recomputation and mixed precision."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.plan import MIXED_PRECISIONS
+from ...core.schedule import stage_holds
+
+if TYPE_CHECKING:
+    from ...core.plan import Stage
+    from .cost import CostModel
 
 GB = 1e9
 RECOMPUTE_MODES = (False, True, "auto")  # dapple.plan's: never, every stage, only where memory binds (planning.py)
@@ -94,3 +99,23 @@ def check_stage_memory(stage: int, static_bytes: float, saved_bytes: float, devi
         # (recomputing holds more than a plain stage with K_i = 1: it helps only a stage holding more)
         + (", activation recomputation (recompute=True or \"auto\")" if recomputed is None and warmup > 1 else "")
         + " or mixed precision")
+
+
+def holds_unfit(cm: "CostModel", stages: Sequence["Stage"], holds: Sequence[int], memory: float) -> str:
+    """Why holding ``holds[i]`` micro-batches on stage i does not fit somewhere ("" where it fits); a recomputing
+    stage is left out (its backward runs whole in B: it holds what it holds under dapple)."""
+    for i, (st, h) in enumerate(zip(stages, holds)):
+        if st.recompute:
+            continue
+        a, c = st.layers
+        need = cm.static_bytes(a, c) + h * cm.saved_bytes(a, c, st.replicas)
+        if need > memory:
+            return (f"stage {i} would hold {h} micro-batches until their W: {need / 1e9:.3g} GB > "
+                    f"{memory / 1e9:.3g} GB of device memory")
+    return ""
+
+
+def split_backward_unfit(cm: "CostModel", stages: Sequence["Stage"], num_micro_batches: int, memory: float) -> str:
+    """:func:`holds_unfit` for a split-backward schedule (zb-h1) on ``stages`` (their K_i set): each stage holds
+    ``core.schedule.stage_holds`` micro-batches until their W."""
+    return holds_unfit(cm, stages, stage_holds([s.warmup for s in stages], num_micro_batches), memory)

@@ -6,8 +6,11 @@ import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ...core.plan import Plan, Stage
+from ...core.schedule import SPLIT_BACKWARD
 from ..model.cost import CostModel, ServerLayout
 from ..model.evaluate import PipelineCosts, pipeline_costs
+from ..model.memory import split_backward_unfit
+from ..schedule_choice import AUTO, CHOICES, TIE
 from ..simulator.events import simulate
 from ..simulator.floor import latency_floor
 from . import forking
@@ -32,12 +35,13 @@ class Candidate(NamedTuple):
 
 
 class Chosen(NamedTuple):
-    """The plan chosen: micro-batch size, stages, their placement and the warmup policy."""
+    """The plan chosen: micro-batch size, stages, their placement, the warmup policy and the schedule."""
 
     micro_batch_size: int
     spans: tuple
     policies: tuple
     warmup_policy: str
+    schedule: str = CHOICES[0]
 
 
 class Choice(NamedTuple):
@@ -85,8 +89,11 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
     Args:
         profile, cluster, global_batch_size: the instance.
         candidates: the DP's plan first (it wins ties), then the others, by modelled latency.
-        model, overlap, schedule, optimizer_factor: how the plans are modelled and run (model is unused here:
-            the warmup policies are compared under the refined model, the one that tracks the simulator).
+        model, overlap, optimizer_factor: how the plans are modelled and run (model is unused here: the warmup
+            policies are compared under the refined model, the one that tracks the simulator).
+        schedule: the schedule each candidate is simulated under; "auto": each under dapple and under zb-h1
+            (:data:`schedule_choice.CHOICES`), a split-backward one only where it fits in memory. The DP's plan
+            under the first wins ties.
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties).
         verify: simulate the first ``verify`` distinct candidates modelled within ``within`` of the DP's plan,
             each with the warmup policies modelled within ``within`` of its better one (0: trust the model).
@@ -114,13 +121,23 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
 
     top = candidates[0]
     first = priced(top.micro_batch_size, top.spans)
-    chosen = Chosen(top.micro_batch_size, top.spans, top.policies, warmup_policy or better_policy(first, overlap))
+    # the DP's plan under the schedule it models, until a trial under another simulates faster
+    chosen = Chosen(top.micro_batch_size, top.spans, top.policies, warmup_policy or better_policy(first, overlap),
+                    CHOICES[0] if schedule in (AUTO, *SPLIT_BACKWARD) else schedule)
     too_big = cluster.num_devices * (global_batch_size // top.micro_batch_size) > SIMULATE_LIMIT
     late = deadline is not None and time.perf_counter() > deadline  # (no time left for simulations)
     if not verify or too_big or late:
         return Choice(chosen, None, 0, 0, 1)
-    trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size, schedule,
-                         within, mixed_precision)
+    cms: dict[int, CostModel] = {}
+
+    def fits(plan: Plan) -> bool:  # a split backward holds more activations (model.memory.split_backward_unfit)
+        b = plan.micro_batch_size
+        cm = cms.setdefault(b, CostModel(profile, cluster, b, optimizer_factor=optimizer_factor,
+                                         mixed_precision=mixed_precision))
+        return not split_backward_unfit(cm, plan.stages, plan.num_micro_batches, cluster.device_memory)
+
+    trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size,
+                         CHOICES if schedule == AUTO else (schedule,), within, mixed_precision, fits)
     return Simulations(profile, cluster, overlap, trials, workers).judge(chosen, spare)
 
 
@@ -142,10 +159,12 @@ def trial_plan(cluster: "Cluster", global_batch_size: int, b: int, spans: tuple,
 
 def list_trials(candidates: Sequence[Candidate], first: dict, priced: Callable[[int, tuple], dict], verify: int,
                 deadline: float | None, overlap: bool, cluster: "Cluster", global_batch_size: int,
-                schedule: str, within: float | None = None, mixed_precision: str | None = None) -> list[Trial]:
+                schedules: Sequence[str], within: float | None = None, mixed_precision: str | None = None,
+                fits: Callable[[Plan], bool] | None = None) -> list[Trial]:
     """The trials to simulate, in order: the first ``verify`` distinct candidates within ``within`` of the
-    first (none past ``deadline`` but the first) x their warmup policies within ``within`` of the better one
-    (``first``: the first candidate's pipeline costs per policy; ``priced(b, spans)`` gives another's)."""
+    first (none past ``deadline`` but the first) x their warmup policies within ``within`` of the better one x
+    ``schedules`` (``first``: the first candidate's pipeline costs per policy; ``priced(b, spans)`` gives
+    another's; ``fits(plan)``: whether a split-backward plan fits in memory, None: all do)."""
     seen, trials = set(), []
     within = VERIFY_WITHIN if within is None else within
     top = candidates[0].latency
@@ -161,8 +180,10 @@ def list_trials(candidates: Sequence[Candidate], first: dict, priced: Callable[[
         for pol, pc in costs.items():
             if lats[pol] > min(lats.values()) * (1 + within):
                 continue
-            trials.append(Trial(b, spans, policies, pol, trial_plan(cluster, global_batch_size, b, spans, pc, pol,
-                                                                    schedule, mixed_precision)))
+            for sch in schedules:
+                plan = trial_plan(cluster, global_batch_size, b, spans, pc, pol, sch, mixed_precision)
+                if sch not in SPLIT_BACKWARD or fits is None or fits(plan):
+                    trials.append(Trial(b, spans, policies, pol, plan))
     return trials
 
 
@@ -192,7 +213,7 @@ class Simulations:
         self.settle([k for k in range(min(len(trials), max(own, self.workers))) if k not in self.took])
         rest = [k for k in range(len(trials)) if k not in self.took]
         while rest:
-            below = self.pick(chosen)[1] * (1 - 1e-3)  # what a trial must simulate below to win
+            below = self.pick(chosen)[1] * (1 - TIE)  # what a trial must simulate below to win
             rest = [k for k in rest if self.floor(k) < below]
             batch = rest[:1] if self.workers == 1 else rest  # one at a time in-process: the best falls as they go
             self.settle(batch)
@@ -221,12 +242,13 @@ class Simulations:
     def pick(self, chosen: Chosen) -> tuple[Chosen, float | None]:
         """The fastest simulated trial, in order (``chosen`` wins ties), and its ms."""
         best_sim = None
-        for k, (b, spans, policies, pol, _) in enumerate(self.trials):
+        for k, (b, spans, policies, pol, plan) in enumerate(self.trials):
             t = self.took.get(k)
-            if t is not None and (best_sim is None or t < best_sim * (1 - 1e-3) or (
-                    t <= best_sim * (1 + 1e-3) and (b, spans, pol) == chosen[:2] + (chosen[3],))):
+            trial = Chosen(b, spans, policies, pol, plan.schedule)
+            if t is not None and (best_sim is None or t < best_sim * (1 - TIE) or (
+                    t <= best_sim * (1 + TIE) and trial[:2] + trial[3:] == chosen[:2] + chosen[3:])):
                 best_sim = t
-                chosen = Chosen(b, spans, policies, pol)
+                chosen = trial
         return chosen, best_sim
 
     def floor(self, k: int) -> float:
