@@ -11,22 +11,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapple import Cluster, Profile, plan  # noqa: E402
+from dapple import Cluster, Plan, Profile, plan  # noqa: E402
 from dapple.profiler import LayerProfile  # noqa: E402
 
 PIPEDREAM = Path(__file__).resolve().parents[1] / "profiles" / "pipedream"
 
 
-def synthetic(n: int, seed: int = 0) -> Profile:
+def synthetic(n: int, seed: int = 0, out_bytes: float = 4e6) -> Profile:
     """A transformer-like stack: n layers of varied compute (+-30%), 50 MB of parameters and 4 MB of activations
-    per row each, profiled at batch 1 and 8 (a fixed per-layer overhead)."""
+    per row each (``out_bytes`` of output: what crosses a stage boundary), profiled at batch 1 and 8 (a fixed
+    per-layer overhead)."""
     rng = random.Random(seed)
     layers = []
     for i in range(n):
         f = rng.uniform(0.7, 1.3)
-        layers.append(LayerProfile(f"block{i}", [0.2 + f, 0.2 + 8 * f], [0.4 + 2 * f, 0.4 + 16 * f], [4e6, 32e6],
-                                   [16e6, 128e6], int(50e6)))
+        layers.append(LayerProfile(f"block{i}", [0.2 + f, 0.2 + 8 * f], [0.4 + 2 * f, 0.4 + 16 * f],
+                                   [out_bytes, 8 * out_bytes], [16e6, 128e6], int(50e6)))
     return Profile(f"synthetic{n}", "synthetic", [1, 8], layers)
+
+
+def compute_chains(p: Plan) -> float:
+    """The most, over the plan's stages s, of its compute and AllReduce alone, the terms the search's lower bound
+    keeps: the first micro-batch's forwards before s + M (F_s + B_s) + what s's overlapped AllReduce adds after
+    its last backward (transfers, warmup round trips and link queues left out)."""
+    st, M = p.estimate.details["stages"], p.num_micro_batches
+    out = 0.0
+    for i, d in enumerate(st):
+        tail = max(d.get("overlapped_ending_ms", d["allreduce_ms"] + d["backward_ms"]) - d["backward_ms"], 0.0)
+        out = max(out, sum(x["forward_ms"] for x in st[:i]) + M * (d["forward_ms"] + d["backward_ms"]) + tail)
+    return out
 
 
 def timed(repeats: int, fn):
@@ -42,6 +55,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--big", action="store_true", help="also plan the 128-layer model on 128 x 8 = 1024 devices")
+    ap.add_argument("--big-only", action="store_true", help="only the 128 x 8 cases (with --big)")
+    ap.add_argument("--free-activations", action="store_true",
+                    help="layers whose outputs are 1 byte a row: stage boundaries cost (almost) no transfer time")
     ap.add_argument("--model", default="refined", choices=("refined", "paper"))
     ap.add_argument("--time-limit", type=float, default=None,
                     help="stop the 8x8 and 128x8 searches after this many seconds (anytime: best plan so far)")
@@ -68,10 +84,12 @@ def main() -> None:
                    lambda: synthetic(128), eight, 512, None, args.time_limit, args.gap)]
     if args.big:
         big = lambda: Cluster.preset("A", servers=128)  # noqa: E731
+        layers = lambda: synthetic(128, out_bytes=1.0 if args.free_activations else 4e6)  # noqa: E731
+        cases = cases[:0] if args.big_only else cases
         cases += [("synthetic 128 layers, global 8192, 128x8 (1024 devices), micro-batch 64",
-                   lambda: synthetic(128), big, 8192, 64, args.time_limit, 0.0),
+                   layers, big, 8192, 64, args.time_limit, 0.0),
                   ("synthetic 128 layers, global 8192, 128x8 (1024 devices), micro-batch searched",
-                   lambda: synthetic(128), big, 8192, None, args.time_limit, 0.0)]
+                   layers, big, 8192, None, args.time_limit, 0.0)]
     for name, prof, cluster, g, b, limit, gap in cases:
         p, c = prof(), cluster()
         med, times, result = timed(args.repeats, lambda: plan(p, c, g, b, model=args.model, time_limit=limit,
@@ -84,7 +102,8 @@ def main() -> None:
               f"{result.meta['workers']} worker(s)"
               + (f" (no plan below {result.meta['latency_lower_bound_ms']:.1f} ms: at most "
                  f"{result.estimate.latency_ms / result.meta['latency_lower_bound_ms'] - 1:.1%} off the optimum)"
-                 if "latency_lower_bound_ms" in result.meta else ""), flush=True)
+                 if "latency_lower_bound_ms" in result.meta else "")
+              + f"; its stages' compute and AllReduce alone: {compute_chains(result):.1f} ms", flush=True)
 
 
 if __name__ == "__main__":

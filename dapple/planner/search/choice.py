@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ...core.profile import Profile
 
 VERIFY_WITHIN = 0.1  # plan(verify=): candidates modelled more than this fraction above the DP's plan are not simulated
+INF = float("inf")
 SIMULATE_LIMIT = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
 
 
@@ -93,7 +94,8 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
             policies are compared under the refined model, the one that tracks the simulator).
         schedule: the schedule each candidate is simulated under; "auto": each under dapple and under zb-h1
             (:data:`schedule_choice.CHOICES`), a split-backward one only where it fits in memory. The DP's plan
-            under the first wins ties.
+            under the first wins ties. Under a split backward ``within`` is not applied: the 1F1B model's ranking
+            says little of how much of a plan's bubble W fills (the floors still skip the hopeless).
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties).
         verify: simulate the first ``verify`` distinct candidates modelled within ``within`` of the DP's plan,
             each with the warmup policies modelled within ``within`` of its better one (0: trust the model).
@@ -136,8 +138,9 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
                                          mixed_precision=mixed_precision))
         return not split_backward_unfit(cm, plan.stages, plan.num_micro_batches, cluster.device_memory)
 
+    split = schedule in (AUTO, *SPLIT_BACKWARD)
     trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size,
-                         CHOICES if schedule == AUTO else (schedule,), within, mixed_precision, fits)
+                         CHOICES if schedule == AUTO else (schedule,), INF if split else within, mixed_precision, fits)
     return Simulations(profile, cluster, overlap, trials, workers).judge(chosen, spare)
 
 
