@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--free-activations", action="store_true",
                     help="layers whose outputs are 1 byte a row: stage boundaries cost (almost) no transfer time")
     ap.add_argument("--model", default="refined", choices=("refined", "paper"))
+    ap.add_argument("--schedule", default="dapple", choices=("dapple", "zb-h1", "auto"),
+                    help="plan(schedule=...): auto and zb-h1 have the simulator judge the candidates under them")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="stop the 8x8 and 128x8 searches after this many seconds (anytime: best plan so far)")
     ap.add_argument("--gap", type=float, default=0.01,
@@ -93,13 +95,13 @@ def main() -> None:
     for name, prof, cluster, g, b, limit, gap in cases:
         p, c = prof(), cluster()
         med, times, result = timed(args.repeats, lambda: plan(p, c, g, b, model=args.model, time_limit=limit,
-                                                              gap=gap, workers=workers))
+                                                              gap=gap, workers=workers, schedule=args.schedule))
         print(f"{name}: median {med:.3f} s over {len(times)} runs ({', '.join(f'{t:.3f}' for t in times)}); "
               f"{result.num_stages} stages {[len(s.devices) for s in result.stages]}, micro-batch "
               f"{result.micro_batch_size}, {result.meta['dp_states']} DP states, "
               f"{result.meta['dp_transitions']} transitions, estimate {result.estimate.latency_ms:.1f} ms, "
               f"search {'complete' if result.meta['search_complete'] else 'stopped at the time limit'}, "
-              f"{result.meta['workers']} worker(s)"
+              f"{result.meta['workers']} worker(s), schedule {result.schedule}"
               + (f" (no plan below {result.meta['latency_lower_bound_ms']:.1f} ms: at most "
                  f"{result.estimate.latency_ms / result.meta['latency_lower_bound_ms'] - 1:.1%} off the optimum)"
                  if "latency_lower_bound_ms" in result.meta else "")
