@@ -181,15 +181,21 @@ def _settled(args: dict) -> Plan:
 def _where_memory_binds(args: dict) -> Plan:
     """recompute="auto": the plans :func:`plan` (``args``: its arguments) makes without recomputation and with it in
     every stage, each stage of each then recomputing as model.evaluate.auto_recompute says (where its K_i would
-    have to drop otherwise, if that is faster); the faster of the two (the one without on ties)."""
+    have to drop otherwise, if that is faster; a zb-h1 plan whose stages need it to hold K_0 keeps it as planned);
+    the faster of the two (the one without on ties)."""
     t0 = time.perf_counter()
     plans, errors = [], []
     for rc in (False, True):
         try:
-            plans.append(_reflagged(plan(**{**args, "recompute": rc}), args["profile"], args["cluster"],
-                                    args["optimizer_factor"]))
+            found = plan(**{**args, "recompute": rc})
         except ValueError as e:  # no plan fits that way
             errors.append(e)
+            continue
+        try:
+            found = _reflagged(found, args["profile"], args["cluster"], args["optimizer_factor"])
+        except ValueError:  # a zb-h1 stage whose K_i fits may still need recomputation to hold K_0: keep it
+            pass
+        plans.append(found)
     if not plans:
         raise errors[0]
     best = min(plans, key=lambda p: p.estimate.latency_ms)  # (the first on ties)

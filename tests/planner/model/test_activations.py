@@ -134,3 +134,15 @@ def test_auto_with_the_simulators_choice_records_the_simulated_latency_of_the_pl
     auto = dapple.plan(PROF, tight, 32, 8, recompute="auto")  # verify: candidates simulated
     assert [s.recompute for s in auto.stages] == [True, False]
     assert auto.meta["simulated_ms"] == pytest.approx(simulate(auto, PROF, tight).latency_ms, abs=1e-4)
+
+
+def test_auto_recomputation_keeps_what_a_zero_bubble_plan_needs_to_hold_k0():
+    """Under zb-h1 the last stage holds K_0 micro-batches until their W: where only recomputation makes that fit,
+    recompute="auto" keeps it there even though K_i = 1 would fit without (the plan returned fits: evaluate
+    checks zb-h1's holds)."""
+    tight = cluster(1, 2, memory=3e9)  # a stage of 2 layers holds one micro-batch's activations, no more
+    zb = dapple.plan(PROF, tight, 32, 8, recompute="auto", schedule="zb-h1")
+    assert zb.schedule == "zb-h1" and [s.recompute for s in zb.stages] == [True, True]
+    assert evaluate(PROF, tight, zb).latency_ms == pytest.approx(zb.estimate.latency_ms)
+    plain = dapple.plan(PROF, tight, 32, 8, recompute="auto")  # 1F1B: the last stage holds one, no recomputation
+    assert [s.recompute for s in plain.stages] == [True, False]
