@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..core.plan import Plan, Stage
 from ..core.schedule import SPLIT_BACKWARD
 from .model.cost import CostModel
-from .model.memory import holds_unfit, split_backward_unfit  # noqa: F401 (holds_unfit: also importable here)
+from .model.memory import split_backward_unfit
 from .simulator.events import simulate
 
 if TYPE_CHECKING:

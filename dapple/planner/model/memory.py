@@ -101,9 +101,11 @@ def check_stage_memory(stage: int, static_bytes: float, saved_bytes: float, devi
         + " or mixed precision")
 
 
-def holds_unfit(cm: "CostModel", stages: Sequence["Stage"], holds: Sequence[int], memory: float) -> str:
-    """Why holding ``holds[i]`` micro-batches on stage i does not fit somewhere ("" where it fits); a recomputing
-    stage is left out (its backward runs whole in B: it holds what it holds under dapple)."""
+def split_backward_unfit(cm: "CostModel", stages: Sequence["Stage"], num_micro_batches: int, memory: float) -> str:
+    """Why a split-backward schedule (zb-h1) on ``stages`` (their K_i set) does not fit somewhere ("" where it
+    fits): each stage holds ``core.schedule.stage_holds`` micro-batches until their W. A recomputing stage is left
+    out (its backward runs whole in B: it holds what it holds under dapple)."""
+    holds = stage_holds([s.warmup for s in stages], num_micro_batches)
     for i, (st, h) in enumerate(zip(stages, holds)):
         if st.recompute:
             continue
@@ -113,9 +115,3 @@ def holds_unfit(cm: "CostModel", stages: Sequence["Stage"], holds: Sequence[int]
             return (f"stage {i} would hold {h} micro-batches until their W: {need / 1e9:.3g} GB > "
                     f"{memory / 1e9:.3g} GB of device memory")
     return ""
-
-
-def split_backward_unfit(cm: "CostModel", stages: Sequence["Stage"], num_micro_batches: int, memory: float) -> str:
-    """:func:`holds_unfit` for a split-backward schedule (zb-h1) on ``stages`` (their K_i set): each stage holds
-    ``core.schedule.stage_holds`` micro-batches until their W."""
-    return holds_unfit(cm, stages, stage_holds([s.warmup for s in stages], num_micro_batches), memory)

@@ -123,9 +123,10 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
 
     top = candidates[0]
     first = priced(top.micro_batch_size, top.spans)
+    split = schedule in (AUTO, *SPLIT_BACKWARD)
     # the DP's plan under the schedule it models, until a trial under another simulates faster
     chosen = Chosen(top.micro_batch_size, top.spans, top.policies, warmup_policy or better_policy(first, overlap),
-                    CHOICES[0] if schedule in (AUTO, *SPLIT_BACKWARD) else schedule)
+                    CHOICES[0] if split else schedule)
     too_big = cluster.num_devices * (global_batch_size // top.micro_batch_size) > SIMULATE_LIMIT
     late = deadline is not None and time.perf_counter() > deadline  # (no time left for simulations)
     if not verify or too_big or late:
@@ -138,7 +139,6 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
                                          mixed_precision=mixed_precision))
         return not split_backward_unfit(cm, plan.stages, plan.num_micro_batches, cluster.device_memory)
 
-    split = schedule in (AUTO, *SPLIT_BACKWARD)
     trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size,
                          CHOICES if schedule == AUTO else (schedule,), INF if split else within, mixed_precision, fits)
     return Simulations(profile, cluster, overlap, trials, workers).judge(chosen, spare)
