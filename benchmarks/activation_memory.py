@@ -22,8 +22,11 @@ import os
 import statistics
 import time
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import dapple
 from dapple.models import GPT, lm_loss, random_tokens
@@ -58,20 +61,41 @@ def _process_peak(steps, device: torch.device) -> int:
     return _rss()[1] - base
 
 
-def run(args: argparse.Namespace, m: int, variant: str) -> dict[str, float]:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+def _gpt(args: argparse.Namespace, g: int) -> tuple[nn.Module, list[int], Any, torch.Tensor, torch.Tensor]:
+    """The GPT of ``args``, its stage cuts (layer indices), its loss and a batch of ``g`` token rows."""
     model = GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.stages * args.blocks, n_head=4,
                 n_embd=args.embd)
     names = trace_layers(model).names
     cuts = [0] + [names.index(f"blocks.{args.blocks * s}") for s in range(1, args.stages)] + [len(names)]
-    stages = [Stage((cuts[s], cuts[s + 1]), [s]) for s in range(args.stages)]
+    x, y = random_tokens(g, args.seq, args.vocab, generator=torch.Generator().manual_seed(0))
+    return model, cuts, lm_loss, x, y
+
+
+def _mlp(args: argparse.Namespace, g: int) -> tuple[nn.Module, list[int], Any, torch.Tensor, torch.Tensor]:
+    """An MLP on rows of ``--embd`` floats (``--blocks`` linear layers per stage), its cuts, MSE and a batch: a
+    model whose input batch is as large as its activations, where what the input checks hold shows."""
+    width, n = args.embd, args.stages * args.blocks
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)])
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(g, width, generator=gen), torch.randn(g, width, generator=gen)
+    names = trace_layers(model).names
+    first = [next(i for i, name in enumerate(names) if name.split(".")[0] == str(s * args.blocks))
+             for s in range(args.stages)]
+    return model, first + [len(names)], nn.functional.mse_loss, x, y
+
+
+def run(args: argparse.Namespace, m: int, variant: str) -> dict[str, float]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
     g = args.micro_batch * m
+    model, cuts, loss_fn, x, y = (_mlp if args.model == "mlp" else _gpt)(args, g)
+    names = trace_layers(model).names
+    stages = [Stage((cuts[s], cuts[s + 1]), [s]) for s in range(args.stages)]
     schedule, _, extra = variant.partition("+")
     plan = dapple.Plan(global_batch_size=g, micro_batch_size=args.micro_batch, schedule=schedule, stages=stages,
                        layer_names=names)
-    pipe = dapple.pipeline(model, plan, lm_loss, timeout=600, recompute=extra == "recompute")
-    x, y = random_tokens(g, args.seq, args.vocab, generator=torch.Generator().manual_seed(0))
+    pipe = dapple.pipeline(model, plan, loss_fn, timeout=600, recompute=extra == "recompute",
+                           check_inputs=not args.no_check_inputs)
     dist.barrier()
     # from before the first step (the allocator keeps what a step frees, so a later baseline would hide it)
     process = _process_peak(lambda: [pipe.train_step(x, y) for _ in range(2)], pipe.ctx.device)
@@ -98,30 +122,38 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--micro-batch", type=int, default=128, help="rows per micro-batch (fixed)")
     p.add_argument("--stages", type=int, default=2, help="stages, one rank each")
-    p.add_argument("--blocks", type=int, default=2, help="GPT blocks per stage")
+    p.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                   help="gpt: token ids in; mlp: rows of --embd floats in (inputs as large as activations)")
+    p.add_argument("--blocks", type=int, default=2, help="GPT blocks (or MLP layers) per stage")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="fresh runs per point; the median process peak is shown")
     p.add_argument("--recompute", action="store_true", help="also dapple with every stage recomputing")
     p.add_argument("--timed-steps", type=int, default=0, help="also time this many steps (median, seconds)")
+    p.add_argument("--no-check-inputs", action="store_true", help="dapple.pipeline(..., check_inputs=False)")
+    p.add_argument("--schedules", nargs="+", default=["dapple", "gpipe"], choices=("dapple", "gpipe"))
     p.add_argument("--json", help="also write the raw peaks here")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    variants = ("dapple", "gpipe") + (("dapple+recompute",) if args.recompute else ())
+    variants = tuple(args.schedules) + (("dapple+recompute",) if args.recompute else ())
     res = {(s, m): _median_of(args.repeats, lambda: dapple.runtime.launch(run, args.stages, args, m, s))
            for s in variants for m in args.micro_batches}
-    print(f"GPT, {args.blocks} blocks per stage on {args.stages} ranks, micro-batch {args.micro_batch} x seq "
-          f"{args.seq}; per stage: saved activations (MiB) / process peak over the memory before the first step (MiB)")
+    shape = f"x seq {args.seq}" if args.model == "gpt" else f"rows of {args.embd} floats"
+    print(f"{args.model.upper()}, {args.blocks} blocks per stage on {args.stages} ranks, micro-batch {args.micro_batch} "
+          f"{shape}, check_inputs={not args.no_check_inputs}; per stage: saved activations (MiB) / process peak over "
+          f"the memory before the first step (MiB)")
     print(f"{'schedule/M':<14}" + "".join(f"{'stage ' + str(s):>18}" for s in range(args.stages)))
     for (sched, m), per in res.items():
         print(f"{sched + '/' + str(m):<14}" + "".join(
             f"{per[r]['saved'] / 2**20:>9.1f} /{per[r]['process'] / 2**20:>7.1f}" for r in range(args.stages)))
     lo, hi = min(args.micro_batches), max(args.micro_batches)
     for what in ("saved", "process"):
-        first = {k: v[0][what] for k, v in res.items()}
-        print(f"{what}, stage 0: dapple M={hi} / M={lo} = {first['dapple', hi] / first['dapple', lo]:.3f}x; "
-              f"dapple / gpipe at M={hi} = {first['dapple', hi] / first['gpipe', hi]:.3f}x")
+        for r in range(args.stages):
+            at = {k: v[r][what] for k, v in res.items()}
+            vs = f"; dapple / gpipe at M={hi} = {at['dapple', hi] / at['gpipe', hi]:.3f}x" if ("gpipe", hi) in at else ""
+            if ("dapple", hi) in at:
+                print(f"{what}, stage {r}: dapple M={hi} / M={lo} = {at['dapple', hi] / at['dapple', lo]:.3f}x{vs}")
     if args.recompute:
         ratio = [res["dapple+recompute", hi][r]["process"] / res["dapple", hi][r]["process"] for r in range(args.stages)]
         print(f"recompute / dapple at M={hi}, process peak per stage: {', '.join(f'{v:.3f}x' for v in ratio)}")

@@ -21,6 +21,7 @@ ABSENT = float("-inf")  # a value this rank does not hold: it takes no part in t
 DEFAULTED = -1.0  # an input this rank reads and leaves to its default (fingerprints are >= 0)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LOW = 0xFFFFFFFF
+CHUNK = 1 << 18  # elements a checksum reads at once: its int64 temporaries stay at 2 MiB whatever the batch
 
 
 def row_atoms(plan: Plan) -> list[tuple[int, int]]:
@@ -31,14 +32,20 @@ def row_atoms(plan: Plan) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def row_bits(t: torch.Tensor) -> torch.Tensor:
+def row_bits(t: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """Per row (dim 0), the sum of its elements' bit patterns as int64 (wrapping): exact, so the same in any
-    layout, order or device, and different almost surely where a row's values differ."""
+    layout, order or device, and different almost surely where a row's values differ. Rows are summed in blocks of
+    about ``chunk`` elements, so the temporaries stay bounded however large the batch."""
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
     x = x.view(_BITS[x.element_size()])
-    return (x.flatten(1) if x.dim() > 1 else x.unsqueeze(1)).sum(1, dtype=torch.int64)
+    x = x.flatten(1) if x.dim() > 1 else x.unsqueeze(1)  # (rows, elements per row); a view where x is contiguous
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # (rows,)
+    step = max(1, chunk // max(1, x.shape[1]))
+    for lo in range(0, x.shape[0], step):
+        torch.sum(x[lo:lo + step], 1, dtype=torch.int64, out=out[lo:lo + step])
+    return out
 
 
 def fingerprint(entries: Any) -> float:
@@ -114,7 +121,7 @@ class BatchCheck:
         if batch.targets is not None:
             v[1 + n] = fingerprint([_describe(h.tensor) for h in batch.targets])
         v = v.to(self.device)
-        if values and batch.rows is not None:
+        if values and batch.rows is not None:  # also what it holds unread: that proves its batch is the others'
             sums = v[2 + n:].view(n + 2, a, 4)
             for i, h in enumerate(batch.inputs or ()):
                 if h is not None and i < n:
