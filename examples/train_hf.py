@@ -36,9 +36,10 @@ def make_plan(model: torch.nn.Module, data: torch.Tensor, world: int, path: str)
     """Profile the model (its layers: embeddings, each transformer block, final norm, head) and plan it."""
     prof = dapple.profile(model, data[:8], lm_loss, batch_sizes=(4, 8), targets=data[:8])
     print(prof)
-    # 4 MB per process, less than training the whole model takes, so that the plan is a pipeline (as on devices a
-    # model outgrows); without device_memory it plans for this machine's RAM
-    cluster = dapple.Cluster.local(world, measure=False, device_memory=4e6)
+    # 0.6x what one process needs to train the whole model, so that the plan is a pipeline (as on devices a model
+    # outgrows); without device_memory it plans for this machine's RAM
+    need = dapple.planner.memory_needed(prof)
+    cluster = dapple.Cluster.local(world, measure=False, device_memory=0.6 * need)
     plan = dapple.plan(prof, cluster, global_batch_size=32)
     print(plan)
     plan.save(path)

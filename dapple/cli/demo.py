@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .. import Cluster, Plan, Profile, pipeline, plan, profile
 from ..core.dist import SHARE_GPUS
 from ..models import GPT, lm_loss
+from ..planner import memory_needed
 from ..runtime import launch
 from ..runtime.distributed import default_backend
 
@@ -108,10 +109,11 @@ def _profile(cfg: DemoConfig) -> Profile:
 def _local_cluster(cfg: DemoConfig, prof: Profile) -> Cluster:
     """This machine's processes, with device memory capped at ``cfg.memory_fraction`` of the whole model's needs."""
     static = 4 * prof.param_bytes()  # fp32 weights, gradients and Adam's two moments
-    row = sum(prof.costs(1).saved_bytes)  # the activations one row (sample) saves for the backward
-    # the least one process needs to hold the whole model is static + row (micro-batches of one row): a share of it
-    # leaves a single stage no room, however micro-batched, so the plan is a pipeline (one process: no cap)
-    memory = cfg.memory_fraction * (static + row) if cfg.nproc > 1 else None
+    whole = memory_needed(prof, 1)  # static + the activations one row (sample) saves for the backward
+    row = whole - static
+    # the least one process needs to hold the whole model (micro-batches of one row): a share of it leaves a single
+    # stage no room, however micro-batched, so the plan is a pipeline (one process: no cap)
+    memory = cfg.memory_fraction * whole if cfg.nproc > 1 else None
     cluster = Cluster.local(cfg.nproc, device_memory=memory)  # measures the links when nproc > 1
     print(f"      {cluster}")
     if memory is not None:

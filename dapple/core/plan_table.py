@@ -9,7 +9,17 @@ if TYPE_CHECKING:
 
 
 def _short(name: str, width: int = 24) -> str:
-    return name if len(name) <= width else name[: width - 1] + "~"
+    """``name`` in at most ``width`` characters: its last dotted parts, which tell layers apart
+    (``encoder.layers.encoder_layer_11`` -> ``~layers.encoder_layer_11``)."""
+    if len(name) <= width:
+        return name
+    parts = name.split(".")
+    tail = parts[-1]
+    for part in reversed(parts[:-1]):
+        if len(part) + 1 + len(tail) > width - 1:
+            break
+        tail = f"{part}.{tail}"
+    return "~" + tail[-(width - 1):]
 
 
 def _layer_span(plan: "Plan", lo: int, hi: int) -> str:

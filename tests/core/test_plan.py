@@ -52,3 +52,12 @@ def test_the_table_shows_precision_and_recompute():
     assert columns.split()[-1] == "recompute" and first.split()[-1] == "yes" and second.split()[-1] == "no"
     plain = str(_plan())
     assert "recompute" not in plain and "mixed precision" not in plain
+
+
+def test_print_plan_shows_the_part_of_long_layer_names_that_tells_them_apart():
+    names = [f"encoder.layers.encoder_layer_{i}" for i in range(12)] + ["model.decoder.final_layer_norm"]
+    plan = Plan(global_batch_size=4, micro_batch_size=2, layer_names=names,
+                stages=[Stage((0, 6), [0]), Stage((6, 13), [1])])
+    text = str(plan)
+    assert "~layers.encoder_layer_0 .. ~layers.encoder_layer_5" in text
+    assert "~layers.encoder_layer_6 .. ~final_layer_norm" in text

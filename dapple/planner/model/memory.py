@@ -11,6 +11,7 @@ from ...core.schedule import stage_holds
 
 if TYPE_CHECKING:
     from ...core.plan import Stage
+    from ...core.profile import Profile
     from .cost import CostModel
 
 GB = 1e9
@@ -115,3 +116,29 @@ def split_backward_unfit(cm: "CostModel", stages: Sequence["Stage"], num_micro_b
             return (f"stage {i} would hold {h} micro-batches until their W: {need / 1e9:.3g} GB > "
                     f"{memory / 1e9:.3g} GB of device memory")
     return ""
+
+
+def memory_needed(profile: "Profile", micro_batch_size: int = 1, *, optimizer_factor: float = 4.0,
+                  mixed_precision: str | None = None, recompute: bool = False) -> float:
+    """Bytes one device needs to train the whole model alone (one stage, one micro-batch in flight), as the
+    planner's memory model counts them: parameters x ``optimizer_factor`` + one micro-batch's saved activations.
+
+    A cluster whose ``device_memory`` is below this cannot run the model data-parallel, so :func:`dapple.plan`
+    must pipeline it: ``Cluster.local(4, device_memory=0.6 * memory_needed(prof))`` plans a pipeline for a model
+    that would fit one device.
+
+    Args:
+        profile: the model's profile.
+        micro_batch_size: rows of the micro-batch in flight (1: the least any plan of one stage needs).
+        optimizer_factor: bytes held per parameter byte (4: fp32 weights, gradients and Adam's two moments), as
+            :func:`dapple.plan` takes it.
+        mixed_precision: "bf16" or "fp16" (activations take half the profiled bytes), or None.
+        recompute: the stage recomputes its forward in its backward (keeps only its inputs per micro-batch).
+    """
+    from ...core.cluster import Cluster  # (imported here: the cost model imports this module)
+    from .cost import CostModel
+
+    one = Cluster(servers=1, devices_per_server=1, intra_bandwidth=1.0, inter_bandwidth=1.0)
+    cm = CostModel(profile, one, micro_batch_size, optimizer_factor, recompute=recompute,
+                   mixed_precision=mixed_precision)
+    return cm.stage_bytes(0, profile.num_layers, 1, recompute).peak(1)

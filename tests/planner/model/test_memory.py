@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dapple.planner import evaluate
+import dapple
+from dapple.planner import Stage, evaluate, memory_needed
 from dapple.planner.model.memory import check_stage_memory, slices_that_fit, stage_memory
 
 from ..helpers import cluster, linear_profile
@@ -43,3 +44,17 @@ def test_k_i_is_capped_by_d_and_an_explicit_k_is_checked():
     from dapple.planner import Stage
     with pytest.raises(ValueError, match=r"stage 0 does not fit.*3 x 0\.800 GB"):
         evaluate(prof, c, [Stage((0, 1), [0], 3), Stage((1, 2), [1], 1)], 64, 8)
+
+
+def test_memory_needed_is_what_one_device_needs_and_below_it_the_plan_is_a_pipeline():
+    prof = linear_profile([1.0] * 6, params=1e8, saved=1e6, boundary=1e5)  # 0.6 GB of parameters, 1 MB/row saved
+    need = memory_needed(prof, 4)
+    assert need == pytest.approx(4 * 6e8 + 4 * 6e6)  # parameters x 4 + one micro-batch of 4 rows' activations
+    assert memory_needed(prof, 4, mixed_precision="bf16") == pytest.approx(4 * 6e8 + 2 * 6e6)
+    assert memory_needed(prof, 4, optimizer_factor=2.0) == pytest.approx(2 * 6e8 + 4 * 6e6)
+    whole = [Stage((0, 6), [0], warmup=1)]
+    evaluate(prof, cluster(1, 1, memory=need), whole, 4, 4)  # exactly enough: the whole model on one device fits
+    with pytest.raises(ValueError, match="stage 0 does not fit"):
+        evaluate(prof, cluster(1, 1, memory=0.99 * need), whole, 4, 4)
+    tight = dapple.plan(prof, cluster(1, 4, memory=0.6 * need), global_batch_size=16, micro_batch_size=4)
+    assert tight.num_stages > 1
