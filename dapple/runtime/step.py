@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from ..core.backward import BackwardPlan, WeightWork, backward_weight, plan_backward, run_backward_input
@@ -137,7 +138,8 @@ class StepRunner:
                 # detached: a send in flight until the step's end must not keep the graph (a split backward
                 # retains it, so its saved tensors would live on)
                 piece = outbox[t.value][lo:lo + t.rows].detach()
-                self.p2p.send(t, self._checked(piece, self._spec(key, t), t))
+                with record_function(f"send {t.kind} {t.micro_batch} to {t.dst}"):  # (torch.profiler, Nsight)
+                    self.p2p.send(t, self._checked(piece, self._spec(key, t), t))
             else:
                 j, kind = ins.op.micro_batch, ins.op.kind
                 count = len(self.graph.recv if kind == "F" else self.graph.send)
@@ -147,18 +149,19 @@ class StepRunner:
                 start = rec.clock() if rec is not None else 0.0
                 if kind == arm and j == self.plan.num_micro_batches - 1:  # the last backward of the step
                     self.reducer.arm()  # gradient AllReduce buckets start as their gradients become final
-                if kind == "F":
-                    outbox = self._forward(j, pieces, xs, ys, alive, layout, keep_output=kept is not None)
-                    m = alive.pop(j) if forward_only else alive[j]
-                    if m.loss is not None:
-                        loss_sum += m.loss.detach()
-                        if kept is not None:
-                            b = self.plan.micro_batch_size
-                            kept.append((range(j * b + self.rows[0], j * b + self.rows[1]), m.output))
-                elif kind == "B":
-                    outbox = self._backward(j, pieces, alive, layout, pending, prepared)
-                else:
-                    self._backward_weight(j, pending)
+                with record_function(f"{kind}{j}"):
+                    if kind == "F":
+                        outbox = self._forward(j, pieces, xs, ys, alive, layout, keep_output=kept is not None)
+                        m = alive.pop(j) if forward_only else alive[j]
+                        if m.loss is not None:
+                            loss_sum += m.loss.detach()
+                            if kept is not None:
+                                b = self.plan.micro_batch_size
+                                kept.append((range(j * b + self.rows[0], j * b + self.rows[1]), m.output))
+                    elif kind == "B":
+                        outbox = self._backward(j, pieces, alive, layout, pending, prepared)
+                    else:
+                        self._backward_weight(j, pending)
                 if rec is not None:
                     rec.compute(kind, j, start, rec.clock())
 
@@ -194,13 +197,15 @@ class StepRunner:
         if rec is not None:
             rec.idle(start, rec.clock(), "sends to complete")
         where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
-        self.reducer.finish(self.timeout, where)
+        with record_function("AllReduce"):
+            self.reducer.finish(self.timeout, where)
         start = rec.clock() if rec is not None else 0.0
         overflow = self.scaler.enabled and overflowed(self.module.parameters())
         reduced[-CHECKS:] = torch.tensor([*self.flags, float(overflow)], dtype=torch.float64)
         if self.stats.layers:
             reduced[self.stats.slot] = gather_sums(self.stats.layers, where)
-        wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
+        with record_function("loss AllReduce"):
+            wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
         commit(self.stats.layers, reduced[self.stats.slot])
         if rec is not None:
             rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")
@@ -352,8 +357,10 @@ class StepRunner:
         """Wait for an op's receives; per value, the pieces in row order (routes are sorted by rows)."""
         pieces: list[list[torch.Tensor]] = [[] for _ in range(count)]
         start = rec.clock() if rec is not None and recvs else 0.0
-        for t in recvs:
-            pieces[t.value].append(self.p2p.wait_recv(t))
+        if recvs:
+            with record_function(f"recv {op.kind}{op.micro_batch}"):
+                for t in recvs:
+                    pieces[t.value].append(self.p2p.wait_recv(t))
         if rec is not None and recvs:
             rec.idle(start, rec.clock(), op)
         return pieces

@@ -15,6 +15,7 @@ from ..core.plan import Plan
 from ..core.timeline import Event, save_chrome_trace
 from ..profiler.probe.clocks import ClockSync, constant_offset, correction, gather_json, sync_clock
 from .distributed import DistContext
+from .gpu_clock import EventClock
 from .program import Transfer
 
 CLOCK: Callable[[], float] = time.perf_counter  # read when a Recorder is made (tests skew it per rank)
@@ -27,8 +28,9 @@ class Recorder:
 
     The engine holds a Recorder only while tracing (otherwise each instruction costs one ``is None`` test). The
     hot path appends a plain tuple per event (no formatting); :attr:`events` builds the ``Event`` objects.
-    Times are read from :data:`CLOCK`; on CUDA each read first synchronizes the device, so a time is when the
-    GPU finished, not when the host queued the work. A step records, per rank (kinds and names as in
+    Times are read from :data:`CLOCK`; on CUDA each read records an event on the stream instead
+    (:class:`~dapple.runtime.gpu_clock.EventClock`), resolved at the step's end, so a time is when the GPU finished
+    the work before it, not when the host queued it, and tracing adds no host sync per event. A step records, per rank (kinds and names as in
     :mod:`dapple.core.timeline`):
 
     - compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for; under a split
@@ -45,9 +47,11 @@ class Recorder:
 
     def __init__(self, rank: int, max_steps: int | None = None,
                  value_name: Callable[[Transfer], str] = lambda t: f"value {t.value}", device: Any = None):
-        self.clock = self.base_clock = CLOCK  # base_clock: the same time base, without a device sync
+        self.clock: Callable[[], Any] = CLOCK  # a time, or on CUDA a Stamp resolved at the step's end
+        self.base_clock = CLOCK  # the same time base, read at once
+        self._gpu: EventClock | None = None
         if device is not None and torch.device(device).type == "cuda":  # kernels and NCCL run asynchronously:
-            self.clock = _synced(CLOCK, torch.device(device))  # a time is taken once the GPU has caught up
+            self.clock = self._gpu = EventClock(torch.device(device), CLOCK)  # times of the GPU's work, no stalls
         self.rank = rank
         self.value_name = value_name  # boundary value -> its name in the model's graph
         self.steps: deque[tuple[int, list[tuple]]] = deque(maxlen=max_steps)  # (step, its raw events)
@@ -64,11 +68,16 @@ class Recorder:
 
     # ---- called by the engine -------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
+        if self._gpu is not None:
+            self._gpu.start()
         self._raw, self._step, self._step_start = [], step, self.clock()
         self.posted.clear()
 
     def end_step(self) -> None:
         self._raw.append(("S", self._step_start, self.clock()))
+        if self._gpu is not None:  # the step's stamps become times (one device sync)
+            at = self._gpu.resolve()
+            self._raw = [tuple(at(v) for v in raw) for raw in self._raw]
         self.steps.append((self._step, self._raw))
 
     def compute(self, kind: str, micro_batch: int, start: float, end: float) -> None:
@@ -126,13 +135,6 @@ class Recorder:
         """What this rank sends to rank 0: its identity, clock syncs and events (local clock)."""
         return dict(info, syncs=[s.to_list() for s in self.syncs], steps=[s for s, _ in self.steps],
                     events=[[e.kind, e.name, e.start, e.end, e.micro_batch, e.args] for e in self.events])
-
-
-def _synced(clock: Callable[[], float], device: Any) -> Callable[[], float]:
-    def synced() -> float:
-        torch.cuda.synchronize(device)
-        return clock()
-    return synced
 
 
 def merge(payloads: list[dict]) -> tuple[list[Event], dict[int, dict]]:
@@ -227,7 +229,7 @@ def gather_trace(pipe: Traced, rec: Recorder) -> tuple[list[Event], dict] | None
         return None
     events, ranks = merge(payloads)
     plan = pipe.plan
-    t0 = min((e.start for e in events), default=rec.clock())
+    t0 = min((e.start for e in events), default=rec.base_clock())
     meta = {"dapple_trace": 1, "world_size": ctx.world_size, "backend": ctx.backend, "schedule": plan.schedule,
             "num_stages": plan.num_stages, "num_micro_batches": plan.num_micro_batches,
             "micro_batch_size": plan.micro_batch_size, "global_batch_size": plan.global_batch_size,
@@ -237,7 +239,7 @@ def gather_trace(pipe: Traced, rec: Recorder) -> tuple[list[Event], dict] | None
             "clock": "each rank's time.perf_counter moved onto rank 0's by a ping-pong offset: the intersection of "
                      "the [T - b, T - a] intervals of 16 round trips, at the start of recording and at gathering; "
                      "error bound per rank in ranks[r].clock_error_ms (drift: interpolated, clock_drift_ppm)",
-            "started_at_unix": time.time() - (rec.clock() - t0), "plan_summary": str(plan).splitlines(),
+            "started_at_unix": time.time() - (rec.base_clock() - t0), "plan_summary": str(plan).splitlines(),
             "plan": plan.to_dict()}
     return events, meta
 

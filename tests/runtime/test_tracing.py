@@ -252,3 +252,13 @@ def test_a_split_backward_traces_w_ops_as_weight_gradient_backwards(tmp_path):
         ("F3", "forward", None), ("B3", "backward", None), ("W3", "backward", "weight")]
     assert [colour_key(e) for e in got.values()] == ["forward", "backward", "weight"]
     assert draw_gantt(rec.events, tmp_path / "zb.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_torch_profiler_shows_each_op_transfer_and_allreduce_by_name(run):
+    results, _, _ = run
+    for rank, r in enumerate(results):  # stage 0 (ranks 0, 1, replicated) sends activations; stage 1 sends gradients
+        names = set(r["profiler_ranges"])
+        assert {"F0", "F3", "B0", "B3", "AllReduce", "loss AllReduce"} <= names, (rank, names)
+        sent = "act" if rank < 2 else "grad"
+        assert any(n.startswith(f"send {sent} ") for n in names) and any(n.startswith("recv ") for n in names), names

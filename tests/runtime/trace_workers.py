@@ -59,4 +59,9 @@ def run_traces(out_dir: str) -> dict[str, Any]:
     gp.train_step(x, y)
     gp.train_step(x, y)
     out["gpipe"] = str(gp.save_trace(os.path.join(out_dir, "gpipe.json")))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.train_step(x, y)  # the ops as torch.profiler (and Nsight, Perfetto) show them
+    out["profiler_ranges"] = sorted({e.name for e in prof.events() if e.name[:1] in "FBsrAl"
+                                     and e.name.split(" ")[0] in ("F0", "F3", "B0", "B3", "send", "recv",
+                                                                  "AllReduce", "loss")})
     return out
