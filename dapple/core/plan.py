@@ -12,6 +12,7 @@ from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
 
 VERSION = 1
 MIXED_PRECISIONS = ("bf16", "fp16")  # a plan's mixed_precision: autocast dtype of every stage (None: full precision)
+REDUCE_DTYPES = ("bf16", "fp16", "fp32")  # a plan's reduce_dtype: what gradients travel in (None: their own dtype)
 FULL_PRECISION = "fp32"  # what a caller passes to run a plan made for mixed precision in full precision
 
 
@@ -111,6 +112,7 @@ class Plan:
     estimate: Estimate | None = None
     meta: dict = field(default_factory=dict)  # model, cluster, planner name, planning time, ...
     mixed_precision: str | None = None  # "bf16"/"fp16": the stages run under autocast (None: full precision)
+    reduce_dtype: str | None = None  # "bf16"/"fp16"/"fp32": the gradient AllReduce's dtype (None: the gradients')
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, Stage) else Stage(*s) for s in self.stages]
@@ -168,6 +170,9 @@ class Plan:
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(f"{where}.mixed_precision: expected one of {MIXED_PRECISIONS} or None (full precision), "
                              f"got {self.mixed_precision!r}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"{where}.reduce_dtype: expected one of {REDUCE_DTYPES} or None (the gradients' own "
+                             f"dtype), got {self.reduce_dtype!r}")
         for i, s in enumerate(self.stages):
             if not isinstance(s.recompute, bool):
                 raise ValueError(f"{where}.stages[{i}].recompute: expected True or False, got {s.recompute!r}")
@@ -215,6 +220,7 @@ class Plan:
                      "micro_batch_size": self.micro_batch_size, "schedule": self.schedule,
                      "warmup_policy": self.warmup_policy,
                      **({"mixed_precision": self.mixed_precision} if self.mixed_precision else {}),
+                     **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype else {}),
                      "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup,
                                  **({"recompute": True} if s.recompute else {})} for s in self.stages]}
         if self.layer_names is not None:
@@ -232,7 +238,7 @@ class Plan:
     def from_dict(cls, doc: dict, where: str = "Plan") -> "Plan":
         f = documents.Fields(doc, where).known("dapple_plan", "global_batch_size", "micro_batch_size", "schedule",
                                          "warmup_policy", "stages", "layer_names", "estimate", "meta",
-                                         "mixed_precision")
+                                         "mixed_precision", "reduce_dtype")
 
         def stage(g: documents.Fields) -> Stage:
             g.known("layers", "devices", "warmup", "recompute")
@@ -253,7 +259,8 @@ class Plan:
                        micro_batch_size=f.number("micro_batch_size", integer=True, minimum=1),
                        stages=f.each("stages", stage), schedule=f.str("schedule", default="dapple"),
                        warmup_policy=str(f.data.get("warmup_policy", "A")), layer_names=names, estimate=estimate,
-                       meta=f.mapping("meta"), mixed_precision=f.data.get("mixed_precision"))
+                       meta=f.mapping("meta"), mixed_precision=f.data.get("mixed_precision"),
+                       reduce_dtype=f.data.get("reduce_dtype"))
         except documents.DocumentError:
             raise
         except ValueError as e:

@@ -25,7 +25,8 @@ class Channels(NamedTuple):
 
 
 def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str], ctx: DistContext, stage: int,
-                  timeout: float, value_name: Callable[[Transfer], str]) -> Channels:
+                  timeout: float, value_name: Callable[[Transfer], str], *,
+                  reduce_dtype: torch.dtype | None = None) -> Channels:
     """Create the process groups every rank creates, in the same order: the gradients' P2P group (several
     stages), then the gradient AllReduce groups; every step is bounded by ``timeout``.
 
@@ -37,6 +38,7 @@ def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str
         stage: this rank's stage.
         timeout: seconds each group creation and later wait is bounded by.
         value_name: a transfer's boundary value, named for messages.
+        reduce_dtype: the dtype gradients travel in for the AllReduce (None: their own).
     """
     where = f"rank {ctx.rank} (stage {stage}): dapple.pipeline"
     grad_p2p = bounded(timeout, f"{where}: creating the gradients' group of every rank (does every rank call "
@@ -47,7 +49,7 @@ def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str
     # early backward: stage i runs K_i forwards ahead of its backwards (what lets P2P free delivered sends early)
     ahead = (lambda s: plan.stages[s].warmup) if plan.schedule == "dapple" else (lambda s: None)
     p2p = P2P(ctx.rank, plan.stage_of_device, None, grad_p2p, timeout, value_name, ahead)
-    return Channels(groups, GradReducer(groups), p2p)
+    return Channels(groups, GradReducer(groups, reduce_dtype=reduce_dtype), p2p)
 
 
 def handshake(plan: Plan, ctx: DistContext, stage: int, channels: Channels, timeout: float) -> None:

@@ -23,7 +23,7 @@ from .data import RankData, StepBatch, rank_data
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
 from .p2p import PipelineError
-from .precision import LossScaler, Precision
+from .precision import LossScaler, Precision, allreduce_dtype
 from .recompute import check_recomputable, recomputing
 from .program import Transfer
 from .rank_batch import rank_batch
@@ -54,7 +54,8 @@ class Pipeline:
                  backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
                  layers: Sequence[str] | None = None, check_inputs: bool = True,
-                 mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None):
+                 mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
+                 reduce_dtype: str | None = None):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
         self.check_inputs = check_inputs
@@ -62,6 +63,7 @@ class Pipeline:
         precision = Precision.of(plan.precision(mixed_precision) if isinstance(plan, Plan) else mixed_precision)
         self.ctx: DistContext = init_distributed(self.timeout, backend)
         check_plan(plan, self.ctx.world_size)
+        wire = allreduce_dtype(plan, reduce_dtype)  # the gradient AllReduce's dtype (None: the gradients')
         self.scaler = LossScaler(precision.dtype == torch.float16)  # fp16: dynamic loss scaling
         if plan.mixed_precision and precision.name != plan.mixed_precision and self.ctx.rank == 0:
             warnings.warn(f"dapple.pipeline: mixed_precision={mixed_precision!r} but the plan was made for "
@@ -106,7 +108,8 @@ class Pipeline:
         self.step = 0
         self._failed: str | None = None
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
-        channels = open_channels(plan, graphs, self._names, self.ctx, self.stage, self.timeout, self.value_name)
+        channels = open_channels(plan, graphs, self._names, self.ctx, self.stage, self.timeout, self.value_name,
+                                 reduce_dtype=wire)
         self._p2p, self._reducer, self._groups = channels.p2p, channels.reducer, channels.groups
         self._counted: list[nn.Parameter] | None = None  # clip_grad_norm_'s share of the norm (on first use)
         self._runner = StepRunner(plan, self.ctx, self.stage, self.replica, self.graph, self.module, loss_fn, inputs,
@@ -345,7 +348,7 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
              layers: Sequence[str] | None = None, check_inputs: bool = True, mixed_precision: str | None = None,
-             recompute: bool | Sequence[bool] | None = None) -> Pipeline:
+             recompute: bool | Sequence[bool] | None = None, reduce_dtype: str | None = None) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss; the
@@ -386,6 +389,10 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
         recompute: activation recomputation: a stage keeps only its inputs per micro-batch in flight and runs its
             forward again in the backward (``torch.utils.checkpoint``); True or False for every stage, one bool per
             stage, or None: as the plan's stages say (``Stage.recompute``).
+        reduce_dtype: the dtype gradients travel in for the stage AllReduce: "bf16" or "fp16" (half the bytes of
+            fp32 on the links; each bucket is rounded to it, summed, and written back in the gradients' dtype),
+            "fp32", or None (default): as the plan says (``plan.reduce_dtype``; a plan without it: the gradients'
+            own dtype).
 
     Returns:
         This rank's :class:`Pipeline`.
@@ -393,4 +400,5 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace, deferred_batch_norm=deferred_batch_norm, layers=layers,
-                    check_inputs=check_inputs, mixed_precision=mixed_precision, recompute=recompute)
+                    check_inputs=check_inputs, mixed_precision=mixed_precision, recompute=recompute,
+                    reduce_dtype=reduce_dtype)

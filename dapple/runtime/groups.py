@@ -91,13 +91,16 @@ def start_equal(groups: Sequence[GradGroup], timeout: float, where: str) -> None
 
 
 class GradReducer:
-    """Bucketed gradient AllReduce, overlapped with the step's last backward.
+    """Bucketed gradient AllReduce, overlapped with the step's last backward, on gradients that live in the buckets.
 
-    Buckets hold a group's parameters in reverse order (the order backward finishes them). While the last
-    backward op runs (:meth:`arm`), a hook after each parameter's final gradient accumulation launches a
-    bucket's async AllReduce as soon as all its parameters are done and the group's earlier buckets are
-    launched (so every member launches the same buckets in the same order). :meth:`finish` launches the
-    rest (parameters the last backward did not reach), waits, and copies the sums into ``.grad``.
+    Buckets hold a group's parameters in reverse order (the order backward finishes them). Each bucket is one flat
+    buffer, and at the start of a step (:meth:`attach`) every bucketed parameter's ``.grad`` becomes its zeroed
+    slice of it (as DDP's ``gradient_as_bucket_view``): autograd accumulates into the bucket, the AllReduce runs
+    in place, and a stage holds its gradients once, not again in a copy for the AllReduce. While the last backward
+    op runs (:meth:`arm`), a hook after each parameter's final gradient accumulation launches a bucket's async
+    AllReduce as soon as all its parameters are done and the group's earlier buckets are launched (so every
+    member launches the same buckets in the same order). :meth:`finish` launches the rest (parameters the last
+    backward did not reach) and waits; a parameter no backward reached gets ``.grad`` None back, as on one device.
 
     Groups of tied parameters that span stages launch only in :meth:`finish`, after the step's sends: the
     last stage finishes the tied LM head's gradient early in its backward, but the first stage reaches the
@@ -105,19 +108,30 @@ class GradReducer:
     that spins until the first stage joins, and a lazily loaded kernel or host sync later in the same
     backward waits for it, so the gradients are never sent: a deadlock (a replica group has no such cycle,
     as its members' backwards do not wait on each other).
+
+    Args:
+        groups: this rank's gradient groups, in the order every member walks them.
+        bucket_bytes: the bucket size (``core.buckets``).
+        reduce_dtype: the dtype gradients travel in (e.g. torch.bfloat16: half the bytes of fp32; each bucket is
+            cast into a temporary of its size and back), or None: the gradients' own.
     """
 
-    def __init__(self, groups: Sequence[GradGroup], bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, groups: Sequence[GradGroup], bucket_bytes: int = BUCKET_BYTES,
+                 reduce_dtype: torch.dtype | None = None):
         self.buckets: list[tuple[GradGroup, list[nn.Parameter]]] = []
         self._in_group: list[list[int]] = []  # per group: its bucket indices, in launch order
         for g in groups:  # same group order and bucket layout on every member
             mine = _buckets([p for p in reversed(g.params) if p.requires_grad], bucket_bytes)
             self._in_group.append(list(range(len(self.buckets), len(self.buckets) + len(mine))))
             self.buckets += [(g, b) for b in mine]
+        self.reduce_dtype = reduce_dtype
         self._bucket_of = {id(p): i for i, (_, b) in enumerate(self.buckets) for p in b}
         self._group_of = [gi for gi, ks in enumerate(self._in_group) for _ in ks]  # bucket -> its group's index
         self._next: list[int] = []  # per group: how many of its buckets are launched (always a prefix)
-        self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)  # each bucket's flat gradient buffer
+        # each bucket's flat buffer (sum of its numels,): the gradients themselves, once attached
+        self._flat: list[torch.Tensor] = [_flat_buffer(b) for _, b in self.buckets]
+        self._storages = {f.untyped_storage().data_ptr() for f in self._flat}
+        self._touched: set[int] = set()  # id of the parameters autograd accumulated into this step
         self._armed = False
         self._left: list[int] = []
         self._launched: list[tuple | None] = []
@@ -126,6 +140,21 @@ class GradReducer:
         for _, params in self.buckets:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._ready)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether tensor ``t`` lives in a bucket (a gradient attached earlier: :meth:`attach` overwrites it)."""
+        return t.untyped_storage().data_ptr() in self._storages
+
+    def attach(self) -> None:
+        """Start of a step: each bucketed parameter's ``.grad`` becomes its zeroed slice of its bucket (the caller
+        has put earlier gradients aside)."""
+        self._touched = set()
+        for flat, (_, params) in zip(self._flat, self.buckets):
+            flat.zero_()
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
 
     def arm(self) -> None:
         """From now on (the step's last backward), launch each bucket once its gradients are final."""
@@ -137,6 +166,7 @@ class GradReducer:
             self._launch_times = [(0.0, "")] * len(self.buckets)
 
     def _ready(self, p: nn.Parameter) -> None:
+        self._touched.add(id(p))
         i = self._bucket_of.get(id(p))
         if not self._armed or i is None or self.buckets[i][0].spans_stages:
             return
@@ -149,28 +179,18 @@ class GradReducer:
         self._next[gi] = n
 
     def _launch(self, k: int, have: list[bool] | None = None) -> None:
-        """Start bucket k's AllReduce over the parameters that have a gradient (``have``: the group's agreement,
-        for tied groups); a bucket with none is skipped on every member alike."""
+        """Start bucket k's AllReduce in place (``have``: which parameters some member has a gradient for; default:
+        those this rank accumulated, the same on every replica); a bucket none has is skipped by every member."""
         g, bucket = self.buckets[k]
-        present = [p for p, h in zip(bucket, have or [p.grad is not None for p in bucket]) if h]
-        for p in present:
-            if p.grad is None:  # another stage's copy of this tied parameter got a gradient: this one adds zeros
-                p.grad = torch.zeros_like(p)
-        if not present:
-            self._launched[k] = ([], None, None)
+        have = have if have is not None else [id(p) in self._touched for p in bucket]
+        if not any(have):
+            self._launched[k] = (have, None, None)
             return
-        grads = [p.grad for p in present]
         flat = self._flat[k]
-        if flat is None:  # one flat buffer per bucket, kept across steps: not a fresh multi-MB allocation each step
-            flat = self._flat[k] = torch.empty(sum(p.numel() for p in bucket), dtype=grads[0].dtype,
-                                               device=grads[0].device)  # (sum of numels,)
-        used = sum(x.numel() for x in grads)
-        if used < flat.numel():
-            flat = flat[:used]  # only the parameters that have gradients
-        torch.cat([x.reshape(-1) for x in grads], out=flat)  # into the reused buffer: no fresh pages to fault in
+        wire = flat if self.reduce_dtype in (None, flat.dtype) else flat.to(self.reduce_dtype)  # (numel,)
         if self.rec is not None:
             self._launch_times[k] = (self.rec.clock(), "last backward" if self._armed else "end of step")
-        self._launched[k] = (grads, flat, dist.all_reduce(flat, group=g.group, async_op=True))
+        self._launched[k] = (have, wire, dist.all_reduce(wire, group=g.group, async_op=True))
 
     def _agree(self, k: int, timeout: float, where: str) -> list[bool] | None:
         """For a tied group's bucket: which parameters have a gradient on some member (one MAX AllReduce); a
@@ -178,13 +198,13 @@ class GradReducer:
         g, bucket = self.buckets[k]
         if not g.spans_stages:
             return None
-        have = torch.tensor([p.grad is not None for p in bucket], dtype=torch.int32, device=bucket[0].device)
+        have = torch.tensor([id(p) in self._touched for p in bucket], dtype=torch.int32, device=bucket[0].device)
         wait_for(dist.all_reduce(have, op=dist.ReduceOp.MAX, group=g.group, async_op=True), timeout,
                  f"{where}: which tied parameters of {g.label} (ranks {g.ranks}) have gradients")
         return [bool(h) for h in have.tolist()]
 
     def finish(self, timeout: float, where: str) -> None:
-        """Launch what is left, wait for every bucket, write the sums back into ``.grad``."""
+        """Launch what is left, wait for every bucket; a parameter no member has a gradient for gets None."""
         if not self._armed:
             self.arm()
         self._armed = False
@@ -193,20 +213,27 @@ class GradReducer:
         for k in range(len(self.buckets)):
             if self._launched[k] is None:
                 self._launch(k, self._agree(k, timeout, where))
-        for k, (g, _) in enumerate(self.buckets):
-            grads, flat, work = self._launched[k]
-            if work is None:  # no parameter of the bucket got a gradient: they keep .grad None, as on one device
-                continue
-            wait_for(work, timeout, f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks})")
-            if rec is not None:
-                launched, during = self._launch_times[k]
-                rec.allreduce_bucket(k, launched, rec.clock(), g.label, g.ranks, flat.numel() * flat.element_size(),
-                                     during)
-            for dst, src in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                dst.copy_(src)
+        for k, (g, bucket) in enumerate(self.buckets):
+            have, wire, work = self._launched[k]
+            if work is not None:
+                wait_for(work, timeout, f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks})")
+                if wire is not self._flat[k]:
+                    self._flat[k].copy_(wire)
+                if rec is not None:
+                    launched, during = self._launch_times[k]
+                    rec.allreduce_bucket(k, launched, rec.clock(), g.label, g.ranks,
+                                         wire.numel() * wire.element_size(), during)
+            for p, h in zip(bucket, have):
+                if not h:  # no backward reached it anywhere: .grad None, as on one device
+                    p.grad = None
         if rec is not None and self.buckets:
             rec.allreduce_wait(start, rec.clock(), len(self.buckets))
         self._launched = []
+
+
+def _flat_buffer(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """One bucket's buffer: room for every parameter's gradient, in their dtype, on their device."""
+    return torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
 
 
 def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:

@@ -10,9 +10,19 @@ from typing import Any, ContextManager
 
 import torch
 
-from ..core.plan import MIXED_PRECISIONS
+from ..core.plan import MIXED_PRECISIONS, REDUCE_DTYPES, Plan
 
 MODES = dict(zip(MIXED_PRECISIONS, (torch.bfloat16, torch.float16)))  # a plan's names, their dtypes
+REDUCE = dict(zip(REDUCE_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))  # the same for reduce_dtype
+
+
+def allreduce_dtype(plan: Plan, given: str | None) -> torch.dtype | None:
+    """The dtype of the gradient AllReduce: ``given`` ("bf16", "fp16", "fp32"), or None for the plan's own
+    ``reduce_dtype`` (None there: the gradients' own dtype); ValueError naming it otherwise."""
+    name = plan.reduce_dtype if given is None else given
+    if name is not None and name not in REDUCE:
+        raise ValueError(f"reduce_dtype: expected one of {sorted(REDUCE)} or None (as the plan says), got {given!r}")
+    return None if name is None else REDUCE[name]
 
 
 @dataclass(frozen=True)

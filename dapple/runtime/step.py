@@ -90,9 +90,13 @@ class StepRunner:
         xs, ys, key = batch.inputs, batch.targets, batch.key
         layout = self._boundary_layout(key)
         program, waits = self._program(layout)
-        stash = {p: p.grad for p in self.module.parameters()}  # earlier gradients: added back at the end
+        # earlier gradients, added back at the end (one that lives in a gradient bucket is copied out: the buckets
+        # start the step at zero); then the bucketed parameters' gradients become views of their buckets
+        stash = {p: p.grad if p.grad is None or not self.reducer.holds(p.grad) else p.grad.clone()
+                 for p in self.module.parameters()}
         for p in stash:
             p.grad = None
+        self.reducer.attach()
         # reduced over all ranks at the end: the loss (the last stage's replicas add theirs), then every stage's
         # deferred BatchNorm sums in its slot (zeros elsewhere), so one AllReduce sums them over the replicas, then
         # the loss problems and whether some gradient overflowed (fp16): one decision for every rank

@@ -61,3 +61,12 @@ def test_print_plan_shows_the_part_of_long_layer_names_that_tells_them_apart():
     text = str(plan)
     assert "~layers.encoder_layer_0 .. ~layers.encoder_layer_5" in text
     assert "~layers.encoder_layer_6 .. ~final_layer_norm" in text
+
+
+def test_reduce_dtype_round_trips_and_a_bad_one_is_named(tmp_path):
+    plan = Plan(global_batch_size=4, micro_batch_size=2, stages=[Stage((0, 2), [0, 1])], reduce_dtype="bf16")
+    plan.save(tmp_path / "p.yaml")
+    assert Plan.load(tmp_path / "p.yaml").reduce_dtype == "bf16"
+    assert "reduce_dtype" not in Plan(global_batch_size=4, micro_batch_size=2, stages=[Stage((0, 2), [0])]).to_dict()
+    with pytest.raises(ValueError, match=r"reduce_dtype: expected one of \('bf16', 'fp16', 'fp32'\).*got 'int8'"):
+        Plan(global_batch_size=4, micro_batch_size=2, stages=[Stage((0, 2), [0])], reduce_dtype="int8")

@@ -155,6 +155,20 @@ def case_loss_without_gradient() -> dict[str, Any]:
     return _loss_error(lambda out, y: F.cross_entropy(out.detach(), y))
 
 
+def case_reduce_dtype() -> dict[str, Any]:
+    """Gradient AllReduce in bf16 on a float64 chain whose middle stage is replicated: its gradients come back
+    rounded to bf16's precision, the other stages' stay exact; and the gradients live in the buckets."""
+    torch.manual_seed(0)
+    model = Chain().double()
+    pipe = dapple.pipeline(model, _plan(model, CHAIN_STAGES, 12, 3), F.cross_entropy, timeout=30,
+                           reduce_dtype="bf16")
+    x, y = _chain_data(12)
+    ref_loss, ref = _reference(model, F.cross_entropy, x, y)
+    res = _compare(pipe, pipe.train_step(x, y), ref_loss, ref)
+    res["in_buckets"] = [pipe._reducer.holds(p.grad) for p in pipe.parameters() if p.grad is not None]
+    return res
+
+
 CASES: dict[str, tuple[Callable, tuple, dict]] = {
     "bf16": (case_bf16, (), {}),
     "fp16_overflow": (case_fp16_overflow, (), {}),
@@ -163,6 +177,7 @@ CASES: dict[str, tuple[Callable, tuple, dict]] = {
     "recompute_all": (case_recompute, (CHAIN_STAGES, 9, 3, True), {}),
     "recompute_some_gpt": (case_recompute, (GPT_STAGES, 8, 4, [True, False, True]), {"gpt": True}),
     "recompute_batchnorm": (case_recompute_batchnorm, (), {}),
+    "reduce_bf16": (case_reduce_dtype, (), {}),
     "summed_loss": (case_summed_loss, (), {}),
     "loss_without_gradient": (case_loss_without_gradient, (), {}),
 }

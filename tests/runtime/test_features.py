@@ -73,3 +73,15 @@ def test_a_wrong_loss_makes_every_rank_raise_at_the_first_step(results, case, sa
         assert res["error"] is not None and says in res["error"], (rank, res["error"])
         assert "step 1" in res["error"] and "gradients were discarded" in res["error"]
         assert res["grads"] == [], rank  # the step's gradients were discarded
+
+
+@pytest.mark.slow
+def test_reduce_dtype_bf16_rounds_only_the_reduced_gradients_which_live_in_the_buckets(results):
+    for rank, res in enumerate(r["reduce_bf16"] for r in results):
+        assert res["loss"] <= TOL, (rank, res)
+        worst = max(res["grads"].values())
+        if res["stage"] == 1:  # replicated: summed in bf16 (8 bits of mantissa), written back in float64
+            assert 1e-6 < worst < 1e-2, (rank, res["grads"])
+            assert res["in_buckets"] and all(res["in_buckets"]), rank  # no second copy of the gradients
+        else:
+            assert worst <= TOL and not any(res["in_buckets"]), (rank, res["grads"])  # no AllReduce: plain grads

@@ -31,44 +31,70 @@ def _reducer(monkeypatch, sizes=(3, 2), spans=()) -> tuple[GradReducer, list[lis
     return red, params, launched
 
 
+def _grad(p: nn.Parameter, value: float = 1.0) -> None:
+    """Accumulate ``value`` into ``p.grad`` through autograd (its post-accumulate hook fires, as in a backward)."""
+    (p * value).sum().backward()
+
+
 def test_buckets_launch_in_order_and_only_when_ready(monkeypatch):
     red, (a, b), launched = _reducer(monkeypatch)
     # buckets hold parameters in reverse: group 0 -> [a2], [a1], [a0] (buckets 0-2), group 1 -> [b1], [b0] (3, 4)
     assert [bk[1][0] for bk in red.buckets] == [a[2], a[1], a[0], b[1], b[0]]
-    for p in (*a, *b):
-        p.grad = torch.zeros(4)
-    red._ready(a[0])  # not armed: ignored
+    red.attach()
+    _grad(a[0])  # not armed: not launched
     red.arm()
-    red._ready(a[1])  # bucket 1 ready, but bucket 0 is not launched: wait
-    red._ready(b[1])  # group 1's first bucket: launch
+    _grad(a[1])  # bucket 1 ready, but bucket 0 is not launched: wait
+    _grad(b[1])  # group 1's first bucket: launch
     assert launched == [3]
-    red._ready(a[2])  # bucket 0, then the waiting bucket 1
+    _grad(a[2])  # bucket 0, then the waiting bucket 1
     assert launched == [3, 0, 1]
-    red.finish(timeout=1.0, where="test")  # the rest, in bucket order
-    assert launched == [3, 0, 1, 2, 4]
+    red.finish(timeout=1.0, where="test")  # the rest that got gradients, in bucket order; b[0] got none
+    assert launched == [3, 0, 1, 2]
+    assert b[0].grad is None
+    red.attach()
     red.arm()  # the next step starts over
-    red._ready(a[2])
-    assert launched[5:] == [0]
+    _grad(a[2])
+    assert launched[4:] == [0]
 
 
-def test_finish_writes_the_sums_back(monkeypatch):
+def test_gradients_live_in_the_buckets_and_accumulate_there(monkeypatch):
     red, (a,), _ = _reducer(monkeypatch, sizes=(2,))
+    red.attach()
     for i, p in enumerate(a):
-        p.grad = torch.full((4,), float(i + 1))
+        _grad(p, i + 1.0)
+        _grad(p, 10.0)  # a second micro-batch adds in place
     red.arm()
     red.finish(timeout=1.0, where="test")  # a one-rank "sum" is the gradient itself
-    assert [p.grad.tolist() for p in a] == [[1.0] * 4, [2.0] * 4]
+    assert [p.grad.tolist() for p in a] == [[11.0] * 4, [12.0] * 4]
+    flats = {f.untyped_storage().data_ptr() for f in red._flat}
+    assert all(p.grad.untyped_storage().data_ptr() in flats and red.holds(p.grad) for p in a)  # no second copy
+    assert not red.holds(torch.ones(4))
+    red.attach()  # the next step starts from zero in the same buffers
+    assert all(p.grad.abs().sum() == 0 and red.holds(p.grad) for p in a)
+
+
+def test_reduce_dtype_sends_the_bucket_in_that_dtype_and_writes_it_back(monkeypatch):
+    red, (a,), _ = _reducer(monkeypatch, sizes=(2,))
+    red.reduce_dtype = torch.bfloat16
+    sent = []
+    monkeypatch.setattr(groups.dist, "all_reduce", lambda flat, group, async_op, op=None: sent.append(flat) or _Done())
+    red.attach()
+    for p in a:
+        _grad(p, 1.0 + 2**-12)  # not a bfloat16 value
+    red.arm()
+    red.finish(timeout=1.0, where="test")
+    assert [t.dtype for t in sent] == [torch.bfloat16, torch.bfloat16]
+    assert all(p.grad.dtype == torch.float32 and torch.all(p.grad == 1.0) for p in a)  # rounded on the wire
 
 
 def test_tied_groups_across_stages_wait_for_the_end_of_the_backward(monkeypatch):
     """A group spanning stages must not launch mid-backward: its first stage joins only after this rank's
     gradients reach it (on NCCL a launched AllReduce spins on the GPU and can block the rest of the backward)."""
     red, (a, b), launched = _reducer(monkeypatch, spans=(1,))
-    for p in (*a, *b):
-        p.grad = torch.zeros(4)
+    red.attach()
     red.arm()
     for p in (*b, *a):  # group 1 (tied) is ready first
-        red._ready(p)
+        _grad(p)
     assert launched == [0, 1, 2]  # only the replica group's buckets
     red.finish(timeout=1.0, where="test")
     assert launched == [0, 1, 2, 3, 4]
@@ -78,7 +104,8 @@ def test_parameters_without_gradients_keep_none_and_are_not_reduced(monkeypatch)
     """As on one device, a parameter no backward reached keeps ``.grad is None`` (AdamW's weight decay then leaves
     it alone under every plan); a bucket with no gradient at all is not reduced."""
     red, (a, b), launched = _reducer(monkeypatch, spans=(1,))
-    a[1].grad = torch.ones(4)  # a[0], a[2] and all of b got none
+    red.attach()
+    _grad(a[1])  # a[0], a[2] and all of b got none
     red.arm()
     red.finish(timeout=1.0, where="test")
     assert [p.grad is None for p in a] == [True, False, True] and all(p.grad is None for p in b)
