@@ -19,6 +19,7 @@ from .batch_check import BatchCheck
 from .batchnorm import stage_stats_sizes, stats_slot
 from .channels import handshake, open_channels
 from .clipping import clip_grad_norm, counted_parameters
+from .compiling import stage_compiler
 from .data import RankData, StepBatch, rank_data
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
@@ -55,7 +56,7 @@ class Pipeline:
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
                  layers: Sequence[str] | None = None, check_inputs: bool = True,
                  mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
-                 reduce_dtype: str | None = None):
+                 reduce_dtype: str | None = None, compile: bool | Mapping[str, Any] = False):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
         self.check_inputs = check_inputs
@@ -83,6 +84,7 @@ class Pipeline:
         for i in (i for i, on in enumerate(flags) if on):  # every rank checks every stage: all raise alike
             check_recomputable(graphs[i].module, i)
         self.recompute = flags[plan.stage_of_device(self.ctx.rank)]
+        self._compiler = stage_compiler(compile, plan.schedule, flags)  # None: eager
         # deferred BatchNorm: each stage's slot in the vector of the loss AllReduce (every rank knows them all)
         stats_sizes = stage_stats_sizes(model, [g.module for g in graphs], deferred_batch_norm)
         self.stage = plan.stage_of_device(self.ctx.rank)
@@ -117,8 +119,7 @@ class Pipeline:
                                   recompute=self.recompute)
         self.training = bool(model.training)  # the model's mode; pipe.train() / pipe.eval() change it
         self._eval_module: nn.Module | None = None  # made on the first eval(): the stage with training flags off
-        if not self.training:
-            self._runner.forward_module = self._evaluation_module()
+        self._runner.forward_module = self._forward_module()
         handshake(plan, self.ctx, self.stage, channels, self.timeout)
         self._own_rec: Recorder | None = start_recorder(self, KEEP_STEPS) if trace else None
         self.recorder: Recorder | None = self._own_rec  # tracing: None (off) or the recorder the steps log into
@@ -266,12 +267,17 @@ class Pipeline:
             raise TypeError(f"train: expected True or False, got {mode!r}")
         self.module.train(mode)
         self.training = mode
-        self._runner.forward_module = self.module if mode else self._evaluation_module()
+        self._runner.forward_module = self._forward_module()
         return self
 
     def eval(self) -> "Pipeline":
         """Evaluation mode: ``train(False)``."""
         return self.train(False)
+
+    def _forward_module(self) -> nn.Module:
+        """What runs the forwards in the current mode: the stage, or its evaluation twin; compiled if asked."""
+        module = self.module if self.training else self._evaluation_module()
+        return module if self._compiler is None else self._compiler(module)
 
     def _evaluation_module(self) -> nn.Module:
         if self._eval_module is None:
@@ -348,7 +354,8 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
              layers: Sequence[str] | None = None, check_inputs: bool = True, mixed_precision: str | None = None,
-             recompute: bool | Sequence[bool] | None = None, reduce_dtype: str | None = None) -> Pipeline:
+             recompute: bool | Sequence[bool] | None = None, reduce_dtype: str | None = None,
+             compile: bool | Mapping[str, Any] = False) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss; the
@@ -393,6 +400,11 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             fp32 on the links; each bucket is rounded to it, summed, and written back in the gradients' dtype),
             "fp32", or None (default): as the plan says (``plan.reduce_dtype``; a plan without it: the gradients'
             own dtype).
+        compile: ``torch.compile`` each stage's forward (and so its backward): True (torch.compile's defaults),
+            or a dict of torch.compile's keyword arguments (``{"mode": "max-autotune"}``, ``{"backend":
+            "aot_eager"}``). A new input shape or a switch between :meth:`Pipeline.train` and
+            :meth:`Pipeline.eval` recompiles, as torch.compile does. Not with a zb-h1 plan (ValueError): a
+            compiled stage's backward is one autograd node, so its weight gradients cannot be deferred to W.
 
     Returns:
         This rank's :class:`Pipeline`.
@@ -401,4 +413,4 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace, deferred_batch_norm=deferred_batch_norm, layers=layers,
                     check_inputs=check_inputs, mixed_precision=mixed_precision, recompute=recompute,
-                    reduce_dtype=reduce_dtype)
+                    reduce_dtype=reduce_dtype, compile=compile)

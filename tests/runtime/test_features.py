@@ -85,3 +85,4 @@ def test_reduce_dtype_bf16_rounds_only_the_reduced_gradients_which_live_in_the_b
             assert res["in_buckets"] and all(res["in_buckets"]), rank  # no second copy of the gradients
         else:
             assert worst <= TOL and not any(res["in_buckets"]), (rank, res["grads"])  # no AllReduce: plain grads
+
