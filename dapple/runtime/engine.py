@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core.checks import flag, number
 from ..core.dist import first_line, timeout_seconds
+from ..core.meta import InitFn, check_init_fn
 from ..core.plan import Plan
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
@@ -20,6 +21,7 @@ from .batchnorm import stage_stats_sizes, stats_slot
 from .channels import handshake, open_channels
 from .clipping import clip_grad_norm, counted_parameters
 from .data import RankData, StepBatch, rank_data
+from .meta_stage import materialise_stage
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
 from .p2p import PipelineError
@@ -54,8 +56,10 @@ class Pipeline:
                  backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
                  layers: Sequence[str] | None = None, check_inputs: bool = True,
-                 mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None):
+                 mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
+                 init_fn: InitFn | None = None):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
+        check_init_fn(init_fn)
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
         self.check_inputs = check_inputs
         # (a plan that is no Plan: check_plan names it below)
@@ -88,6 +92,9 @@ class Pipeline:
         self.graph: StageGraph = graphs[self.stage]
         by_key = stage_keys(self.graph.module, model_keys(model))  # before buffers move to the device
         order = held_keys(model, [g.module for g in graphs])
+        # a meta-device model: only this stage becomes real, on this rank's device (ids change: names come after)
+        materialise_stage(model, lg, graphs, self.stage, self.ctx.device, init_fn,
+                          f"rank {self.ctx.rank} (stage {self.stage}): dapple.pipeline")
         self.module: nn.Module = stage_module(self.graph, lg.gm, self.ctx.device)
         stats = stats_slot(self.module, stats_sizes, self.stage, deferred_batch_norm)  # same tensors, same names
         # the model's state_dict keys of each of this stage's tensors, and all its keys in order (state_dict,
@@ -345,7 +352,7 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
              backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
              layers: Sequence[str] | None = None, check_inputs: bool = True, mixed_precision: str | None = None,
-             recompute: bool | Sequence[bool] | None = None) -> Pipeline:
+             recompute: bool | Sequence[bool] | None = None, init_fn: InitFn | None = None) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss; the
@@ -353,7 +360,10 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     when CUDA is available, gloo on the CPU otherwise).
 
     Args:
-        model: the whole model (every rank builds it; each keeps only its stage's part).
+        model: the whole model, as built on every rank: on a real device (each rank keeps its stage's part), or
+            on the meta device (``with torch.device("meta"):``, or with only the parameters there, as accelerate's
+            ``init_empty_weights``): then each rank makes only its stage's tensors real, on its device, and
+            initialises them with ``init_fn`` (load trained weights with :func:`dapple.load_weights`).
         plan: the plan (``dapple.plan`` or ``dapple.Plan.load``) for this world size.
         loss_fn: ``loss_fn(output, *targets)``, the mean loss over the rows it is given; ``output`` is what the
             model returns (a tensor, tuple, dict or ``ModelOutput``), for those rows.
@@ -386,6 +396,13 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
         recompute: activation recomputation: a stage keeps only its inputs per micro-batch in flight and runs its
             forward again in the backward (``torch.utils.checkpoint``); True or False for every stage, one bool per
             stage, or None: as the plan's stages say (``Stage.recompute``).
+        init_fn: for a meta-device model: ``init_fn(module)``, called under ``torch.no_grad`` on each module of
+            the model that directly holds a tensor of this rank's stage, once that tensor is real (uninitialised;
+            buffers the model computed in ``__init__``, such as a rotary ``inv_freq``, must be computed again). It
+            may fill the tensors in place or assign new ones. None: a transformers model's ``_init_weights``,
+            otherwise each module's ``reset_parameters()`` where it has one. A tensor left uninitialised (checked
+            by a sentinel it must overwrite) is a ValueError naming it. The replicas of a stage, and the stages
+            sharing a tied parameter, then start from the first replica's values.
 
     Returns:
         This rank's :class:`Pipeline`.
@@ -393,4 +410,4 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     return Pipeline(model, plan, loss_fn, timeout, concrete_args=concrete_args, leaf_modules=leaf_modules,
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace, deferred_batch_norm=deferred_batch_norm, layers=layers,
-                    check_inputs=check_inputs, mixed_precision=mixed_precision, recompute=recompute)
+                    check_inputs=check_inputs, mixed_precision=mixed_precision, recompute=recompute, init_fn=init_fn)
