@@ -118,7 +118,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:  # (B, T, C) -> same
+        cos, sin = rotary(x)  # from this layer's own input's length: a stage needs nothing else for it
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -133,9 +134,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
         x = self.embed_tokens(idx)
-        cos, sin = self.rotary_emb(x)  # (T, hd) each: sizes and a buffer only, so each layer computes its own
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, self.rotary_emb)  # the layers share the rotary table's buffer
         return self.norm(x)
 
 
