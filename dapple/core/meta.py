@@ -128,6 +128,7 @@ def materialise(model: nn.Module, wanted: Iterable[Tensor], holders: Sequence[nn
     replace(holders, out.real)
     owners = [(name, m) for name, m in model.named_modules()
               if any(id(t) in versions for _, _, t in _slots(m))]
+    first = dict(out.real)  # (alive until the holders are given what init_fn assigned instead)
     made = {id(r): old for old, r in out.real.items()}
     slots = {(id(m), name): made[id(t)] for _, m in owners for _, name, t in _slots(m) if id(t) in made}
     with torch.no_grad():
@@ -154,7 +155,7 @@ def materialise(model: nn.Module, wanted: Iterable[Tensor], holders: Sequence[nn
         raise ValueError(uninitialised_message(sorted(names.get(i, "?") for i in left), where))
     for i in left:
         _random_fill(out.real[i])
-    replace(holders, out.real)
+    replace(holders, {id(first[old]): new for old, new in out.real.items() if new is not first[old]})
     out.meta = {id(new): todo[old] for old, new in out.real.items()}
     return out
 

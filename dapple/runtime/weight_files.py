@@ -19,6 +19,9 @@ from .checkpoint import META
 
 SAFETENSORS_INDEX, SAFETENSORS = "model.safetensors.index.json", "model.safetensors"
 TORCH_INDEX, TORCH_BIN = "pytorch_model.bin.index.json", "pytorch_model.bin"  # older transformers checkpoints
+# a shard is memory-mapped while open, and the pages read count in the process's resident memory until it is closed:
+# reopening it after every this many bytes read keeps that bounded, whatever the stage's size
+READ_BYTES = 256 << 20
 
 
 @dataclass
@@ -96,16 +99,30 @@ def _sharded(path: Path, where: dict[str, Stored], fmt: str) -> Checkpoint:
     def read(dest: dict[str, torch.Tensor], stored: dict[str, Stored]) -> tuple[list[str], int]:
         files = by_file({k: stored[k] for k in dest})
         nbytes = 0
-        for file, keys in files.items():  # one shard open at a time: only its own tensors are touched
-            with _open(file) as f:
-                for key, stored_key in keys.items():
-                    src = _get(f, stored_key)
-                    nbytes += src.numel() * src.element_size()
-                    with torch.no_grad():
-                        dest[key].copy_(src)
-                    del src
+        for file, keys in files.items():  # only the shards holding this stage's tensors, and only those tensors
+            for group in _groups(keys, dest):
+                with _open(file) as f:
+                    for key, stored_key in group.items():
+                        src = _get(f, stored_key)
+                        nbytes += src.numel() * src.element_size()
+                        with torch.no_grad():
+                            dest[key].copy_(src)
+                        del src
         return list(files), nbytes
     return Checkpoint(path, fmt, where, read, shapes)
+
+
+def _groups(keys: dict[str, str], dest: dict[str, torch.Tensor]) -> list[dict[str, str]]:
+    """``keys`` (model key -> stored key) in runs of about :data:`READ_BYTES` of destination bytes."""
+    groups: list[dict[str, str]] = [{}]
+    size = 0
+    for key, stored_key in keys.items():
+        if groups[-1] and size + dest[key].nbytes > READ_BYTES:
+            groups.append({})
+            size = 0
+        groups[-1][key] = stored_key
+        size += dest[key].nbytes
+    return groups
 
 
 def _open(file: str) -> Any:
