@@ -41,7 +41,7 @@ import dapple
 from dapple.models import Llama, LlamaConfig, lm_loss
 from dapple.planner import Plan, Stage
 from dapple.profiler import trace_layers
-from dapple.runtime import launch
+from dapple.runtime import ActivationMeter, launch
 
 
 # ---- memory ---------------------------------------------------------------------------------------------
@@ -128,15 +128,17 @@ def _start(device: str, memory_fraction: float | None) -> None:
     (w @ w).sum().backward()
 
 
-def _train(pipe: dapple.Pipeline, steps: int, batch: int, seq: int) -> list[float]:
+def _train(pipe: dapple.Pipeline, steps: int, batch: int, seq: int) -> tuple[list[float], int]:
+    """``steps`` SGD steps; the losses, and the peak bytes of activations autograd held."""
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-4)  # no momentum: no optimizer state
     data = _tokens(batch, seq)
     losses = []
-    for _ in range(steps):
-        losses.append(pipe.train_step(data[:, :-1], data[:, 1:]))
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    return losses
+    with ActivationMeter(pipe.parameters()) as meter:
+        for _ in range(steps):
+            losses.append(pipe.train_step(data[:, :-1], data[:, 1:]))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    return losses, meter.peak
 
 
 def rank_meta(ckpt: str, layers: int, plan: Plan, steps: int, seq: int, device: str,
@@ -150,9 +152,10 @@ def rank_meta(ckpt: str, layers: int, plan: Plan, steps: int, seq: int, device: 
     built, t1 = peak(device) - base, time.perf_counter()
     loaded = dapple.load_weights(pipe, ckpt)
     after_load = peak(device) - base
-    losses = _train(pipe, steps, plan.global_batch_size, seq)
+    losses, activations = _train(pipe, steps, plan.global_batch_size, seq)
     return {"stage": pipe.stage, "stage_bytes": sum(p.nbytes for p in pipe.parameters()), "build_s": t1 - t0,
             "peak_built": built, "peak_loaded": after_load, "peak": peak(device) - base, "losses": losses,
+            "activations": activations, "largest": max(p.nbytes for p in pipe.parameters()),
             "load": {"s": loaded.seconds, "bytes": loaded.bytes, "files": len(loaded.files),
                      "tensors": loaded.tensors}}
 
@@ -167,7 +170,7 @@ def rank_full(layers: int, plan: Plan, steps: int, seq: int, device: str, memory
     del model  # the other stages' tensors go with the model
     gc.collect()
     built, t1 = peak(device) - base, time.perf_counter()
-    losses = _train(pipe, steps, plan.global_batch_size, seq)
+    losses, _ = _train(pipe, steps, plan.global_batch_size, seq)
     return {"stage": pipe.stage, "stage_bytes": sum(p.nbytes for p in pipe.parameters()), "build_s": t1 - t0,
             "peak_built": built, "peak": peak(device) - base, "losses": losses}
 
@@ -208,9 +211,19 @@ def report(args: argparse.Namespace, ckpt: dict, meta: list[dict], full: list[di
         if f:
             row += f" | {_gb(f['peak']):>13} {f['peak'] / f['stage_bytes']:>8.2f}"
         print(row)
-    print(f"\nmeta losses {meta[-1]['losses']}" + (f", full build losses {full[-1]['losses']}" if full else ""))
-    if full and args.full_layers != args.layers:
-        print(f"(the full build ran a model of {args.full_layers} layers)")
+    print("\nmeta peak, x stage bytes: parameters 1 + gradients 1 + activations held (peak) + the rest (the largest "
+          "parameter's gradient of a micro-batch before it is added to .grad, allocator, runtime); the largest "
+          "parameter")
+    for r, m in enumerate(meta):
+        acts, rest = m["activations"] / m["stage_bytes"], m["peak"] / m["stage_bytes"] - 2
+        print(f"  rank {r}: {m['peak'] / m['stage_bytes']:.2f} = 2 + {acts:.2f} + {rest - acts:.2f}; largest "
+              f"{m['largest'] / m['stage_bytes']:.2f}")
+    same = full and args.full_layers == args.layers
+    print(f"\nlast stage's losses: meta build {meta[-1]['losses']}" + (f", full build {full[-1]['losses']}" if same
+                                                                       else ""))
+    if full and not same:
+        print(f"(the full build ran a model of {args.full_layers} layers: "
+              f"{_gb(sum(f['stage_bytes'] for f in full))} GB)")
     if prof:
         print(f"\nprofile: peak {_gb(prof['peak'])} GB = {prof['peak'] / prof['model_bytes']:.3f} x the model's "
               f"{_gb(prof['model_bytes'])} GB (largest layer {_gb(prof['largest_layer_bytes'])} GB); "
