@@ -205,7 +205,8 @@ def report(args: argparse.Namespace, ckpt: dict, meta: list[dict], full: list[di
           "  x stage")
     for r, m in enumerate(meta):
         f = full[r] if full else None
-        row = (f"{r:>4} {m['stage']:>5} {_gb(m['stage_bytes']):>9} | {_gb(m['peak']):>13} {m['peak'] / m['stage_bytes']:>8.2f}"
+        x = m["stage_bytes"]
+        row = (f"{r:>4} {m['stage']:>5} {_gb(x):>9} | {_gb(m['peak']):>13} {m['peak'] / x:>8.2f}"
                f"  ({m['peak_built'] / m['stage_bytes']:.2f}, {m['peak_loaded'] / m['stage_bytes']:.2f})"
                f"  {m['load']['s']:>7.2f} {_gb(m['load']['bytes']):>8} {m['load']['files']:>6}")
         if f:

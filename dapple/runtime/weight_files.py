@@ -7,7 +7,6 @@ import inspect
 import json
 import os
 import warnings
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping

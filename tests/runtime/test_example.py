@@ -69,7 +69,8 @@ def test_large_example_trains_a_pretrained_checkpoint_stage_by_stage(tmp_path):
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-8000:]
     assert dapple.Plan.load(tmp_path / "plan.yaml").num_stages == 2
-    files = [int(f) for f in re.findall(r"rank \d \(stage \d\): read \d+ tensors, [\d.]+ MiB from (\d+) file", run.stdout)]
+    read = r"rank \d \(stage \d\): read \d+ tensors, [\d.]+ MiB from (\d+) file"
+    files = [int(f) for f in re.findall(read, run.stdout)]
     assert len(files) == 2 and all(f < shards for f in files), run.stdout  # neither rank opened every shard
     assert f"step 1: loss {float(want):.4f}" in run.stdout, (float(want), run.stdout)
     transformers.LlamaForCausalLM(config).load_state_dict(dapple.load_full_state_dict(tmp_path / "ckpt"))  # strict
