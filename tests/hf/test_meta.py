@@ -100,6 +100,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["meta", "empty"])
+@pytest.mark.slow
 def test_meta_built_llama_with_pretrained_weights_trains_as_the_full_build(results, kind):
     ranks, _ = results
     for rank, r in enumerate(ranks):
@@ -107,6 +108,7 @@ def test_meta_built_llama_with_pretrained_weights_trains_as_the_full_build(resul
         assert r[kind]["loss"] <= TOL and r[kind]["grads"] <= TOL, (kind, rank, r[kind])
 
 
+@pytest.mark.slow
 def test_each_rank_opens_only_the_shards_holding_its_stage(results):
     import json
 

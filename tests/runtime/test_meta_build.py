@@ -24,12 +24,14 @@ def results(tmp_path_factory):
     return run_ranks(meta_workers.run, 4, paths)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["safetensors", "dapple", "torch", "dcp"])
 def test_meta_build_with_loaded_weights_trains_as_the_full_build(results, kind):
     for rank, r in enumerate(results):
         assert r[kind]["loss"] <= TOL and r[kind]["grads"] <= TOL, (kind, rank, r[kind])
 
 
+@pytest.mark.slow
 def test_each_rank_opens_only_its_stages_shards_and_reads_only_its_tensors(results):
     # stage 0: wte (also lm_head's weight) wpe blocks.0; stage 1: blocks.1-2; stage 2: blocks.3 ln_f lm_head, whose
     # weight the checkpoint stores once, as wte.weight (shard a)
@@ -46,12 +48,14 @@ def test_each_rank_opens_only_its_stages_shards_and_reads_only_its_tensors(resul
     assert results[3]["safetensors"]["keys"].count("wte.weight") == 1  # the tied head, from the embedding's key
 
 
+@pytest.mark.slow
 def test_meta_build_makes_only_the_stage_real_and_replicas_start_equal(results):
     assert all(r["devices"] == ["cpu"] for r in results)
     assert results[1]["first"] == results[2]["first"]  # start_equal: the first replica's random init
     assert all(v == v for r in results for v in r["first"])  # initialised: no NaN sentinel left
 
 
+@pytest.mark.slow
 def test_load_weights_names_a_missing_key_and_a_wrong_shape(results):
     assert results[0]["bad"] is None  # stage 0's tensors are all there
     for rank in (1, 2):
@@ -117,6 +121,7 @@ def _init_cases() -> dict:
             "table": pipe.module.get_buffer("scale.table").tolist()}
 
 
+@pytest.mark.slow
 def test_a_tensor_init_fn_leaves_unset_is_an_error_naming_it():
     r = run_ranks(_init_cases, 1)[0]
     assert r["error"] is not None and "'scale.gain'" in r["error"] and "'scale.table'" in r["error"], r["error"]
