@@ -42,12 +42,9 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     The model is profiled in training mode in its own dtype; its device, flags, buffers (BatchNorm statistics),
     gradients and the RNG are left as they were.
 
-    A model built on the meta device (``with torch.device("meta"):``; larger than the profiling device, say) is
-    profiled one layer at a time: each layer is made real on ``device`` with random values (``init_fn``), run on
-    the real outputs of the layers before it, timed at every batch size, and freed, so the device holds one layer
-    and the activations crossing it. A layer identical to an earlier one (same operations, parameter shapes and
-    input shapes: a repeated block) is run for its outputs and saved bytes but takes the earlier one's times;
-    ``meta["reused"]`` maps each such layer to the one timed. ``param_bytes`` are the real model's.
+    A model on the meta device (``with torch.device("meta"):``) is profiled one layer at a time, each made real on
+    ``device`` (``init_fn``), run on the real outputs of the layers before it, timed and freed; a layer identical
+    to an earlier one (a repeated block) takes its times (``meta["reused"]``). Sizes are the real model's.
 
     Args:
         model: the module to profile.
@@ -85,12 +82,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         The :class:`~dapple.Profile`. Its ``call_ms`` is an empty layer's forward and backward, timed in the same
         rounds: what each layer's times include for being called at all, which a stage pays once.
     """
-    _check_options(model, loss_fn, targets, repeats, warmup)
-    check_init_fn(init_fn)
+    _check_options(model, loss_fn, targets, repeats, warmup, check_step, init_fn)
     on_meta = is_meta_model(model)
-    if on_meta and check_step:
-        raise ValueError("check_step=True times whole-model steps, which a meta-device model cannot run; profile "
-                         "it without check_step (its layers are timed one at a time)")
     inputs = as_tensors(example_inputs, "example_inputs")
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
@@ -124,7 +117,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             "profiling_seconds": round(time.perf_counter() - started, 3),
             "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
             "layering": lg.layering.to_meta() if lg.layering is not None else None}
-    if on_meta:  # one layer at a time: which layers took an identical earlier layer's times
+    if on_meta:  # which layers took an identical earlier layer's times
         meta.update(materialised="one layer at a time", reused=runs.reused)
     prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
                    meta=meta, call_ms=call_ms)
@@ -133,10 +126,15 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     return prof
 
 
-def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup: Any) -> None:
+def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup: Any, check_step: Any,
+                   init_fn: Any) -> None:
     """Errors naming the argument, before anything is traced."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    check_init_fn(init_fn)
+    if check_step and is_meta_model(model):
+        raise ValueError("check_step=True times whole-model steps, which a meta-device model cannot run; profile "
+                         "it without check_step (its layers are timed one at a time)")
     for key, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
         if not is_int(value, least):
             raise ValueError(f"{key}: expected an integer >= {least}, got {value!r}")
