@@ -5,13 +5,14 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..core.checks import is_int
+from ..core.meta import InitFn, check_init_fn, is_meta_model
 from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .export_graph import retarget_devices
@@ -19,6 +20,7 @@ from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
 from .layers import arity, trace_layers
 from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time_weight_shares
+from .meta_measure import Measured, measure_meta
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
 from .state import model_dtype, on_device, resolve_device, untouched
@@ -31,13 +33,18 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             repeats: int = 10, warmup: int = 3, device: str | torch.device | None = None,
             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), name: str | None = None,
             progress: bool | None = None, check_step: bool = False, tracer: str = "auto",
-            dynamic_shapes: Any = None, layers: Sequence[str] | None = None) -> Profile:
+            dynamic_shapes: Any = None, layers: Sequence[str] | None = None,
+            init_fn: InitFn | None = None) -> Profile:
     """Measure every layer of ``model`` (forward/backward ms, boundary/saved/param bytes) at each batch size.
 
     Layers are timed on their own, from inputs recorded in one run of the whole model per batch size, in rounds
     that run every layer at every batch size (so a burst of load spreads over all of them); times are medians.
     The model is profiled in training mode in its own dtype; its device, flags, buffers (BatchNorm statistics),
     gradients and the RNG are left as they were.
+
+    A model on the meta device (``with torch.device("meta"):``) is profiled one layer at a time, each made real on
+    ``device`` (``init_fn``), run on the real outputs of the layers before it, timed and freed; a layer identical
+    to an earlier one (a repeated block) takes its times (``meta["reused"]``). Sizes are the real model's.
 
     Args:
         model: the module to profile.
@@ -67,12 +74,16 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             of repeated blocks, at whatever depth, and the modules beside them); see
             :func:`~dapple.profiler.trace_layers`. The rule is recorded in ``meta["layering"]``, and a plan
             made from the profile names the layers, which ``dapple.pipeline`` then uses.
+        init_fn: for a meta-device model, ``init_fn(module)`` on each module holding a tensor of the layer made
+            real, as for :func:`dapple.pipeline` (None: ``reset_parameters()``, or a transformers model's
+            ``_init_weights``); what it leaves unset gets small random values (the times do not depend on them).
 
     Returns:
         The :class:`~dapple.Profile`. Its ``call_ms`` is an empty layer's forward and backward, timed in the same
         rounds: what each layer's times include for being called at all, which a stage pays once.
     """
-    _check_options(model, loss_fn, targets, repeats, warmup)
+    _check_options(model, loss_fn, targets, repeats, warmup, check_step, init_fn)
+    on_meta = is_meta_model(model)
     inputs = as_tensors(example_inputs, "example_inputs")
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
@@ -92,8 +103,9 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                desc=f"profiling {name or type(model).__name__}",
                disable=not (sys.stderr.isatty() if progress is None else progress))
     try:
-        runs = _measure(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, check_step,
-                        bar)
+        runs = (_measure_meta(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, init_fn,
+                              bar) if on_meta else
+                _measure(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, check_step, bar))
     finally:
         bar.close()
     call_ms = [round(statistics.median([x for t in runs.calls for x in getattr(t.result, key)]) * 1e3, 6)
@@ -105,6 +117,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             "profiling_seconds": round(time.perf_counter() - started, 3),
             "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
             "layering": lg.layering.to_meta() if lg.layering is not None else None}
+    if on_meta:  # which layers took an identical earlier layer's times
+        meta.update(materialised="one layer at a time", reused=runs.reused)
     prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
                    meta=meta, call_ms=call_ms)
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
@@ -112,10 +126,15 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     return prof
 
 
-def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup: Any) -> None:
+def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup: Any, check_step: Any,
+                   init_fn: Any) -> None:
     """Errors naming the argument, before anything is traced."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    check_init_fn(init_fn)
+    if check_step and is_meta_model(model):
+        raise ValueError("check_step=True times whole-model steps, which a meta-device model cannot run; profile "
+                         "it without check_step (its layers are timed one at a time)")
     for key, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
         if not is_int(value, least):
             raise ValueError(f"{key}: expected an integer >= {least}, got {value!r}")
@@ -129,20 +148,11 @@ def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup:
                          "*targets)), or drop targets")
 
 
-class _Measured(NamedTuple):
-    """What the rounds measured, per batch size."""
-
-    layers: list[list[LayerMeasurement]]  # per batch size, per layer
-    boundary: list[list[int]]  # per batch size, per layer: bytes a cut after the layer carries
-    calls: list[LayerTimer]  # per batch size: the empty layer (Profile.call_ms)
-    steps: list[float]  # per batch size: a whole step's median seconds (check_step; else empty)
-
-
 def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...],
              sizes: list[int], loss_fn: Callable | None, dev: torch.device, dtype: torch.dtype, warmup: int,
-             repeats: int, check_step: bool, bar: Any) -> _Measured:
+             repeats: int, check_step: bool, bar: Any) -> Measured:
     """Record every batch size's layer inputs, then time all layers in interleaved rounds, on ``dev``."""
-    out = _Measured([], [], [], [])
+    out = Measured([], [], [], [])
     with on_device(model, dev), untouched(model, dev):
         lg.gm.to(dev)  # tensor constants fx lifted into the traced module
         retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
@@ -169,7 +179,20 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
     return out
 
 
-def _layer_profiles(lg: LayerGraph, runs: _Measured) -> list[LayerProfile]:
+def _measure_meta(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
+                  targets: tuple[torch.Tensor, ...], sizes: list[int], loss_fn: Callable | None, dev: torch.device,
+                  dtype: torch.dtype, warmup: int, repeats: int, init_fn: InitFn | None, bar: Any) -> Measured:
+    """A meta-device model: every layer profiled on ``dev`` on its own, made real and freed in turn."""
+    with untouched(model, dev):
+        retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
+        xs = [tuple(to_model(resize(t, b), dev, dtype) for t in inputs) for b in sizes]
+        ys = [tuple(to_model(resize(t, b), dev, dtype) for t in targets) for b in sizes]
+        return measure_meta(model, lg, xs, ys, loss_fn=loss_fn, dev=dev, dtype=dtype, warmup=warmup,
+                            repeats=repeats, weight_runs=WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats,
+                            init_fn=init_fn, bar=bar)
+
+
+def _layer_profiles(lg: LayerGraph, runs: Measured) -> list[LayerProfile]:
     """One LayerProfile per layer: its medians, bytes and inputs at every batch size."""
     saved = [_saved_once(lg, measured) for measured in runs.layers]
     params = lg.params_by_layer()

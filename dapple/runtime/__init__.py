@@ -7,6 +7,8 @@ from .launch import launch
 from .p2p import PipelineError
 from .sampler import DistributedPipelineSampler, IndexedDataset, LoadedBatch, RankCollate, pipeline_loader
 from .tracing import Trace
+from .weights import LoadedWeights, load_weights
 
-__all__ = ["ActivationMeter", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch", "Pipeline",
-           "PipelineError", "RankCollate", "RankData", "Trace", "launch", "pipeline", "pipeline_loader", "rank_data"]
+__all__ = ["ActivationMeter", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch", "LoadedWeights",
+           "Pipeline", "PipelineError", "RankCollate", "RankData", "Trace", "launch", "load_weights", "pipeline",
+           "pipeline_loader", "rank_data"]

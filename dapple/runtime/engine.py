@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core.checks import flag, number
 from ..core.dist import first_line, timeout_seconds
+from ..core.meta import InitFn, check_init_fn
 from ..core.plan import Plan
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
@@ -21,6 +22,7 @@ from .channels import handshake, open_channels
 from .clipping import clip_grad_norm, counted_parameters
 from .compiling import stage_compiler
 from .data import RankData, StepBatch, rank_data
+from .meta_stage import materialise_stage
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
 from .p2p import PipelineError
@@ -56,8 +58,10 @@ class Pipeline:
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
                  layers: Sequence[str] | None = None, check_inputs: bool = True,
                  mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
-                 reduce_dtype: str | None = None, compile: bool | Mapping[str, Any] = False):
+                 reduce_dtype: str | None = None, compile: bool | Mapping[str, Any] = False,
+                 init_fn: InitFn | None = None):
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
+        check_init_fn(init_fn)
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
         self.check_inputs = check_inputs
         # (a plan that is no Plan: check_plan names it below)
@@ -92,6 +96,9 @@ class Pipeline:
         self.graph: StageGraph = graphs[self.stage]
         by_key = stage_keys(self.graph.module, model_keys(model))  # before buffers move to the device
         order = held_keys(model, [g.module for g in graphs])
+        # a meta-device model: only this stage becomes real, on this rank's device (ids change: names come after)
+        materialise_stage(model, lg, graphs, self.stage, self.ctx.device, init_fn,
+                          f"rank {self.ctx.rank} (stage {self.stage}): dapple.pipeline")
         self.module: nn.Module = stage_module(self.graph, lg.gm, self.ctx.device)
         stats = stats_slot(self.module, stats_sizes, self.stage, deferred_batch_norm)  # same tensors, same names
         # the model's state_dict keys of each of this stage's tensors, and all its keys in order (state_dict,
@@ -355,7 +362,7 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
              layers: Sequence[str] | None = None, check_inputs: bool = True, mixed_precision: str | None = None,
              recompute: bool | Sequence[bool] | None = None, reduce_dtype: str | None = None,
-             compile: bool | Mapping[str, Any] = False) -> Pipeline:
+             compile: bool | Mapping[str, Any] = False, init_fn: InitFn | None = None) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
     Call on every rank (e.g. under ``torchrun --nproc_per_node=N``) with the same model, plan and loss; the
@@ -363,7 +370,10 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
     when CUDA is available, gloo on the CPU otherwise).
 
     Args:
-        model: the whole model (every rank builds it; each keeps only its stage's part).
+        model: the whole model, as built on every rank: on a real device (each rank keeps its stage's part), or
+            on the meta device (``with torch.device("meta"):``, or with only the parameters there, as accelerate's
+            ``init_empty_weights``): then each rank makes only its stage's tensors real, on its device, and
+            initialises them with ``init_fn`` (load trained weights with :func:`dapple.load_weights`).
         plan: the plan (``dapple.plan`` or ``dapple.Plan.load``) for this world size.
         loss_fn: ``loss_fn(output, *targets)``, the mean loss over the rows it is given; ``output`` is what the
             model returns (a tensor, tuple, dict or ``ModelOutput``), for those rows.
@@ -405,6 +415,13 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             "aot_eager"}``). A new input shape or a switch between :meth:`Pipeline.train` and
             :meth:`Pipeline.eval` recompiles, as torch.compile does. Not with a zb-h1 plan (ValueError): a
             compiled stage's backward is one autograd node, so its weight gradients cannot be deferred to W.
+        init_fn: for a meta-device model: ``init_fn(module)``, called under ``torch.no_grad`` on each module of
+            the model that directly holds a tensor of this rank's stage, once that tensor is real (uninitialised;
+            buffers the model computed in ``__init__``, such as a rotary ``inv_freq``, must be computed again). It
+            may fill the tensors in place or assign new ones. None: a transformers model's ``_init_weights``,
+            otherwise each module's ``reset_parameters()`` where it has one. A tensor left uninitialised (checked
+            by a sentinel it must overwrite) is a ValueError naming it. The replicas of a stage, and the stages
+            sharing a tied parameter, then start from the first replica's values.
 
     Returns:
         This rank's :class:`Pipeline`.
@@ -413,4 +430,4 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
                     backend=backend, tracer=tracer, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
                     trace=trace, deferred_batch_norm=deferred_batch_norm, layers=layers,
                     check_inputs=check_inputs, mixed_precision=mixed_precision, recompute=recompute,
-                    reduce_dtype=reduce_dtype, compile=compile)
+                    reduce_dtype=reduce_dtype, compile=compile, init_fn=init_fn)

@@ -38,7 +38,10 @@ def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
     for p in gm.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in gm.buffers():
-        memo[id(b)] = b.detach().to("cpu", copy=True) if b.dim() == 0 else torch.empty_like(b, device="meta")
+        if b.dim() == 0:  # one of a meta-device model's other stages has no value to copy: zero stands in
+            memo[id(b)] = torch.zeros((), dtype=b.dtype) if b.is_meta else b.detach().to("cpu", copy=True)
+        else:
+            memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(gm, memo)
 
 
