@@ -170,7 +170,7 @@ def resume(root: str) -> bytes:
     model = gpt()
     tpipe = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
     tpipe.timeout = 2.0
-    dapple.runtime.checkpoint._group(tpipe, "warm-up")  # made while all are present (it waits on the store)
+    dapple.runtime.checkpoint_sync.checkpoint_group(tpipe, "warm-up")  # made while all are present (it waits on the store)
     out["timeout"] = _without_rank_2(lambda: dapple.load_checkpoint(f"{root}/ckpt1", tpipe), "timeout")
     fresh = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
     fresh.timeout = 2.0
@@ -302,7 +302,7 @@ def test_errors_are_clear_and_on_every_rank(run):
             and "'wte.weight'" in e["gpt_into_resnet"], e["gpt_into_resnet"]
         junk = e["save_over_junk"]  # rank 0 checks the target; the others raise with its first line
         assert "/junk holds files but is not a dapple checkpoint; refusing to replace" in junk, junk
-        assert (rank == 0) == junk.startswith("ValueError") and (rank == 0) != ("rank 0 failed" in junk), junk
+        assert (rank == 0) == junk.startswith("ValueError") and (rank == 0) != ("rank 0 (stage 0) failed" in junk), junk
         assert "shape mismatch" in e["wider"] and "(32, 12)" in e["wider"] and "(32, 8)" in e["wider"], e["wider"]
         assert "/resnet" in e["no_opt_state"] and "saved without optimizer state" in e["no_opt_state"], \
             e["no_opt_state"]
@@ -310,16 +310,19 @@ def test_errors_are_clear_and_on_every_rank(run):
     # only ranks 0, 1 (stage 0) hold wpe; rank 2 raises too, naming rank 0's problem
     for rank in (0, 1):
         assert "wpe.weight: checkpoint (16, 8), this model (12, 8)" in per_rank[rank]["longer"]
-    assert per_rank[2]["longer"].startswith("PipelineError") and "rank 0 failed" in per_rank[2]["longer"]
+    assert per_rank[2]["longer"].startswith("PipelineError") and "rank 0 (stage 0) failed" in per_rank[2]["longer"]
     assert "wpe.weight" in per_rank[2]["longer"]
     assert (Path(run["root"]) / "junk" / "notes.txt").exists()  # refused, not replaced
     for rank in (0, 1):
         seconds, msg = run["resumed"][rank]["timeout"]
-        assert msg.startswith("PipelineError") and "within 2s" in msg, msg
+        assert msg.startswith(f"PipelineError: rank {rank} (stage 0), load_checkpoint(") and "exchanging with every " \
+            "rank failed or timed out (timeout 2s)" in msg, msg
+        assert "not every rank came to it: rank 2 (stage 0) is at 'warm-up: creating the gloo group" in msg, msg
         assert seconds < STALL_LIMIT, (seconds, msg)  # the timeout ended it, not rank 2's return
         seconds, msg = run["resumed"][rank]["first_save"]
-        assert msg.startswith(f"PipelineError: rank {rank} (stage 0): save_checkpoint(") and "/never'): creating " \
+        assert msg.startswith(f"PipelineError: rank {rank} (stage 0), save_checkpoint(") and "/never'): creating " \
             "the gloo group of every rank (did every rank call it?) failed or timed out (timeout 2s)" in msg, msg
+        assert "rank 2 (stage 0) is at" in msg, msg  # the rank that did not come, named
         assert seconds < STALL_LIMIT, (seconds, msg)
 
 

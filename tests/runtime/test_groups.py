@@ -44,7 +44,7 @@ def test_buckets_launch_in_order_and_only_when_ready(monkeypatch):
     assert launched == [3]
     red._ready(a[2])  # bucket 0, then the waiting bucket 1
     assert launched == [3, 0, 1]
-    red.finish(timeout=1.0, where="test")  # the rest, in bucket order
+    red.finish(timeout=1.0, who="test", moment="step 1")  # the rest, in bucket order
     assert launched == [3, 0, 1, 2, 4]
     red.arm()  # the next step starts over
     red._ready(a[2])
@@ -56,7 +56,7 @@ def test_finish_writes_the_sums_back(monkeypatch):
     for i, p in enumerate(a):
         p.grad = torch.full((4,), float(i + 1))
     red.arm()
-    red.finish(timeout=1.0, where="test")  # a one-rank "sum" is the gradient itself
+    red.finish(timeout=1.0, who="test", moment="step 1")  # a one-rank "sum" is the gradient itself
     assert [p.grad.tolist() for p in a] == [[1.0] * 4, [2.0] * 4]
 
 
@@ -70,7 +70,7 @@ def test_tied_groups_across_stages_wait_for_the_end_of_the_backward(monkeypatch)
     for p in (*b, *a):  # group 1 (tied) is ready first
         red._ready(p)
     assert launched == [0, 1, 2]  # only the replica group's buckets
-    red.finish(timeout=1.0, where="test")
+    red.finish(timeout=1.0, who="test", moment="step 1")
     assert launched == [0, 1, 2, 3, 4]
 
 
@@ -80,6 +80,6 @@ def test_parameters_without_gradients_keep_none_and_are_not_reduced(monkeypatch)
     red, (a, b), launched = _reducer(monkeypatch, spans=(1,))
     a[1].grad = torch.ones(4)  # a[0], a[2] and all of b got none
     red.arm()
-    red.finish(timeout=1.0, where="test")
+    red.finish(timeout=1.0, who="test", moment="step 1")
     assert [p.grad is None for p in a] == [True, False, True] and all(p.grad is None for p in b)
     assert launched == [1]
