@@ -107,16 +107,16 @@ def agree(desc: Description, rank: int, world_size: int, device: torch.device, t
 
 
 def _variants(values: list[Any]) -> list[list[int]]:
-    """The ranks holding each distinct value, in order of their first rank."""
+    """The ranks holding each distinct value: the most common value first (a tie: the lowest rank's)."""
     out: dict[Any, list[int]] = {}
     for r, v in enumerate(values):
         out.setdefault(v, []).append(r)
-    return list(out.values())
+    return sorted(out.values(), key=lambda ranks: (-len(ranks), ranks[0]))
 
 
 def _explain(differ: list[str], variants: dict[str, list[list[int]]], details: list[Any]) -> str:
     """"rank 2's plan differs from rank 0's in stages[1].layers: [4, 7) vs [4, 6); ..." for each differing
-    section, against the variant of rank 0."""
+    section, against the variant most ranks hold."""
     parts = []
     for s in differ:
         ref_ranks, *others = variants[s]

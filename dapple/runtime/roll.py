@@ -54,7 +54,7 @@ def missing(place: str, ranks: Sequence[int]) -> str:
                 continue
             who, at = store.get(key).decode().split(SEP, 1)
             if at != place:
-                away.append((who, repr(at)))
+                away.append((who, f"'{at}'"))
     except Exception:  # the store is gone or stuck: say nothing rather than guess
         return ""
     finally:

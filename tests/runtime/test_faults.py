@@ -1,26 +1,83 @@
 """A rank that vanishes or stalls mid-training makes the others raise within the timeout, naming stage,
-peer and micro-batch; never a hang."""
+peer and micro-batch, or for a collective the ranks that did not come and where they are; never a hang."""
 
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+import dapple
+from dapple.runtime.distributed import init_distributed
 from tests.runtime import workers
-from tests.runtime._spawn import STALL_LIMIT, run_ranks
+from tests.runtime._spawn import STALL_LIMIT, reported, run_ranks, stall_until_reported
+from tests.runtime.workers import Chain, _chain_data, _plan
+
+
+def _both_told(key: str, msg: str | None) -> str | None:
+    """Report, then wait until both ranks have (rank 0 hosts the store the other reads its error's names from)."""
+    reported(key)
+    stall_until_reported(key, 2)
+    return msg
+
+
+def frozen_replica(timeout: float) -> str | None:
+    """Pure data parallelism on 2 ranks: rank 1 stalls after step 1 until rank 0 has raised; what rank 0 saw."""
+    torch.manual_seed(0)
+    init_distributed(30.0)  # join with a long timeout: the short one is for the steps
+    model = Chain().double()
+    pipe = dapple.pipeline(model, _plan(model, [((0, 5), [0, 1])], 8, 2), F.cross_entropy, timeout=timeout)
+    x, y = _chain_data(8)
+    pipe.train_step(x, y)
+    if int(os.environ["RANK"]) == 1:
+        stall_until_reported("frozen", 1)
+        return None
+    try:
+        pipe.train_step(x, y)
+        msg = "no error"
+    except dapple.runtime.PipelineError as e:
+        msg = str(e)
+    reported("frozen")
+    return msg
+
+
+def skipped_clip(timeout: float) -> str | None:
+    """Two stages: both clip after step 1, only rank 0 after step 2; what each saw."""
+    torch.manual_seed(0)
+    init_distributed(30.0)
+    model = Chain().double()
+    pipe = dapple.pipeline(model, _plan(model, [((0, 2), [0]), ((2, 5), [1])], 8, 2), F.cross_entropy,
+                           timeout=timeout)
+    x, y = _chain_data(8)
+    pipe.train_step(x, y)
+    pipe.clip_grad_norm_(1.0)
+    try:
+        pipe.train_step(x, y)
+        if int(os.environ["RANK"]) == 0:
+            pipe.clip_grad_norm_(1.0)
+        pipe.train_step(x, y)
+        msg = "no error"
+    except dapple.runtime.PipelineError as e:
+        msg = str(e)
+    return _both_told("clip", msg)
 
 
 @pytest.fixture(scope="module")
 def outcomes():
     """Both scenarios at once (two independent worlds), as they mostly wait."""
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(4) as pool:
         # rank 2 (last stage) exits in its 6th forward: step 2, micro-batch 1 (4 micro-batches per step)
         vanished = pool.submit(run_ranks, workers.run_failing_peer, 3, 2, 6, 30.0, timeout=150)
         # rank 1 stalls in its 7th forward (step 2, micro-batch 2) until rank 0 has raised (1.5 s timeout), then exits
         stalled = pool.submit(run_ranks, workers.run_failing_peer, 2, 1, 7, 1.5, True, timeout=150)
-        return {"vanished": vanished.result(), "stalled": stalled.result()}
+        frozen = pool.submit(run_ranks, frozen_replica, 2, 2.0, timeout=150)
+        clip = pool.submit(run_ranks, skipped_clip, 2, 2.0, timeout=150)
+        return {"vanished": vanished.result(), "stalled": stalled.result(), "frozen": frozen.result(),
+                "clip": clip.result()}
 
 
 def _seconds(msg: str) -> float:
@@ -49,6 +106,31 @@ def test_stalled_rank_times_out_the_others(outcomes):
     assert "rank 0 (stage 0), step 2: timed out waiting for gradients of micro-batch 2 " in msg, msg
     assert "from rank 1 (stage 1)" in msg, msg
     assert 1.2 < _seconds(msg) < STALL_LIMIT, msg  # the timeout, not the stall's end ("Connection closed by peer")
+
+
+@pytest.mark.slow
+def test_a_collective_that_times_out_names_the_rank_that_did_not_come(outcomes):
+    msg = outcomes["frozen"][0]
+    assert msg.startswith("rank 0 (stage 0), step 2: checking that the ranks' batches agree failed or timed out "
+                          "(timeout 2s): "), msg
+    assert msg.endswith("; not every rank came to it: rank 1 (stage 0) is at 'step 1: loss AllReduce over all "
+                        "ranks'"), msg
+
+
+@pytest.mark.slow
+def test_a_rank_that_skips_clipping_is_named_with_the_cause(outcomes):
+    """Clipping runs on its own group: the ranks wait in different collectives and time out, instead of gloo
+    aborting a process on a mismatched one."""
+    first, second = outcomes["clip"]
+    hint = "(every rank must call clip_grad_norm_ after the same steps, or none)"
+    assert first.startswith("rank 0 (stage 0), clip_grad_norm_ after step 2: the gradient norm's AllReduce failed "
+                            "or timed out (timeout 2s)"), first
+    assert first.endswith(f"not every rank came to it: rank 1 (stage 1) is at 'step 3: checking that the ranks' "
+                          f"batches agree' {hint}"), first
+    assert second.startswith("rank 1 (stage 1), step 3: checking that the ranks' batches agree failed or timed out "
+                             "(timeout 2s)"), second
+    assert second.endswith("not every rank came to it: rank 0 (stage 0) is at 'clip_grad_norm_ after step 2: the "
+                           f"gradient norm's AllReduce' {hint}"), second
 
 
 @pytest.mark.slow
