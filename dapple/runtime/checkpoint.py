@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import io
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -26,7 +27,7 @@ from .checkpoint_state import (
     save_state,
     stage_tensors,
 )
-from .checkpoint_sync import all_or_none, attempt, checkpoint_group
+from .checkpoint_sync import all_or_none, attempt, checkpoint_group, describe_error
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor, slow to import
@@ -84,7 +85,12 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     dcp = _dcp()
     error = attempt(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(),
                      process_group=group)
-    all_or_none(pipe, group, None, error, f"{what}: writing")  # every part is on disk, or every rank raises
+    try:
+        all_or_none(pipe, group, None, error, f"{what}: writing")  # every part is on disk, or every rank raises
+    except BaseException:
+        if pipe.ctx.rank == 0:  # the incomplete write goes (the previous checkpoint was never touched)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if pipe.ctx.rank == 0:  # complete: mark it, then move it in place
         error = attempt(_finish_save, target, tmp, infos[0]["serial"], pipe.step)
     all_or_none(pipe, group, None, error, what)  # returns once it is in place
@@ -203,7 +209,9 @@ def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise ValueError(f"{target}: damaged dapple checkpoint: tensor {key!r} is listed but not stored")
         sd[key] = torch.empty(m.size, dtype=m.properties.dtype)  # filled in place by DCP
     files.check_shards(target, md.storage_data, set(sd), "load_full_state_dict")
-    _read(target, sd)
+    error = attempt(_read, target, sd)
+    if error is not None:
+        raise ValueError(f"{target}: damaged checkpoint: {describe_error(error)}")
     key_of = {n: k for k, info in meta["tensors"].items() for n in info["names"]}
     return {name: sd[key_of[name]] for name in meta["state_dict_keys"]}
 
@@ -248,7 +256,10 @@ def _read_meta(path: Path) -> tuple[Metadata, dict]:
         raise ValueError(f"{path} is a torch.distributed.checkpoint checkpoint but not a dapple one (no {META!r} "
                          f"entry; it holds {few(sorted(md.state_dict_metadata), 4)}); read it with dcp.load")
     box: dict[str, Any] = {META: None}
-    _read(path, box)
+    files.check_shards(path, md.storage_data, {META}, f"{path}: its description")
+    error = attempt(_read, path, box)
+    if error is not None:
+        raise ValueError(f"{path}: damaged checkpoint: its description cannot be read ({describe_error(error)})")
     meta = box[META]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
