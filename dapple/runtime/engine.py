@@ -176,9 +176,9 @@ class Pipeline:
 
         Raises:
             ValueError, TypeError: a batch that does not fit the model or plan, or ranks whose batches disagree
-                (:class:`BatchCheck`): every rank raises, nothing ran, the pipeline stays usable.
-            ValueError: a wrong loss (the sum over the rows, or no gradient): every rank raises after the step's
-                collectives, with its gradients discarded; the pipeline stays usable.
+                (:class:`BatchCheck`): every rank raises, nothing ran; or a wrong loss (the sum over the rows, or
+                no gradient): every rank raises once the step's collectives completed, its gradients discarded.
+                Either way the pipeline stays usable.
             PipelineError: a peer failed or timed out; the pipeline is unusable afterwards (as after any error
                 raised while the step's transfers were in flight, e.g. in the model).
         """

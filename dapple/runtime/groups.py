@@ -200,7 +200,8 @@ class GradReducer:
             grads, flat, work = self._launched[k]
             if work is None:  # no parameter of the bucket got a gradient: they keep .grad None, as on one device
                 continue
-            waited(work, timeout, who, f"{moment}: gradient AllReduce of {g.label} (ranks {g.ranks})", g.ranks)
+            waited(work, timeout, who, f"{moment}: gradient AllReduce", g.ranks, detail=f" of {g.label} (ranks "
+                   f"{g.ranks})")
             if rec is not None:
                 launched, during = self._launch_times[k]
                 rec.allreduce_bucket(k, launched, rec.clock(), g.label, g.ranks, flat.numel() * flat.element_size(),

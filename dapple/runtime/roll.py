@@ -16,6 +16,7 @@ KEY = "dapple/at/"  # + rank: "<who>\x1f<place>", this rank's last collective
 SEP = "\x1f"
 READ_SECONDS = 5.0  # at most this long per store read after a failure (a frozen store host must not add a timeout)
 CLIP = "clip_grad_norm_"
+_posted: list[Any] = [None]  # (store, what this rank last posted there): the same place is posted once
 
 
 def _store() -> Any:
@@ -30,10 +31,12 @@ def post(who: str, place: str) -> None:
     """Record that this rank (``who``, e.g. "rank 2 (stage 1)") has come to ``place`` (e.g. "step 3: loss
     AllReduce over all ranks"), the same words on every rank that comes there."""
     store = _store()
-    if store is None:
+    value = f"{who}{SEP}{place}"
+    if store is None or _posted[0] == (id(store), value):
         return
     try:
-        store.set(f"{KEY}{dist.get_rank()}", f"{who}{SEP}{place}")
+        store.set(f"{KEY}{dist.get_rank()}", value)
+        _posted[0] = (id(store), value)
     except Exception:  # the store's host is gone: the collective will say so
         pass
 
@@ -84,11 +87,11 @@ def called(timeout: float, who: str, place: str, ranks: Sequence[int], call: Cal
 
 
 def waited(work: Any, timeout: float, who: str, place: str, ranks: Sequence[int],
-           device: torch.device | None = None) -> None:
-    """:func:`wait_for` the collective ``work`` of ``ranks`` ("``who``, ``place``" in its error), posting ``place``
-    first; a failure names the ranks that were elsewhere."""
+           device: torch.device | None = None, detail: str = "") -> None:
+    """:func:`wait_for` the collective ``work`` of ``ranks`` ("``who``, ``place````detail``" in its error), posting
+    ``place`` first; a failure names the ranks that were elsewhere."""
     post(who, place)
     try:
-        wait_for(work, timeout, f"{who}, {place}", device)
+        wait_for(work, timeout, f"{who}, {place}{detail}", device)
     except PipelineError as e:
         raise PipelineError(f"{e}{missing(place, ranks)}") from e.__cause__
