@@ -84,7 +84,7 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
                     "scheduler": None if scheduler is None else scheduler_state(scheduler)}
     dcp = _dcp()
     error = attempt(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(),
-                     process_group=group)
+                    process_group=group)
     try:
         all_or_none(pipe, group, None, error, f"{what}: writing")  # every part is on disk, or every rank raises
     except BaseException:
@@ -158,7 +158,8 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     target = Path(os.path.abspath(path))
     what = f"load_checkpoint({str(target)!r})"
     group = checkpoint_group(pipe, what)
-    error, finish, found = None, None, None
+    error: Exception | None = None
+    found, finish, generators, schedule = files.Found(target, 0, None), _nothing, _nothing, None
     sd: dict[str, Any] = {}
     meta: dict = {}
     try:
@@ -177,7 +178,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
                       f"complete checkpoint there (a save was interrupted while moving it in place)", stacklevel=2)
     dcp = _dcp()
     error = attempt(dcp.load, sd, storage_reader=dcp.FileSystemReader(found.path), planner=_load_planner(),
-                     process_group=group)
+                    process_group=group)
     all_or_none(pipe, group, None, error, f"{what}: reading")  # every rank read its part: only now does any change
     finish()
     generators()
@@ -214,6 +215,10 @@ def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise ValueError(f"{target}: damaged checkpoint: {describe_error(error)}")
     key_of = {n: k for k, info in meta["tensors"].items() for n in info["names"]}
     return {name: sd[key_of[name]] for name in meta["state_dict_keys"]}
+
+
+def _nothing() -> None:
+    pass
 
 
 def _find(target: Path) -> files.Found:
