@@ -20,6 +20,7 @@ import dapple
 from dapple.models import GPT, ResNet, lm_loss, random_tokens
 from dapple.planner import Plan, Stage
 from dapple.profiler import trace_layers
+from dapple.runtime.checkpoint_sync import checkpoint_group
 from tests.runtime._spawn import STALL_LIMIT, reported, run_ranks, stall_until_reported
 
 GBS, MBS, SEQ = 6, 3, 8
@@ -173,7 +174,7 @@ def resume(root: str) -> bytes:
     model = gpt()
     tpipe = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
     tpipe.timeout = 2.0
-    dapple.runtime.checkpoint_sync.checkpoint_group(tpipe, "warm-up")  # made while all are present (it waits on the store)
+    checkpoint_group(tpipe, "warm-up")  # made while all are present (it waits on the store)
     out["timeout"] = _without_rank_2(lambda: dapple.load_checkpoint(f"{root}/ckpt1", tpipe), "timeout")
     fresh = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
     fresh.timeout = 2.0
