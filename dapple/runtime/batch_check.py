@@ -10,12 +10,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.dist import bounded, wait_for
+from ..core.dist import bounded
 from ..core.plan import Plan
 from ..core.split_concat import slice_bounds
 from ..profiler.layers import Arity
 from .data import CompactRows, RankData, RowSource, StepBatch
 from .rank_batch import Held, RankBatch
+from .roll import waited
 
 ABSENT = float("-inf")  # a value this rank does not hold: it takes no part in the agreement (MAX of v and -v)
 DEFAULTED = -1.0  # an input this rank reads and leaves to its default (fingerprints are >= 0)
@@ -80,15 +81,18 @@ class BatchCheck:
     def _n(self) -> int:
         return len(self.data.input_names)
 
-    def check(self, batch: RankBatch | None, error: BaseException | None, where: str, values: bool) -> StepBatch:
+    def check(self, batch: RankBatch | None, error: BaseException | None, who: str, moment: str, values: bool
+              ) -> StepBatch:
         """Agree with every other rank (collective); raise on every rank if any rank's batch is wrong or the
         batches disagree: ``error`` (this rank's own, from :func:`rank_batch`) is raised as it is, the others
-        raise ValueError naming the rank and its error. Returns the batch for the runner."""
+        raise ValueError naming the rank and its error. Errors begin "``who``, ``moment``". Returns the batch for
+        the runner."""
+        where = f"{who}, {moment}"
         mine = self._vector(batch, values)
         both = torch.cat([mine, torch.where(mine == ABSENT, mine, -mine),
                           torch.tensor([float(error is not None)], dtype=torch.float64, device=self.device)])
-        wait_for(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), self.timeout,
-                 f"{where}: checking that the ranks' batches agree")
+        waited(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), self.timeout, who,
+               f"{moment}: checking that the ranks' batches agree", range(dist.get_world_size()))
         red = both.tolist()  # one copy to the host
         k = mine.numel()
         most, least = red[:k], [-v for v in red[k:2 * k]]

@@ -7,12 +7,13 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.dist import barrier, bounded, group_timeout
+from ..core.dist import bounded, group_timeout
 from ..core.plan import Plan
 from .distributed import DistContext
 from .groups import GradGroup, GradReducer, make_grad_groups, start_equal
 from .p2p import P2P
 from .program import Transfer, cut_routes
+from .roll import waited
 from .stages import StageGraph
 
 
@@ -45,7 +46,7 @@ def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str
                        f"dapple.pipeline with the same plan?)", dist.new_group, list(range(ctx.world_size)),
                        timeout=group_timeout(timeout, ctx.backend)) if plan.num_stages > 1 else None
     groups = make_grad_groups(plan, graphs, names, ctx.rank, timeout, where)
-    start_equal(groups, timeout, where)
+    start_equal(groups, timeout, f"rank {ctx.rank} (stage {stage})")
     # early backward: stage i runs K_i forwards ahead of its backwards (what lets P2P free delivered sends early)
     ahead = (lambda s: plan.stages[s].warmup) if plan.schedule == "dapple" else (lambda s: None)
     p2p = P2P(ctx.rank, plan.stage_of_device, None, grad_p2p, timeout, value_name, ahead)
@@ -78,5 +79,6 @@ def handshake(plan: Plan, ctx: DistContext, stage: int, channels: Channels, time
         p2p.wait_recv(t)
     p2p.finish()
     for g in channels.groups:
-        barrier(ctx.device, timeout, f"rank {rank} (stage {stage}): reaching the ranks {g.ranks} of the {g.label} "
-                f"group", g.group)
+        waited(dist.all_reduce(torch.zeros(1, device=ctx.device), group=g.group, async_op=True), timeout,
+               f"rank {rank} (stage {stage})", f"dapple.pipeline: reaching the ranks {g.ranks} of the {g.label} group",
+               g.ranks)

@@ -7,15 +7,15 @@ import io
 import os
 import shutil
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
-from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 
-from ..core.dist import PipelineError, bounded, first_line
+from ..core.dist import first_line
+from . import checkpoint_files as files
+from .checkpoint_loop import is_scheduler, load_scaler, rng_states, rng_targets, scheduler_state, scheduler_target
 from .checkpoint_state import (
     FORMAT,
     StageTensor,
@@ -27,19 +27,19 @@ from .checkpoint_state import (
     save_state,
     stage_tensors,
 )
+from .checkpoint_sync import all_or_none, attempt, checkpoint_group, describe_error
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor, slow to import
     from torch.distributed.checkpoint.metadata import Metadata
 
-META = "dapple/meta"  # one object: format, step, versions, plan, tensor names, optimizer groups, extra
-SAVING, REPLACED = ".saving", ".replaced"  # suffixes: the directory a save writes into / the one it replaces
-_groups: "WeakKeyDictionary[Pipeline, dist.ProcessGroup]" = WeakKeyDictionary()
+META = "dapple/meta"  # one object: format, step, versions, plan, tensor names, optimizer groups, scaler, extra
+SAVING, REPLACED = files.SAVING, files.REPLACED  # suffixes: the directory a save writes into / the one it replaces
 
 
 # ---- public ------------------------------------------------------------------------------------
 def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None,
-                    extra: Mapping[str, Any] | None = None) -> None:
+                    extra: Mapping[str, Any] | None = None, *, scheduler: Any = None) -> None:
     """Write this pipeline (all ranks call it) to the directory ``path`` with torch.distributed.checkpoint.
 
     Each rank writes its stage's parameters and buffers under their names in the original model, and the
@@ -47,9 +47,13 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     it. Copies held by several ranks (stage replicas, stages sharing a tied parameter) are written once:
     DCP keeps one writer per key. Buffers come from replica 0 of their stage (replicas may differ, e.g.
     BatchNorm statistics; DDP likewise broadcasts rank 0's). Also stored: the plan, ``pipe.step``, the
-    dapple and torch versions, the optimizer class and param-group hyperparameters, and ``extra``. The new
-    checkpoint is written next to ``path`` and moved in place when complete, so an interrupted save leaves the
-    previous one intact. Collectives run on a gloo group bounded by ``pipe.timeout``.
+    dapple and torch versions, the optimizer class and param-group hyperparameters, fp16's loss scale
+    (``pipe.scaler``), the scheduler's state, each rank's random generator states, and ``extra``.
+
+    The new checkpoint is written beside ``path`` (``path.saving``), marked complete once every rank's part is
+    on disk, and swapped in atomically where the OS allows (Linux), else by two renames: at every instant the
+    last complete checkpoint is at ``path`` or beside it, where :func:`load_checkpoint` finds it; none is
+    removed before a newer one is in place. Collectives run on a gloo group bounded by ``pipe.timeout``.
 
     Args:
         path: the checkpoint directory; a dapple checkpoint already there is replaced, other files are not.
@@ -57,102 +61,130 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
         optimizer: an optimizer over ``pipe.parameters()`` whose state is saved too (pass one on every rank or
             on none).
         extra: any picklable dict saved with it (e.g. the data position); :func:`load_checkpoint` returns it.
+        scheduler: an LR scheduler of ``optimizer`` whose state is saved too (on every rank or on none).
+
+    Raises:
+        ValueError: bad arguments or target, on every rank before anything is written.
+        RuntimeError: writing failed on some rank (every rank raises, naming the rank, stage and its error;
+            the previous checkpoint stays where it was).
+        PipelineError: a rank did not take part within ``pipe.timeout``.
     """
-    _check_args(pipe, optimizer)
+    _check_args(pipe, optimizer, scheduler)
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra: expected a dict (e.g. {{'data_position': 1200}}), got {type(extra).__name__}")
     extra = dict(extra or {})
     target = Path(os.path.abspath(path))
-    tmp = target.with_name(target.name + SAVING)
+    tmp = files.saving(target)
     what = f"save_checkpoint({str(target)!r})"
-    group = _group(pipe, what)
-    local, infos = _describe_ranks(pipe, optimizer, group, target, tmp, extra, what)
-    sd = save_state(pipe, optimizer, local)
+    group = checkpoint_group(pipe, what)
+    local, infos = _describe_ranks(pipe, optimizer, scheduler, group, target, extra, what)
+    sd = {**save_state(pipe, optimizer, local), **rng_states(pipe)}
     if pipe.ctx.rank == 0:
-        sd[META] = describe(pipe, infos, extra)
+        sd[META] = {**describe(pipe, infos, extra), "scaler": pipe.scaler.state_dict(),
+                    "scheduler": None if scheduler is None else scheduler_state(scheduler)}
     dcp = _dcp()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(), process_group=group)
-    error = _swap_in(target, tmp) if pipe.ctx.rank == 0 else None
-    _agree(pipe, group, None, error, what)  # returns once it is in place
+    error = attempt(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(),
+                    process_group=group)
+    try:
+        all_or_none(pipe, group, None, error, f"{what}: writing")  # every part is on disk, or every rank raises
+    except BaseException:
+        if pipe.ctx.rank == 0:  # the incomplete write goes (the previous checkpoint was never touched)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if pipe.ctx.rank == 0:  # complete: mark it, then move it in place
+        error = attempt(_finish_save, target, tmp, infos[0]["serial"], pipe.step)
+    all_or_none(pipe, group, None, error, what)  # returns once it is in place
 
 
-def _describe_ranks(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
-                    target: Path, tmp: Path, extra: dict, what: str) -> tuple[list[StageTensor], list[dict]]:
+def _finish_save(target: Path, tmp: Path, serial: int, step: int) -> None:
+    files.write_mark(tmp, serial, step)
+    files.swap_in(target, tmp)
+
+
+def _describe_ranks(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+                    group: dist.ProcessGroup, target: Path, extra: dict, what: str) -> tuple[list[StageTensor], list]:
     """This rank's tensors, and every rank's description of what it saves (checked alike on every rank; rank 0
-    also prepares the target) before anything is written."""
+    also prepares the target and tells the serial of the new save) before anything is written."""
     error, info, local = None, None, []
     try:
         local = stage_tensors(pipe)
         info = {"tensors": [(t.key, t.kind, t.names) for t in local],
-                "optimizer": None if optimizer is None else optimizer_info(optimizer, local)}
+                "optimizer": None if optimizer is None else optimizer_info(optimizer, local),
+                "scheduler": scheduler is not None}
         if pipe.ctx.rank == 0:
-            _prepare_target(target, tmp)
+            info["serial"] = _prepare_target(target)
             torch.save(extra, io.BytesIO())  # picklable? fail before anything is written
+            if scheduler is not None:
+                torch.save(scheduler_state(scheduler), io.BytesIO())
     except Exception as e:
         error = e
-    infos = _agree(pipe, group, info, error, what)
-    has_opt = {r for r, i in enumerate(infos) if i["optimizer"] is not None}
-    if has_opt and len(has_opt) != len(infos):
-        raise ValueError(f"save_checkpoint: ranks {sorted(has_opt)} passed an optimizer, ranks "
-                         f"{sorted(set(range(len(infos))) - has_opt)} did not (pass it on every rank or on none)")
+    infos = all_or_none(pipe, group, info, error, what)
+    for name in ("optimizer", "scheduler"):
+        given = {r for r, i in enumerate(infos) if i[name]}
+        if given and len(given) != len(infos):
+            raise ValueError(f"save_checkpoint: ranks {sorted(given)} passed {name}=, ranks "
+                             f"{sorted(set(range(len(infos))) - given)} did not (pass it on every rank or on none)")
     classes = sorted({i["optimizer"]["class"] for i in infos if i["optimizer"] is not None})
     if len(classes) > 1:
         raise ValueError(f"save_checkpoint: ranks use different optimizer classes {classes}")
     return local, infos
 
 
-def _swap_in(target: Path, tmp: Path) -> Exception | None:
-    """Rank 0: move the complete new checkpoint ``tmp`` to ``target`` (the old one aside, then removed); the
-    error, if any, for every rank to raise."""
-    try:
-        old = target.with_name(target.name + REPLACED)
-        if target.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            target.rename(old)
-        tmp.rename(target)
-        if old.exists():
-            shutil.rmtree(old)
-    except Exception as e:
-        return e
-    return None
-
-
-def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None
-                    ) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None, *,
+                    scheduler: Any = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``pipe`` (all ranks call it).
 
     The pipeline may use another plan or world size than the one that saved: each rank reads only the
-    tensors of its own stage, by original name. ``pipe.step`` is set to the saved step. Checks run on every
-    rank before anything is read, and if any rank finds a problem (missing path, not a dapple checkpoint,
-    missing or unexpected tensors, shape mismatch, other optimizer) every rank raises, naming it. Collectives
-    are bounded by ``pipe.timeout``.
+    tensors of its own stage, by original name. ``pipe.step`` is set to the saved step, and fp16's loss scale
+    (``pipe.scaler``) to the saved one; under the same world size each rank's random generators continue where
+    that rank's stopped (dropout draws what it would have drawn). If a save was interrupted, the newest complete
+    checkpoint beside ``path`` is read (rank 0 warns). Checks run on every rank before anything is read (missing
+    path, not a dapple checkpoint, missing or unexpected tensors, shape mismatch, other optimizer or scheduler,
+    missing or truncated files), every rank reads into fresh buffers, and only once every rank has read its part
+    does any rank change its state: if any rank fails, every rank raises, naming it, and none changed.
+    Collectives are bounded by ``pipe.timeout``.
 
     Args:
         path: the checkpoint directory.
         pipe: this rank's pipeline (any plan for the same model).
         optimizer: an optimizer of the class saved, over ``pipe.parameters()``: it gets its per-parameter state
             and its param groups' hyperparameters back.
+        scheduler: an LR scheduler of ``optimizer``, of the class saved: it gets its state back.
 
     Returns:
         The ``extra`` dict given to :func:`save_checkpoint`.
     """
-    _check_args(pipe, optimizer)
+    _check_args(pipe, optimizer, scheduler)
     target = Path(os.path.abspath(path))
     what = f"load_checkpoint({str(target)!r})"
-    group = _group(pipe, what)
-    error, finish = None, None
+    group = checkpoint_group(pipe, what)
+    error: Exception | None = None
+    found, finish, generators, schedule = files.Found(target, 0, None), _nothing, _nothing, None
     sd: dict[str, Any] = {}
     meta: dict = {}
     try:
-        md, meta = _read_meta(target)
-        finish = load_targets(pipe, optimizer, target, md, meta, sd)
+        found = _find(target)
+        md, meta = _read_meta(found.path)
+        finish = load_targets(pipe, optimizer, found.path, md, meta, sd)  # fresh buffers, copied in by finish
+        generators = rng_targets(pipe, md, meta, sd)
+        schedule = None if scheduler is None else scheduler_target(scheduler, meta.get("scheduler"), found.path)
+        files.check_shards(found.path, md.storage_data, set(sd), f"rank {pipe.ctx.rank} (stage {pipe.stage})")
     except Exception as e:
         error = e
-    _agree(pipe, group, None, error, what)
+    all_or_none(pipe, group, None, error, what)
+    if found.path != target and pipe.ctx.rank == 0:
+        state = "does not exist" if not target.exists() else "holds an older one"
+        warnings.warn(f"load_checkpoint: {target} {state}: reading {found.path} (step {meta['step']}), the newest "
+                      f"complete checkpoint there (a save was interrupted while moving it in place)", stacklevel=2)
     dcp = _dcp()
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(target), planner=_load_planner(), process_group=group)
+    error = attempt(dcp.load, sd, storage_reader=dcp.FileSystemReader(found.path), planner=_load_planner(),
+                    process_group=group)
+    all_or_none(pipe, group, None, error, f"{what}: reading")  # every rank read its part: only now does any change
     finish()
+    generators()
+    load_scaler(pipe, meta.get("scaler"))
+    if schedule is not None:
+        schedule()
     pipe.step = int(meta["step"])
     return dict(meta["extra"])
 
@@ -161,14 +193,15 @@ def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The original model's ``state_dict`` from a checkpoint, on one process without any process group.
 
     Args:
-        path: a directory written by :func:`save_checkpoint`.
+        path: a directory written by :func:`save_checkpoint` (if a save was interrupted, the newest complete
+            checkpoint beside it).
 
     Returns:
         Every name the model's own ``state_dict`` has (a tied parameter under each of its names, as one tensor),
         so ``model.load_state_dict(load_full_state_dict(path))`` restores a plain model. Tensors are on the CPU,
         in the dtype they were saved in.
     """
-    target = Path(os.path.abspath(path))
+    target = _find(Path(os.path.abspath(path))).path
     md, meta = _read_meta(target)
     sd = {}
     for key in meta["tensors"]:
@@ -176,39 +209,47 @@ def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         if not is_stored_tensor(m):
             raise ValueError(f"{target}: damaged dapple checkpoint: tensor {key!r} is listed but not stored")
         sd[key] = torch.empty(m.size, dtype=m.properties.dtype)  # filled in place by DCP
-    _read(target, sd)
+    files.check_shards(target, md.storage_data, set(sd), "load_full_state_dict")
+    error = attempt(_read, target, sd)
+    if error is not None:
+        raise ValueError(f"{target}: damaged checkpoint: {describe_error(error)}")
     key_of = {n: k for k, info in meta["tensors"].items() for n in info["names"]}
     return {name: sd[key_of[name]] for name in meta["state_dict_keys"]}
 
 
+def _nothing() -> None:
+    pass
+
+
+def _find(target: Path) -> files.Found:
+    """The newest complete checkpoint at or beside ``target``, else ``target`` itself if it exists (for the
+    errors that say what it is); FileNotFoundError naming what lies beside it otherwise."""
+    found = files.newest(target)
+    if found is not None:
+        return found
+    if not target.exists():
+        raise FileNotFoundError(files.missing_message(target))
+    return files.Found(target, 0, None)
+
+
 # ---- coordination ----------------------------------------------------------------------------------
-def _check_args(pipe: Any, optimizer: Any) -> None:
+def _check_args(pipe: Any, optimizer: Any, scheduler: Any) -> None:
     if not isinstance(pipe, Pipeline):
         raise TypeError(f"pipe: expected a dapple.Pipeline (from dapple.pipeline(...)), got {type(pipe).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-
-
-def _group(pipe: Pipeline, what: str) -> dist.ProcessGroup:
-    """A gloo group of all ranks with the pipeline's timeout, for DCP's object collectives (made once per pipe,
-    by the first save or load: every rank must call it)."""
-    if pipe not in _groups:
-        _groups[pipe] = bounded(pipe.timeout, f"rank {pipe.ctx.rank} (stage {pipe.stage}): {what}: creating the "
-                                f"gloo group of every rank (did every rank call it?)", dist.new_group,
-                                list(range(pipe.ctx.world_size)), timeout=timedelta(seconds=pipe.timeout),
-                                backend="gloo")
-    return _groups[pipe]
+    if scheduler is not None and not is_scheduler(scheduler):
+        raise TypeError(f"scheduler: expected an LR scheduler (torch.optim.lr_scheduler) or None, got "
+                        f"{type(scheduler).__name__}")
+    if scheduler is not None and optimizer is not None and scheduler.optimizer is not optimizer:
+        raise ValueError("scheduler: it schedules another optimizer than the one given")
 
 
 # ---- reading and writing --------------------------------------------------------------------------
 def _read_meta(path: Path) -> tuple[Metadata, dict]:
     """DCP's metadata and dapple's description, read by this process alone; errors say what ``path`` is."""
     if not path.exists():
-        hint = ""
-        for suffix, what in ((REPLACED, "the previous checkpoint"), (SAVING, "an incomplete save")):
-            if path.with_name(path.name + suffix).exists():
-                hint = f" ({path.name}{suffix} holds {what}: a save was interrupted)"
-        raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist{hint}")
+        raise FileNotFoundError(files.missing_message(path))
     if not path.is_dir():
         raise ValueError(f"{path} is not a dapple checkpoint: it is a file, dapple.save_checkpoint writes a directory")
     try:
@@ -220,7 +261,10 @@ def _read_meta(path: Path) -> tuple[Metadata, dict]:
         raise ValueError(f"{path} is a torch.distributed.checkpoint checkpoint but not a dapple one (no {META!r} "
                          f"entry; it holds {few(sorted(md.state_dict_metadata), 4)}); read it with dcp.load")
     box: dict[str, Any] = {META: None}
-    _read(path, box)
+    files.check_shards(path, md.storage_data, {META}, f"{path}: its description")
+    error = attempt(_read, path, box)
+    if error is not None:
+        raise ValueError(f"{path}: damaged checkpoint: its description cannot be read ({describe_error(error)})")
     meta = box[META]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
@@ -257,8 +301,9 @@ def _load_planner() -> Any:
     return _dcp().DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
-def _prepare_target(target: Path, tmp: Path) -> None:
-    """Rank 0, before any write: refuse to replace what is not a dapple checkpoint; clear a stale save."""
+def _prepare_target(target: Path) -> int:
+    """Rank 0, before any write: refuse to replace what is not a dapple checkpoint; make the newest complete
+    checkpoint the target (an interrupted save's), clear the rest beside it; the new save's serial."""
     if target.exists():
         if not target.is_dir():
             raise ValueError(f"save_checkpoint: {target} exists and is a file; give a directory path")
@@ -268,26 +313,5 @@ def _prepare_target(target: Path, tmp: Path) -> None:
             except (ValueError, FileNotFoundError):
                 raise ValueError(f"save_checkpoint: {target} holds files but is not a dapple checkpoint; refusing to "
                                  f"replace it (give a new or empty directory)") from None
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by an interrupted save (its name is ours)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _agree(pipe: Pipeline, group: dist.ProcessGroup, payload: Any, error: BaseException | None, what: str
-           ) -> list[Any]:
-    """All-gather every rank's payload or error (bounded by the group's timeout); if any failed, all raise."""
-    rank = pipe.ctx.rank
-    out: list[Any] = [None] * pipe.ctx.world_size
-    msg = None if error is None else f"{type(error).__name__}: {first_line(error)}"
-    try:
-        dist.all_gather_object(out, (None if error else payload, msg), group=group)
-    except Exception as e:
-        raise PipelineError(f"rank {rank} (stage {pipe.stage}): {what}: could not exchange with every rank within "
-                            f"{pipe.timeout:g}s (did every rank call it?): {first_line(e)}") from e
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, (_, m) in enumerate(out) if m is not None]
-    if failed:
-        more = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise PipelineError(f"rank {rank}: {what} stopped because rank {failed[0][0]} failed{more}: {failed[0][1]}")
-    return [p for p, _ in out]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return files.promote(target)

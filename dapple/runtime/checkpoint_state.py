@@ -122,13 +122,14 @@ def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
 
 def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: Path, md: Metadata, meta: dict,
                  sd: dict[str, Any]) -> Callable[[], None]:
-    """Fill ``sd`` with this rank's destinations (checked); return what to do once DCP has read them."""
+    """Fill ``sd`` with this rank's destinations (checked; fresh buffers: the stage is untouched until ``finish``);
+    return what copies them in once DCP has read them."""
     tensors = meta["tensors"]
     key_of = {n: k for k, info in tensors.items() for n in info["names"]}
     local = stage_tensors(pipe)
     all_names = set(pipe.state_order)
     where = f"stage {pipe.stage} (rank {pipe.ctx.rank})"
-    missing, shapes, extra_copies, keys = [], [], [], {}
+    missing, shapes, copies, keys = [], [], [], {}
     for t in local:
         key = next((key_of[n] for n in [t.key, *t.names] if n in key_of), None)
         m = md.state_dict_metadata.get(key) if key is not None else None
@@ -139,10 +140,8 @@ def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: 
             shapes.append(f"{t.key}: checkpoint {tuple(m.size)}, this model {tuple(t.tensor.shape)}")
             continue
         keys[id(t.tensor)] = key
-        if key in sd:  # two local tensors from one saved one (e.g. a tied checkpoint into an untied model)
-            extra_copies.append((t.tensor, sd[key]))
-        else:
-            sd[key] = t.tensor.detach()
+        # read into a fresh buffer, copied into the stage by ``finish`` once every rank has read its part
+        copies.append((t.tensor, sd.setdefault(key, torch.empty(m.size, dtype=m.properties.dtype))))
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) that {where} needs: {few(missing)}; "
                          f"it holds {len(tensors)} such as {few(list(tensors), 4)} (saved from another model?)")
@@ -157,7 +156,7 @@ def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: 
 
     def finish() -> None:
         with torch.no_grad():
-            for dst, src in extra_copies:
+            for dst, src in copies:  # (two local tensors may come from one saved one: a tied checkpoint, untied)
                 dst.copy_(src)
         if opt_done is not None:
             opt_done()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..core.checks import flag, number
@@ -16,10 +17,11 @@ from ..core.meta import InitFn, check_init_fn
 from ..core.plan import Plan
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
+from .agreement import agree, describe
 from .batch_check import BatchCheck
 from .batchnorm import stage_stats_sizes, stats_slot
 from .channels import handshake, open_channels
-from .clipping import clip_grad_norm, counted_parameters
+from .clipping import clip_grad_norm, counted_parameters, norm_group
 from .compiling import stage_compiler
 from .data import RankData, StepBatch, rank_data
 from .meta_stage import materialise_stage
@@ -116,11 +118,16 @@ class Pipeline:
         shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places)  # keeps a meta copy only
         self.step = 0
         self._failed: str | None = None
+        # every rank was given the same plan, model and options: one small AllReduce, before any group or transfer
+        agree(describe(plan, model, lg.names, inputs.names, precision.name, flags, loss_fn,
+                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs, "tracer": tracer}),
+              self.ctx.rank, self.ctx.world_size, self.ctx.device, self.timeout)
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
         channels = open_channels(plan, graphs, self._names, self.ctx, self.stage, self.timeout, self.value_name,
                                  reduce_dtype=wire)
         self._p2p, self._reducer, self._groups = channels.p2p, channels.reducer, channels.groups
         self._counted: list[nn.Parameter] | None = None  # clip_grad_norm_'s share of the norm (on first use)
+        self._norm_group: dist.ProcessGroup | None = None  # and the group of its AllReduce
         self._runner = StepRunner(plan, self.ctx, self.stage, self.replica, self.graph, self.module, loss_fn, inputs,
                                   shapes, channels, stats, self.timeout, precision=precision, scaler=self.scaler,
                                   recompute=self.recompute)
@@ -180,15 +187,18 @@ class Pipeline:
 
         Raises:
             ValueError, TypeError: a batch that does not fit the model or plan, or ranks whose batches disagree
-                (:class:`BatchCheck`): every rank raises, nothing ran, the pipeline stays usable.
-            PipelineError: a peer failed or timed out; the pipeline is unusable afterwards.
+                (:class:`BatchCheck`): every rank raises, nothing ran; or a wrong loss (the sum over the rows, or
+                no gradient): every rank raises once the step's collectives completed, its gradients discarded.
+                Either way the pipeline stays usable.
+            PipelineError: a peer failed or timed out; the pipeline is unusable afterwards (as after any error
+                raised while the step's transfers were in flight, e.g. in the model).
         """
         batch = self._checked_batch(inputs, targets, f"step {self.step + 1}", batch_size, ids)
         self.step += 1
         try:
             return self._runner.run(batch, self.step, self.recorder)
         except BaseException as e:
-            self._failed = first_line(e)
+            self._poison_unless_settled(e)
             raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:
@@ -204,15 +214,25 @@ class Pipeline:
 
         Returns:
             The total norm before clipping, the same on every rank.
+
+        Raises:
+            PipelineError: a rank did not clip within the timeout (the message names it and where it is); the
+                pipeline is unusable afterwards.
         """
         number("max_norm", max_norm, finite=True)
         number("norm_type", norm_type, positive=True)
-        if self._counted is None:
-            self._counted = counted_parameters(self.plan, self.stage, self.ctx.rank, list(self.parameters()),
-                                               self._groups)
-        return clip_grad_norm(self._counted, list(self.parameters()), float(max_norm), float(norm_type),
-                              self.ctx.device, self.timeout, f"rank {self.ctx.rank} (stage {self.stage}), "
-                              f"clip_grad_norm_ after step {self.step}", error_if_nonfinite)
+        who, moment = f"rank {self.ctx.rank} (stage {self.stage})", f"clip_grad_norm_ after step {self.step}"
+        self._check_usable(moment)
+        try:
+            if self._norm_group is None:
+                self._norm_group = norm_group(self.ctx.world_size, self.ctx.backend, self.timeout, who, moment)
+                self._counted = counted_parameters(self.plan, self.stage, self.ctx.rank, list(self.parameters()),
+                                                   self._groups)
+            return clip_grad_norm(self._counted or [], list(self.parameters()), float(max_norm), float(norm_type),
+                                  self.ctx.device, self.timeout, who, moment, self._norm_group, error_if_nonfinite)
+        except PipelineError as e:
+            self._failed = first_line(e)
+            raise
 
     def eval_step(self, inputs: Batch = None, targets: Batch = None, batch_size: int | None = None,
                   ids: Any = None, *, outputs: bool = False) -> float | tuple[float, list[tuple[range, Any]]]:
@@ -243,7 +263,7 @@ class Pipeline:
         try:
             loss, kept = self._runner.evaluate(batch, self.step, outputs)
         except BaseException as e:
-            self._failed = first_line(e)
+            self._poison_unless_settled(e)
             raise
         return (loss, kept) if outputs else loss
 
@@ -251,19 +271,30 @@ class Pipeline:
                        ids: Any = None, any_rows: bool = False) -> StepBatch:
         """The batch checked on this rank and against every other rank's (errors name the values; a rank's own
         error is raised on every rank, so none runs the step)."""
-        if self._failed:
-            raise PipelineError(f"rank {self.ctx.rank}: this pipeline failed in an earlier step and its process "
-                                f"groups are unusable; restart the job ({self._failed})")
+        self._check_usable(what)
         try:
             mine, error = rank_batch(self.data, self._arity, inputs, targets, batch_size, any_rows, ids), None
         except (TypeError, ValueError) as e:
             mine, error = None, e
         try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable
-            return self._batch_check.check(mine, error, f"rank {self.ctx.rank} (stage {self.stage}), {what}",
+            return self._batch_check.check(mine, error, f"rank {self.ctx.rank} (stage {self.stage})", what,
                                            self.check_inputs)
         except PipelineError as e:
             self._failed = first_line(e)
             raise
+
+    def _check_usable(self, what: str) -> None:
+        """PipelineError if an earlier step left the process groups in an unknown state."""
+        if self._failed:
+            raise PipelineError(f"rank {self.ctx.rank}: {what}: this pipeline failed earlier while transfers or "
+                                f"collectives were in flight, so its process groups are unusable; restart the job "
+                                f"({self._failed})")
+
+    def _poison_unless_settled(self, e: BaseException) -> None:
+        """After an error in a step: unusable if its transfers or collectives may still be in flight (a peer
+        failed, or this rank raised mid-step); usable if they all completed (e.g. a wrong loss, found after)."""
+        if not self._runner.settled:
+            self._failed = first_line(e)
 
     # ---- mode and state -------------------------------------------------------------------------
     def train(self, mode: bool = True) -> "Pipeline":

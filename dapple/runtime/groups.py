@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.buckets import BUCKET_BYTES, bucket
-from ..core.dist import bounded, group_timeout, wait_for
+from ..core.dist import bounded, group_timeout
 from ..core.plan import Plan
+from .roll import waited
 from .stages import StageGraph
 
 
@@ -81,13 +82,14 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
     return [s for s in specs if s.group is not None]
 
 
-def start_equal(groups: Sequence[GradGroup], timeout: float, where: str) -> None:
+def start_equal(groups: Sequence[GradGroup], timeout: float, who: str) -> None:
     """Give every member of each group its root's parameters (and a stage's buffers), as DDP does at wrapping:
     replicas and tied copies then start, and stay, equal even if the ranks built the model differently."""
     for g in groups:  # every member walks the groups in the same order
         works = [dist.broadcast(t.data, src=g.root, group=g.group, async_op=True) for t in [*g.params, *g.buffers]]
         for work in works:
-            wait_for(work, timeout, f"{where}: broadcasting {g.label}' initial values from rank {g.root}")
+            waited(work, timeout, who, f"dapple.pipeline: broadcasting {g.label}' initial values from rank {g.root}",
+                   g.ranks)
 
 
 class GradReducer:
@@ -192,19 +194,20 @@ class GradReducer:
             self._launch_times[k] = (self.rec.clock(), "last backward" if self._armed else "end of step")
         self._launched[k] = (have, wire, dist.all_reduce(wire, group=g.group, async_op=True))
 
-    def _agree(self, k: int, timeout: float, where: str) -> list[bool] | None:
+    def _agree(self, k: int, timeout: float, who: str, moment: str) -> list[bool] | None:
         """For a tied group's bucket: which parameters have a gradient on some member (one MAX AllReduce); a
         replica group needs none (its members run the same graph, so the same parameters get gradients)."""
         g, bucket = self.buckets[k]
         if not g.spans_stages:
             return None
         have = torch.tensor([id(p) in self._touched for p in bucket], dtype=torch.int32, device=bucket[0].device)
-        wait_for(dist.all_reduce(have, op=dist.ReduceOp.MAX, group=g.group, async_op=True), timeout,
-                 f"{where}: which tied parameters of {g.label} (ranks {g.ranks}) have gradients")
+        waited(dist.all_reduce(have, op=dist.ReduceOp.MAX, group=g.group, async_op=True), timeout, who,
+               f"{moment}: which tied parameters of {g.label} (ranks {g.ranks}) have gradients", g.ranks)
         return [bool(h) for h in have.tolist()]
 
-    def finish(self, timeout: float, where: str) -> None:
-        """Launch what is left, wait for every bucket; a parameter no member has a gradient for gets None."""
+    def finish(self, timeout: float, who: str, moment: str) -> None:
+        """Launch what is left, wait for every bucket; a parameter no member has a gradient for gets None (errors
+        say "``who``, ``moment``: ...")."""
         if not self._armed:
             self.arm()
         self._armed = False
@@ -212,11 +215,12 @@ class GradReducer:
         start = rec.clock() if rec is not None else 0.0
         for k in range(len(self.buckets)):
             if self._launched[k] is None:
-                self._launch(k, self._agree(k, timeout, where))
+                self._launch(k, self._agree(k, timeout, who, moment))
         for k, (g, bucket) in enumerate(self.buckets):
             have, wire, work = self._launched[k]
             if work is not None:
-                wait_for(work, timeout, f"{where}: gradient AllReduce of {g.label} (ranks {g.ranks})")
+                waited(work, timeout, who, f"{moment}: gradient AllReduce", g.ranks, detail=f" of {g.label} (ranks "
+                       f"{g.ranks})")
                 if wire is not self._flat[k]:
                     self._flat[k].copy_(wire)
                 if rec is not None:

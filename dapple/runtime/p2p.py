@@ -43,7 +43,7 @@ class P2P:
         try:
             work = dist.irecv(buffer, src=t.src, group=self.groups[t.kind])
         except Exception as e:
-            raise self._error(t, t.src, "could not post the receive of", e) from e
+            raise self._error(t, t.src, "posting the receive of", e) from e
         self._recvs[t] = (work, buffer)
         if self.rec is not None:
             self.rec.posted[t] = self.rec.clock()
@@ -69,7 +69,7 @@ class P2P:
         try:
             work = dist.isend(tensor, dst=t.dst, group=self.groups[t.kind])
         except Exception as e:
-            raise self._error(t, t.dst, "could not send", e) from e
+            raise self._error(t, t.dst, "posting the send of", e) from e
         self._sends.append((t, work, tensor))
         if rec is not None:
             rec.transfer("send", t, tensor.numel() * tensor.element_size(), start, rec.clock())

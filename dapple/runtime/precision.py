@@ -101,10 +101,17 @@ class LossScaler:
                 self._good_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self._good_steps, "enabled": self.enabled}
+        """What a checkpoint keeps (as ``torch.amp.GradScaler.state_dict``): the scale, the steps since it last
+        changed, and the growth settings."""
+        return {"scale": self.scale, "good_steps": self._good_steps, "enabled": self.enabled,
+                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+        for k in ("growth_factor", "backoff_factor", "growth_interval"):
+            if k in state:
+                setattr(self, k, type(getattr(self, k))(state[k]))
 
 
 def overflowed(params: Any) -> bool:

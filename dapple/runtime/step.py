@@ -13,7 +13,6 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from ..core.backward import BackwardPlan, WeightWork, backward_weight, plan_backward, run_backward_input
-from ..core.dist import wait_for
 from ..core.plan import Plan
 from ..core.schedule import SPLIT_BACKWARD, Op
 from ..core.split_concat import slice_bounds
@@ -33,6 +32,7 @@ from .program import (
     rank_program,
     receive_lookahead,
 )
+from .roll import waited
 from .shapes import BoundaryShapes, InputKey, Spec
 from .stages import ModelInputs, StageGraph, resolve_output
 from .tracing import Recorder
@@ -80,6 +80,10 @@ class StepRunner:
         self.rows = slice_bounds(plan.micro_batch_size, plan.stages[stage].replicas)[replica]  # of a micro-batch
         self.step = 0
         self.batch_rows = plan.global_batch_size  # rows of the batch being run (an evaluation may run others)
+        self.everyone = range(ctx.world_size)  # the ranks of the loss AllReduce
+        # False while a step's transfers or collectives may be in flight: an error then leaves the process groups
+        # in an unknown state; True once they all completed (an error after that, e.g. a wrong loss, is the user's)
+        self.settled = True
         self._programs: dict[tuple, tuple[list[Instr], dict[Op, list[Transfer]]]] = {}
 
     def run(self, batch: StepBatch, step: int, rec: Recorder | None) -> float:
@@ -87,6 +91,7 @@ class StepRunner:
         ``rec`` unless it is None; adds the step's gradients to ``.grad`` and returns the mean loss."""
         self.step = self.p2p.step = step
         self.batch_rows = self.plan.global_batch_size
+        self.settled = False
         xs, ys, key = batch.inputs, batch.targets, batch.key
         layout = self._boundary_layout(key)
         program, waits = self._program(layout)
@@ -107,6 +112,7 @@ class StepRunner:
             rec.begin_step(step)
         self._play(program, waits, key, layout, xs, ys, reduced[0], rec)  # reduced[0] is a view into ``reduced``
         self._reduce(reduced, rec)
+        self.settled = True  # every transfer and collective of the step completed
         checks = reduced[-CHECKS:].tolist()
         problem = problems(checks[:2], f"rank {self.ctx.rank} (stage {self.stage}), step {step}")
         if problem is None and self.scaler.enabled:
@@ -175,6 +181,7 @@ class StepRunner:
         micro-batch slice, its rows of the batch and the output; elsewhere none)."""
         self.step = self.p2p.step = step
         self.batch_rows = batch.rows
+        self.settled = False
         xs, ys, key = batch.inputs, batch.targets, batch.key
         layout = self._boundary_layout(key)
         micro_batches = self.batch_rows // self.plan.micro_batch_size
@@ -185,13 +192,15 @@ class StepRunner:
         with torch.no_grad():
             self._play(program, waits, key, layout, xs, ys, reduced[0], None, True, kept if outputs else None)
             self.p2p.finish()
-            where = f"rank {self.ctx.rank} (stage {self.stage}), evaluation after step {self.step}"
+            who, moment = f"rank {self.ctx.rank} (stage {self.stage})", f"evaluation after step {self.step}"
             deferred = bool(self.stats.layers) and self.forward_module.training  # BatchNorm counts rows, as in training
             if deferred:
-                reduced[self.stats.slot] = gather_sums(self.stats.layers, where)
-            wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
+                reduced[self.stats.slot] = gather_sums(self.stats.layers, f"{who}, {moment}")
+            waited(dist.all_reduce(reduced, async_op=True), self.timeout, who, f"{moment}: loss AllReduce over all "
+                   f"ranks", self.everyone)
             if deferred:
                 commit(self.stats.layers, reduced[self.stats.slot])
+        self.settled = True
         return float(reduced[0]), kept
 
     def _reduce(self, reduced: torch.Tensor, rec: Recorder | None) -> None:
@@ -200,16 +209,17 @@ class StepRunner:
         self.p2p.finish()
         if rec is not None:
             rec.idle(start, rec.clock(), "sends to complete")
-        where = f"rank {self.ctx.rank} (stage {self.stage}), step {self.step}"
+        who, moment = f"rank {self.ctx.rank} (stage {self.stage})", f"step {self.step}"
         with record_function("AllReduce"):
-            self.reducer.finish(self.timeout, where)
+            self.reducer.finish(self.timeout, who, moment)
         start = rec.clock() if rec is not None else 0.0
         overflow = self.scaler.enabled and overflowed(self.module.parameters())
         reduced[-CHECKS:] = torch.tensor([*self.flags, float(overflow)], dtype=torch.float64)
         if self.stats.layers:
-            reduced[self.stats.slot] = gather_sums(self.stats.layers, where)
+            reduced[self.stats.slot] = gather_sums(self.stats.layers, f"{who}, {moment}")
         with record_function("loss AllReduce"):
-            wait_for(dist.all_reduce(reduced, async_op=True), self.timeout, f"{where}: loss AllReduce over all ranks")
+            waited(dist.all_reduce(reduced, async_op=True), self.timeout, who,
+                   f"{moment}: loss AllReduce over all ranks", self.everyone)
         commit(self.stats.layers, reduced[self.stats.slot])
         if rec is not None:
             rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")

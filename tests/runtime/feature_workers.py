@@ -134,17 +134,23 @@ def case_recompute_batchnorm() -> str:
     return "no error"
 
 
-def _loss_error(loss_fn: Callable) -> dict[str, Any]:
+def _loss_error(wrong: Callable) -> dict[str, Any]:
+    """Step 1 with the ``wrong`` loss raises on every rank; step 2, with the right loss, runs (the step's
+    collectives had completed: the pipeline stays usable) and gives single-process training's loss and gradients."""
     torch.manual_seed(0)
     model = Chain().double()
-    pipe = dapple.pipeline(model, _plan(model, CHAIN_STAGES, 9, 3), loss_fn, timeout=30)
+    use = [wrong]
+    pipe = dapple.pipeline(model, _plan(model, CHAIN_STAGES, 9, 3), lambda out, y: use[0](out, y), timeout=30)
     x, y = _chain_data(9)
     try:
         pipe.train_step(x, y)
         error = None
     except ValueError as e:
         error = str(e)
-    return {"error": error, "grads": sorted(n for n, p in pipe.named_parameters() if p.grad is not None)}
+    grads = sorted(n for n, p in pipe.named_parameters() if p.grad is not None)
+    use[0] = F.cross_entropy
+    ref_loss, ref = _reference(model, F.cross_entropy, x, y)
+    return {"error": error, "grads": grads, "then": _compare(pipe, pipe.train_step(x, y), ref_loss, ref)}
 
 
 def case_summed_loss() -> dict[str, Any]:

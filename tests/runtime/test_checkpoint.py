@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import dapple
 from dapple.models import GPT, ResNet, lm_loss, random_tokens
 from dapple.planner import Plan, Stage
 from dapple.profiler import trace_layers
+from dapple.runtime.checkpoint_sync import checkpoint_group
 from tests.runtime._spawn import STALL_LIMIT, reported, run_ranks, stall_until_reported
 
 GBS, MBS, SEQ = 6, 3, 8
@@ -163,6 +166,7 @@ def resume(root: str) -> bytes:
     errors["no_opt_state"] = _error(lambda: dapple.load_checkpoint(f"{root}/resnet", pipe, torch.optim.SGD(
         pipe.parameters(), lr=0.1)))
     out["errors"] = errors
+    out["damaged"] = damaged(root, gpipe)
 
     # a rank that never joins: the others fail within the pipeline's timeout instead of hanging; a load on a
     # pipeline whose group exists, and the first save of a fresh one, which creates it (`if rank == 0: save`)
@@ -170,12 +174,49 @@ def resume(root: str) -> bytes:
     model = gpt()
     tpipe = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
     tpipe.timeout = 2.0
-    dapple.runtime.checkpoint._group(tpipe, "warm-up")  # made while all are present (it waits on the store)
+    checkpoint_group(tpipe, "warm-up")  # made while all are present (it waits on the store)
     out["timeout"] = _without_rank_2(lambda: dapple.load_checkpoint(f"{root}/ckpt1", tpipe), "timeout")
     fresh = dapple.pipeline(model, plan_for(model, P3), lm_loss, timeout=30)
     fresh.timeout = 2.0
     out["first_save"] = _without_rank_2(lambda: dapple.save_checkpoint(f"{root}/never", fresh), "first_save")
     return pack(out)
+
+
+def _state(pipe: dapple.Pipeline, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in pipe.state_dict().values()] + \
+        [v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def damaged(root: str, pipe: dapple.Pipeline) -> dict[str, Any]:
+    """Loads of damaged checkpoints and a read and a write that fail on rank 1 only: what each rank raised, and
+    whether any rank's parameters or optimizer state changed."""
+    import torch.distributed.checkpoint as dcp_api
+    opt = adamw(pipe.named_parameters())
+    pipe.train_step(*batch(0))
+    opt.step()  # some optimizer state, which must not change either
+    before, out = _state(pipe, opt), {}
+    for name in ("missing_shard", "truncated_shard"):
+        out[name] = _error(lambda: dapple.load_checkpoint(f"{root}/{name}", pipe, opt))
+    rank = int(os.environ["RANK"])
+    read, write = dcp_api.FileSystemReader.read_data, dcp_api.FileSystemWriter.write_data
+
+    calls = [0]
+
+    def broken(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 1:  # the first read is of the checkpoint's description, by this rank alone
+            raise OSError(5, "Input/output error")
+        return read(*args, **kwargs)
+    if rank == 1:
+        dcp_api.FileSystemReader.read_data = broken
+        dcp_api.FileSystemWriter.write_data = broken
+    out["read_fails"] = _error(lambda: dapple.load_checkpoint(f"{root}/ckpt1", pipe, opt))
+    out["write_fails"] = _error(lambda: dapple.save_checkpoint(f"{root}/ckpt2", pipe, opt))
+    dcp_api.FileSystemReader.read_data, dcp_api.FileSystemWriter.write_data = read, write
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _state(pipe, opt)))
+    dapple.load_checkpoint(f"{root}/ckpt1", pipe, opt)  # and the pipeline goes on
+    out["loss_after"] = pipe.train_step(*batch(SAVED_AT))
+    return out
 
 
 # ---- the tests ------------------------------------------------------------------------------------------
@@ -187,6 +228,12 @@ def run(tmp_path_factory) -> dict:
     with pytest.warns(UserWarning):  # DCP: "assuming the intent is to save in a single process"
         dcp.save({"x": torch.ones(2)}, checkpoint_id=root / "plain_dcp")  # no group here: no_dist implied
     saved = [unpack(b) for b in run_ranks(train_and_save, 2, str(root), timeout=120)]
+    shards = sorted((root / "ckpt1").glob("*.distcp"))
+    assert [f.name for f in shards] == ["__0_0.distcp", "__1_0.distcp"]  # one per rank that saved
+    for name, (shard, damage) in {"missing_shard": (1, lambda f: f.unlink()),
+                                  "truncated_shard": (0, lambda f: os.truncate(f, f.stat().st_size // 2))}.items():
+        shutil.copytree(root / "ckpt1", root / name)
+        damage(root / name / shards[shard].name)
     resumed = [unpack(b) for b in run_ranks(resume, 3, str(root), timeout=120)]
     return {"root": root, "saved": saved, "resumed": resumed}
 
@@ -302,7 +349,7 @@ def test_errors_are_clear_and_on_every_rank(run):
             and "'wte.weight'" in e["gpt_into_resnet"], e["gpt_into_resnet"]
         junk = e["save_over_junk"]  # rank 0 checks the target; the others raise with its first line
         assert "/junk holds files but is not a dapple checkpoint; refusing to replace" in junk, junk
-        assert (rank == 0) == junk.startswith("ValueError") and (rank == 0) != ("rank 0 failed" in junk), junk
+        assert (rank == 0) == junk.startswith("ValueError") and (rank == 0) != ("rank 0 (stage 0) failed" in junk), junk
         assert "shape mismatch" in e["wider"] and "(32, 12)" in e["wider"] and "(32, 8)" in e["wider"], e["wider"]
         assert "/resnet" in e["no_opt_state"] and "saved without optimizer state" in e["no_opt_state"], \
             e["no_opt_state"]
@@ -310,17 +357,42 @@ def test_errors_are_clear_and_on_every_rank(run):
     # only ranks 0, 1 (stage 0) hold wpe; rank 2 raises too, naming rank 0's problem
     for rank in (0, 1):
         assert "wpe.weight: checkpoint (16, 8), this model (12, 8)" in per_rank[rank]["longer"]
-    assert per_rank[2]["longer"].startswith("PipelineError") and "rank 0 failed" in per_rank[2]["longer"]
+    assert per_rank[2]["longer"].startswith("PipelineError") and "rank 0 (stage 0) failed" in per_rank[2]["longer"]
     assert "wpe.weight" in per_rank[2]["longer"]
     assert (Path(run["root"]) / "junk" / "notes.txt").exists()  # refused, not replaced
     for rank in (0, 1):
         seconds, msg = run["resumed"][rank]["timeout"]
-        assert msg.startswith("PipelineError") and "within 2s" in msg, msg
+        assert msg.startswith(f"PipelineError: rank {rank} (stage 0), load_checkpoint(") and "exchanging with every " \
+            "rank failed or timed out (timeout 2s)" in msg, msg
+        assert "not every rank came to it: rank 2 (stage 0) is at 'warm-up: creating the gloo group" in msg, msg
         assert seconds < STALL_LIMIT, (seconds, msg)  # the timeout ended it, not rank 2's return
         seconds, msg = run["resumed"][rank]["first_save"]
-        assert msg.startswith(f"PipelineError: rank {rank} (stage 0): save_checkpoint(") and "/never'): creating " \
+        assert msg.startswith(f"PipelineError: rank {rank} (stage 0), save_checkpoint(") and "/never'): creating " \
             "the gloo group of every rank (did every rank call it?) failed or timed out (timeout 2s)" in msg, msg
+        assert "rank 2 (stage 0) is at" in msg, msg  # the rank that did not come, named
         assert seconds < STALL_LIMIT, (seconds, msg)
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_or_a_failed_read_changes_no_rank(run, reference):
+    """A missing or truncated shard is found before anything is read (the ranks that read it name the file, the
+    others name that rank); a read or write failing on one rank makes every rank raise, naming it. No rank's
+    parameters or optimizer state changed, and the pipeline goes on."""
+    for rank, r in enumerate(run["resumed"]):
+        d = r["damaged"]
+        for name, file in (("missing_shard", "__1_0.distcp is missing"), ("truncated_shard", "__0_0.distcp has ")):
+            msg = d[name]
+            assert file in msg and "damaged checkpoint" in msg and "nothing was loaded" in msg, (rank, msg)
+            assert msg.startswith(f"ValueError: rank {rank} (stage") or re.match(
+                rf"PipelineError: rank {rank} \(stage \d\), load_checkpoint\(.*\) stopped because rank \d "
+                rf"\(stage \d\) failed: ValueError: rank \d \(stage \d\): damaged checkpoint", msg), (rank, msg)
+        assert d["read_fails"].startswith(f"RuntimeError: rank {rank} (stage 0): load_checkpoint("), d
+        assert d["read_fails"].endswith("): reading failed: on rank 1: OSError: [Errno 5] Input/output error"), d
+        assert d["write_fails"].startswith(f"RuntimeError: rank {rank} (stage 0): save_checkpoint("), d
+        assert d["write_fails"].endswith("): writing failed: on rank 1: OSError: [Errno 5] Input/output error"), d
+        assert d["unchanged"], rank
+        assert _rel(d["loss_after"], reference["losses"][SAVED_AT]) <= TOL, rank
+    assert dapple.load_full_state_dict(run["root"] / "ckpt2").keys()  # the failed write left the last save intact
 
 
 def test_full_state_dict_errors(tmp_path):

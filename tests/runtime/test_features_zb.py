@@ -9,13 +9,13 @@ from tests.runtime import feature_workers as fw
 from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
 from tests.runtime.test_features import (  # collected here again, on this module's results
-    test_a_wrong_loss_makes_every_rank_raise_at_the_first_step,
+    test_a_wrong_loss_makes_every_rank_raise_and_the_pipeline_goes_on,
     test_bf16_is_autocast_with_half_the_bytes_on_the_wire,
     test_fp16_skips_an_overflowing_step_on_every_rank,
     test_recomputation_is_exact,
 )
 
-__all__ = ["test_a_wrong_loss_makes_every_rank_raise_at_the_first_step",
+__all__ = ["test_a_wrong_loss_makes_every_rank_raise_and_the_pipeline_goes_on",
            "test_bf16_is_autocast_with_half_the_bytes_on_the_wire",
            "test_fp16_skips_an_overflowing_step_on_every_rank", "test_recomputation_is_exact"]
 

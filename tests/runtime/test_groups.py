@@ -48,7 +48,7 @@ def test_buckets_launch_in_order_and_only_when_ready(monkeypatch):
     assert launched == [3]
     _grad(a[2])  # bucket 0, then the waiting bucket 1
     assert launched == [3, 0, 1]
-    red.finish(timeout=1.0, where="test")  # the rest that got gradients, in bucket order; b[0] got none
+    red.finish(timeout=1.0, who="test", moment="step 1")  # the rest that got gradients, in bucket order; b[0] got none
     assert launched == [3, 0, 1, 2]
     assert b[0].grad is None
     red.attach()
@@ -64,7 +64,7 @@ def test_gradients_live_in_the_buckets_and_accumulate_there(monkeypatch):
         _grad(p, i + 1.0)
         _grad(p, 10.0)  # a second micro-batch adds in place
     red.arm()
-    red.finish(timeout=1.0, where="test")  # a one-rank "sum" is the gradient itself
+    red.finish(timeout=1.0, who="test", moment="step 1")  # a one-rank "sum" is the gradient itself
     assert [p.grad.tolist() for p in a] == [[11.0] * 4, [12.0] * 4]
     flats = {f.untyped_storage().data_ptr() for f in red._flat}
     assert all(p.grad.untyped_storage().data_ptr() in flats and red.holds(p.grad) for p in a)  # no second copy
@@ -82,7 +82,7 @@ def test_reduce_dtype_sends_the_bucket_in_that_dtype_and_writes_it_back(monkeypa
     for p in a:
         _grad(p, 1.0 + 2**-12)  # not a bfloat16 value
     red.arm()
-    red.finish(timeout=1.0, where="test")
+    red.finish(timeout=1.0, who="test", moment="step 1")
     assert [t.dtype for t in sent] == [torch.bfloat16, torch.bfloat16]
     assert all(p.grad.dtype == torch.float32 and torch.all(p.grad == 1.0) for p in a)  # rounded on the wire
 
@@ -96,7 +96,7 @@ def test_tied_groups_across_stages_wait_for_the_end_of_the_backward(monkeypatch)
     for p in (*b, *a):  # group 1 (tied) is ready first
         _grad(p)
     assert launched == [0, 1, 2]  # only the replica group's buckets
-    red.finish(timeout=1.0, where="test")
+    red.finish(timeout=1.0, who="test", moment="step 1")
     assert launched == [0, 1, 2, 3, 4]
 
 
@@ -107,6 +107,6 @@ def test_parameters_without_gradients_keep_none_and_are_not_reduced(monkeypatch)
     red.attach()
     _grad(a[1])  # a[0], a[2] and all of b got none
     red.arm()
-    red.finish(timeout=1.0, where="test")
+    red.finish(timeout=1.0, who="test", moment="step 1")
     assert [p.grad is None for p in a] == [True, False, True] and all(p.grad is None for p in b)
     assert launched == [1]

@@ -50,6 +50,22 @@ def test_a_failed_send_raises_on_the_sender_naming_the_peer(monkeypatch, failing
         link.finish()
 
 
+def test_a_send_or_receive_that_cannot_be_posted_says_so(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+    monkeypatch.setattr(p2p.dist, "isend", refuse)
+    monkeypatch.setattr(p2p.dist, "irecv", refuse)
+    link = P2P(0, lambda r: r, None, None, 5.0, lambda t: "x")
+    with pytest.raises(PipelineError, match=r"^rank 0 \(stage 0\), step 0: failed posting the send of activations "
+                                            r"of micro-batch 1 \(x, rows 0:2\) to rank 1 \(stage 1\), timeout 5s: "
+                                            r"Connection closed by peer$"):
+        link.send(_t(1), torch.ones(2))
+    back = Transfer("grad", 0, 1, 0, 1, 0, 0, 2)
+    with pytest.raises(PipelineError, match=r"failed posting the receive of gradients of micro-batch 1 \(x, rows "
+                                            r"0:2\) from rank 1 \(stage 1\)"):
+        link.post_recv(back, torch.empty(2))
+
+
 def test_sends_that_succeeded_are_reaped_quietly(monkeypatch):
     link = _p2p(monkeypatch, -1)
     for mb in range(12):

@@ -478,10 +478,14 @@ def run_failing_peer(dying_rank: int, after_forwards: int, timeout: float, stall
     if device.type == "cuda":
         F.cross_entropy(copy.deepcopy(model).to(device)(x.to(device)), y.to(device)).backward()
         torch.cuda.synchronize(device)
-    pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=timeout)
+    # built, and its first step run, with a long timeout (building waits for the slowest rank's tracing, and a
+    # first step for lazy initialisations: seconds on a busy machine); the next steps wait at most ``timeout``
+    pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30.0)
     first = next(m for m in pipe.module.modules() if isinstance(m, nn.Linear))
     first.register_forward_pre_hook(_vanish_hook(dying_rank, after_forwards, stall))
-    for _ in range(5):
+    for step in range(5):
+        if step == 1:
+            pipe.timeout = pipe._runner.timeout = pipe._batch_check.timeout = pipe._p2p.timeout = timeout
         t0 = time.monotonic()
         try:
             pipe.train_step(x, y)

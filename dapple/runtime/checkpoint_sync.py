@@ -1,0 +1,79 @@
+"""A save or load goes on only together: every rank's outcome is gathered on a gloo group, and one failure stops all."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+from weakref import WeakKeyDictionary
+
+import torch.distributed as dist
+
+from ..core.dist import PipelineError, first_line
+from .engine import Pipeline
+from .roll import called
+
+_groups: "WeakKeyDictionary[Pipeline, dist.ProcessGroup]" = WeakKeyDictionary()
+
+
+def checkpoint_group(pipe: Pipeline, what: str) -> dist.ProcessGroup:
+    """A gloo group of all ranks with the pipeline's timeout, for DCP's object collectives (made once per pipe,
+    by the first save or load: every rank must call it)."""
+    if pipe not in _groups:
+        _groups[pipe] = called(pipe.timeout, f"rank {pipe.ctx.rank} (stage {pipe.stage})",
+                               f"{what}: creating the gloo group of every rank (did every rank call it?)",
+                               range(pipe.ctx.world_size), dist.new_group, list(range(pipe.ctx.world_size)),
+                               timeout=timedelta(seconds=pipe.timeout), backend="gloo")
+    return _groups[pipe]
+
+
+def attempt(call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> BaseException | None:
+    """Run ``call``; what it raised (torch.distributed.checkpoint raises ``CheckpointException``, a
+    BaseException), or None. An interrupt or exit passes through."""
+    try:
+        call(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        return e
+    return None
+
+
+def describe_error(e: BaseException) -> str:
+    """"Type: first line", or for DCP's CheckpointException each failing rank's."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"on rank {r}: {type(x[0]).__name__}: {first_line(x[0])}" for r, x in failures.items())
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+def all_or_none(pipe: Pipeline, group: dist.ProcessGroup, payload: Any, error: BaseException | None, what: str
+                ) -> list[Any]:
+    """All-gather every rank's payload or error (bounded by the pipeline's timeout); if any rank failed, every
+    rank raises: this rank its own error (a ValueError or TypeError as it is, anything else as a RuntimeError
+    naming the rank and stage), the others a PipelineError naming the failed rank, its stage and its error."""
+    rank, world = pipe.ctx.rank, pipe.ctx.world_size
+    who = f"rank {rank} (stage {pipe.stage})"
+    out: list[Any] = [None] * world
+    msg = None if error is None else describe_error(error)
+    try:
+        called(pipe.timeout, who, f"{what}: exchanging with every rank", range(world), dist.all_gather_object, out,
+               (None if error else payload, msg), group=group)
+    except PipelineError as e:
+        if error is None:
+            raise
+        raise _own(error, who, what, f" (and the other ranks could not be told: {first_line(e)})") from error
+    if error is not None:
+        raise _own(error, who, what, "")
+    failed = [(r, m) for r, (_, m) in enumerate(out) if m is not None]
+    if failed:
+        r0 = failed[0][0]
+        more = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise PipelineError(f"{who}: {what} stopped because rank {r0} (stage {pipe.plan.stage_of_device(r0)}) "
+                            f"failed{more}: {failed[0][1]}")
+    return [p for p, _ in out]
+
+
+def _own(error: BaseException, who: str, what: str, note: str) -> BaseException:
+    if isinstance(error, (ValueError, TypeError, FileNotFoundError)) and not note:
+        return error
+    return RuntimeError(f"{who}: {what} failed: {describe_error(error)}{note}")
