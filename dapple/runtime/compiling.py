@@ -19,6 +19,12 @@ class StageCompiler:
         self.options = options
         self._done: dict[int, nn.Module] = {}
 
+    def describe(self) -> str:
+        """The options as text that is the same on every rank given the same ones (a callable by its name)."""
+        def text(v: Any) -> str:
+            return f"{v.__module__}.{v.__qualname__}" if callable(v) and hasattr(v, "__qualname__") else repr(v)
+        return ", ".join(f"{k}={text(v)}" for k, v in sorted(self.options.items())) or "defaults"
+
     def __call__(self, module: nn.Module) -> nn.Module:
         if id(module) not in self._done:
             self._done[id(module)] = torch.compile(module, **self.options)

@@ -120,7 +120,8 @@ class Pipeline:
         self._failed: str | None = None
         # every rank was given the same plan, model and options: one small AllReduce, before any group or transfer
         agree(describe(plan, model, lg.names, inputs.names, precision.name, flags, loss_fn,
-                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs, "tracer": tracer}),
+                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs, "tracer": tracer,
+                        "reduce_dtype": wire, "compile": None if self._compiler is None else self._compiler.describe()}),
               self.ctx.rank, self.ctx.world_size, self.ctx.device, self.timeout)
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
         channels = open_channels(plan, graphs, self._names, self.ctx, self.stage, self.timeout, self.value_name,
