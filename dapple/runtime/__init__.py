@@ -6,9 +6,10 @@ from .engine import Pipeline, pipeline
 from .launch import launch
 from .p2p import PipelineError
 from .sampler import DistributedPipelineSampler, IndexedDataset, LoadedBatch, RankCollate, pipeline_loader
+from .sharding import ShardedOptimizer, shard_optimizer
 from .tracing import Trace
 from .weights import LoadedWeights, load_weights
 
 __all__ = ["ActivationMeter", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch", "LoadedWeights",
-           "Pipeline", "PipelineError", "RankCollate", "RankData", "Trace", "launch", "load_weights", "pipeline",
-           "pipeline_loader", "rank_data"]
+           "Pipeline", "PipelineError", "RankCollate", "RankData", "ShardedOptimizer", "Trace", "launch",
+           "load_weights", "pipeline", "pipeline_loader", "rank_data", "shard_optimizer"]

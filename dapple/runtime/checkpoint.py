@@ -6,6 +6,7 @@ import inspect
 import io
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -238,6 +239,11 @@ def _check_args(pipe: Any, optimizer: Any, scheduler: Any) -> None:
         raise TypeError(f"pipe: expected a dapple.Pipeline (from dapple.pipeline(...)), got {type(pipe).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # (imported by its users only)
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        raise TypeError("optimizer: torch's ZeroRedundancyOptimizer keeps its state in its shards, by index, and "
+                        "saves it only consolidated on one rank; dapple.shard_optimizer(pipe, cls, ...) shards it the "
+                        "same way and its checkpoints are by name (loadable under any plan)")
     if scheduler is not None and not is_scheduler(scheduler):
         raise TypeError(f"scheduler: expected an LR scheduler (torch.optim.lr_scheduler) or None, got "
                         f"{type(scheduler).__name__}")

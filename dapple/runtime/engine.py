@@ -149,6 +149,12 @@ class Pipeline:
         for p in self.module.parameters():
             yield self._names[id(p)], p
 
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The process group of this stage's replicas (the one its gradient AllReduce runs on), or None where the
+        stage has one replica: what :func:`dapple.shard_optimizer` shards the optimizer state over."""
+        return next((g.group for g in self._groups if not g.spans_stages), None)
+
     def rows(self, batch_size: int | None = None) -> list[int]:
         """The global-batch row indices this rank reads, in the order of its compact batch (``[]`` where it reads
         nothing): ``self.data.rows``; :class:`DistributedPipelineSampler` loads them from a dataset.
