@@ -227,6 +227,8 @@ def async_saves(root: str, pipe: dapple.Pipeline) -> dict[str, Any]:
     at the next save, which then goes on."""
     import torch.distributed.checkpoint as dcp_api
     opt, out = adamw(pipe.named_parameters()), {}
+    dapple.save_checkpoint(f"{root}/fresh", pipe, opt)  # an optimizer never stepped: saving gives it no state
+    out["fresh_state"] = len(opt.state)
     dapple.load_checkpoint(f"{root}/ckpt1", pipe, opt)
     out["at_save"] = snapshot(pipe.named_parameters(), opt)
     handle = dapple.save_checkpoint(f"{root}/async", pipe, opt, extra={"tag": torch.arange(3)}, async_save=True)
@@ -475,6 +477,7 @@ def test_an_async_save_holds_what_it_was_given_and_a_failure_surfaces_at_the_nex
     call (and by the handle's result()), and the checkpoint before it stays in place."""
     for rank, r in enumerate(run["resumed"]):
         a = r["async"]
+        assert a["fresh_state"] == 0, rank
         assert a["step"] == SAVED_AT and torch.equal(a["extra"]["tag"], torch.arange(3)), rank
         got, want = a["loaded"], a["at_save"]
         for n, p in want["params"].items():
