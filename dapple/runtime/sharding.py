@@ -44,7 +44,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     It holds every parameter of the stage in ``param_groups`` (what LR schedulers and ``zero_grad`` see, with the
     hyperparameters ``optimizer_class`` would have), and its own shard's optimizer in ``optim``, whose ``state`` is
-    ``self.state``: this rank's parameters' state only.
+    ``self.state``: this rank's parameters' state only. ``state_dict()`` is therefore this rank's share (it loads
+    back on this rank under the same plan); :func:`dapple.save_checkpoint` saves every share by name.
 
     Attributes:
         optimizer_class: the optimizer each replica runs on its shard (what a checkpoint's state is for).
