@@ -11,6 +11,6 @@ from .sharding import ShardedOptimizer, shard_optimizer
 from .tracing import Trace
 from .weights import LoadedWeights, load_weights
 
-__all__ = ["ActivationMeter", "AsyncSave", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch", "LoadedWeights",
-           "Pipeline", "PipelineError", "RankCollate", "RankData", "ShardedOptimizer", "Trace", "launch",
-           "load_weights", "pipeline", "pipeline_loader", "rank_data", "shard_optimizer"]
+__all__ = ["ActivationMeter", "AsyncSave", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch",
+           "LoadedWeights", "Pipeline", "PipelineError", "RankCollate", "RankData", "ShardedOptimizer", "Trace",
+           "launch", "load_weights", "pipeline", "pipeline_loader", "rank_data", "shard_optimizer"]

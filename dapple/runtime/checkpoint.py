@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import io
 import os
-import shutil
 import sys
 import warnings
 from functools import partial
@@ -50,10 +49,11 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     Each rank writes its stage's parameters and buffers under their names in the original model, and the
     optimizer's state under the same names (``optim/<name>/<state>``), so any plan or world size can load
     it (a :func:`dapple.shard_optimizer`'s state: each replica its share). Copies held by several ranks (stage
-    replicas, stages sharing a tied parameter) are written once: DCP keeps one writer per key. Buffers come from replica 0 of their stage (replicas may differ, e.g.
-    BatchNorm statistics; DDP likewise broadcasts rank 0's). Also stored: the plan, ``pipe.step``, the
-    dapple and torch versions, the optimizer class and param-group hyperparameters, fp16's loss scale
-    (``pipe.scaler``), the scheduler's state, each rank's random generator states, and ``extra``.
+    replicas, stages sharing a tied parameter) are written once: DCP keeps one writer per key. Buffers come from
+    replica 0 of their stage (replicas may differ, e.g. BatchNorm statistics; DDP likewise broadcasts rank 0's).
+    Also stored: the plan, ``pipe.step``, the dapple and torch versions, the optimizer class and param-group
+    hyperparameters, fp16's loss scale (``pipe.scaler``), the scheduler's state, each rank's random generator
+    states, and ``extra``.
 
     The new checkpoint is written beside ``path`` (``path.saving``), marked complete once every rank's part is
     on disk, and swapped in atomically where the OS allows (Linux), else by two renames: at every instant the
