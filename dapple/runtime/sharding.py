@@ -64,7 +64,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self._ready = False
         # the class's own defaults (and its checks of ``defaults``), from an optimizer of an empty tensor
-        full = optimizer_class([nn.Parameter(torch.empty(0))], **defaults).defaults
+        full = optimizer_class([nn.Parameter(torch.empty(0, device=pipe.ctx.device))], **defaults).defaults
         super().__init__(list(pipe.parameters()) if params is None else params, full)
         self.ranks = list(pipe.plan.stages[pipe.stage].devices)
         self.group = pipe.replica_group
