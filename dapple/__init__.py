@@ -7,9 +7,11 @@ from .profiler import Profile
 from .profiler.api import profile
 from .runtime import Pipeline, pipeline
 from .runtime.checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
+from .runtime.sharding import shard_optimizer
 from .runtime.weights import load_weights
 
 __version__ = VERSION
 
 __all__ = ["Cluster", "Pipeline", "Plan", "Profile", "evaluate", "load_checkpoint", "load_full_state_dict",
-           "load_weights", "pipeline", "plan", "planner", "profile", "profiler", "save_checkpoint", "simulate"]
+           "load_weights", "pipeline", "plan", "planner", "profile", "profiler", "save_checkpoint", "shard_optimizer",
+           "simulate"]

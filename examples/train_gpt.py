@@ -60,6 +60,9 @@ def main() -> None:
     p.add_argument("--write-plan", metavar="PATH", help="write a hand-made plan for this model and exit")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint (dapple.save_checkpoint) after the last step")
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint, whichever plan wrote it")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="shard AdamW's state over each stage's replicas (dapple.shard_optimizer; the default where "
+                        "the plan was made with shard_optimizer=True)")
     args = p.parse_args()
     if args.write_plan:
         return write_plan(args)
@@ -67,7 +70,10 @@ def main() -> None:
     torch.set_num_threads(1)
     plan = dapple.Plan.load(args.plan)
     pipe = dapple.pipeline(make_model(args), plan, lm_loss, timeout=120)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    if args.shard_optimizer or plan.shard_optimizer:  # ZeRO-1: each replica holds its share of the state
+        opt = dapple.shard_optimizer(pipe, torch.optim.AdamW, lr=args.lr)
+    else:
+        opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     rank = dist.get_rank()
     if rank == 0:
         print(plan)

@@ -94,6 +94,9 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default=None,
                    help="plan for a job run under autocast in this dtype (activations take half the bytes); the "
                         "plan records it and dapple.pipeline runs it so")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="plan for each stage's optimizer state sharded over its replicas (ZeRO-1: train with "
+                        "dapple.shard_optimizer); a stage on r replicas holds 1/r of it")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     p.set_defaults(run=_run_plan)
 
@@ -106,7 +109,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     result = plan(prof, load_cluster(args.cluster), args.global_batch, args.micro_batch, model=args.model,
                   overlap=args.overlap, max_stages=args.max_stages, schedule=args.schedule, search=args.search,
                   time_limit=args.time_limit, gap=args.gap, workers=args.workers,
-                  recompute=RECOMPUTE[args.recompute], mixed_precision=args.mixed_precision)
+                  recompute=RECOMPUTE[args.recompute], mixed_precision=args.mixed_precision,
+                  shard_optimizer=args.shard_optimizer)
     print(result)
     if args.output:
         result.save(args.output)

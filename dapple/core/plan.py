@@ -113,6 +113,7 @@ class Plan:
     meta: dict = field(default_factory=dict)  # model, cluster, planner name, planning time, ...
     mixed_precision: str | None = None  # "bf16"/"fp16": the stages run under autocast (None: full precision)
     reduce_dtype: str | None = None  # "bf16"/"fp16"/"fp32": the gradient AllReduce's dtype (None: the gradients')
+    shard_optimizer: bool = False  # each stage's optimizer state sharded over its replicas (dapple.shard_optimizer)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, Stage) else Stage(*s) for s in self.stages]
@@ -173,6 +174,8 @@ class Plan:
         if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"{where}.reduce_dtype: expected one of {REDUCE_DTYPES} or None (the gradients' own "
                              f"dtype), got {self.reduce_dtype!r}")
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(f"{where}.shard_optimizer: expected True or False, got {self.shard_optimizer!r}")
         for i, s in enumerate(self.stages):
             if not isinstance(s.recompute, bool):
                 raise ValueError(f"{where}.stages[{i}].recompute: expected True or False, got {s.recompute!r}")
@@ -221,6 +224,7 @@ class Plan:
                      "warmup_policy": self.warmup_policy,
                      **({"mixed_precision": self.mixed_precision} if self.mixed_precision else {}),
                      **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype else {}),
+                     **({"shard_optimizer": True} if self.shard_optimizer else {}),
                      "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup,
                                  **({"recompute": True} if s.recompute else {})} for s in self.stages]}
         if self.layer_names is not None:
@@ -238,7 +242,7 @@ class Plan:
     def from_dict(cls, doc: dict, where: str = "Plan") -> "Plan":
         f = documents.Fields(doc, where).known("dapple_plan", "global_batch_size", "micro_batch_size", "schedule",
                                          "warmup_policy", "stages", "layer_names", "estimate", "meta",
-                                         "mixed_precision", "reduce_dtype")
+                                         "mixed_precision", "reduce_dtype", "shard_optimizer")
 
         def stage(g: documents.Fields) -> Stage:
             g.known("layers", "devices", "warmup", "recompute")
@@ -260,7 +264,7 @@ class Plan:
                        stages=f.each("stages", stage), schedule=f.str("schedule", default="dapple"),
                        warmup_policy=str(f.data.get("warmup_policy", "A")), layer_names=names, estimate=estimate,
                        meta=f.mapping("meta"), mixed_precision=f.data.get("mixed_precision"),
-                       reduce_dtype=f.data.get("reduce_dtype"))
+                       reduce_dtype=f.data.get("reduce_dtype"), shard_optimizer=f.data.get("shard_optimizer", False))
         except documents.DocumentError:
             raise
         except ValueError as e:

@@ -58,6 +58,8 @@ def _head(plan: "Plan") -> str:
             f"{plan.micro_batch_size}, schedule {plan.schedule}, warmup policy {plan.warmup_policy}")
     if plan.mixed_precision:
         head += f", mixed precision {plan.mixed_precision}"
+    if plan.shard_optimizer:
+        head += ", optimizer state sharded over each stage's replicas"
     if plan.meta.get("model"):
         head += f", model {plan.meta['model']}"
     if plan.meta.get("cluster"):

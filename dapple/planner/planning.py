@@ -43,7 +43,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | str | None = "auto",
          gap: float = 0.0, verify: int = 6, workers: int | str = "auto", recompute: bool | str = False,
-         mixed_precision: str | None = None) -> Plan:
+         mixed_precision: str | None = None, shard_optimizer: bool = False) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``,
     among the plans that use every device of it (a plan's device ids are the ranks 0..n-1 of the job that runs
     it). Where fewer devices may do better (a tiny global batch, very slow links), plan for a smaller Cluster
@@ -86,6 +86,9 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             makes plan() raise RuntimeError.
         recompute: False, True (every stage) or "auto": only where memory binds and it is faster (docs/planner.md).
         mixed_precision: "bf16"/"fp16": activations take half the bytes (docs/planner.md); None: full precision.
+        shard_optimizer: each stage's optimizer state is sharded over its replicas (ZeRO-1: train with
+            :func:`dapple.shard_optimizer`): a stage on r replicas holds 2 + (``optimizer_factor`` - 2) / r bytes per
+            parameter byte, so plans that fit only that way are found. Recorded as ``Plan.shard_optimizer``.
 
     Returns:
         The Plan, with its estimate and ``meta`` (what was searched, how, and what it proves).
@@ -103,17 +106,18 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
              model: str, overlap: bool, schedule: str, warmup_policy: str | None, optimizer_factor: float, beam: int,
              micro_batch_sizes: Sequence[int] | None, max_stages: int | None, search: str,
              time_limit: float | str | None, gap: float, verify: int, workers: int | str, recompute: bool,
-             mixed_precision: str | None) -> Plan:
+             mixed_precision: str | None, shard_optimizer: bool) -> Plan:
     """:func:`plan` with ``recompute`` settled: the DP's search of every micro-batch size (it models dapple's
     1F1B), then the final choice among its candidates, simulated under ``schedule`` ("auto": dapple and zb-h1)."""
     t0 = time.perf_counter()
     search, time_limit = _checked(profile, cluster, global_batch_size, model, schedule, warmup_policy,
                                   optimizer_factor, beam, max_stages, search, time_limit, gap, verify, overlap)
+    flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
     sizes = _micro_batch_sizes(global_batch_size, micro_batch_size, micro_batch_sizes)
     config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy if model == "refined" else None,
                           optimizer_factor=optimizer_factor, beam=beam, max_stages=max_stages,
                           partial_kinds=1 if search == "compact" else None, gap=float(gap), recompute=recompute,
-                          mixed_precision=mixed_precision)
+                          mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
     searches = _searches(profile, cluster, global_batch_size, sizes, config)
     auto = workers == "auto"
     workers = resolve_workers(workers, len(searches), search == "compact")
@@ -130,24 +134,25 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
         raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
                          f"sizes {sorted(sizes)}: even the best split exceeds device memory; try a larger cluster or "
-                         f"smaller micro-batches{'' if mixed_precision else ', or mixed_precision=bf16'}")
+                         f"smaller micro-batches{'' if mixed_precision else ', or mixed_precision=bf16'}"
+                         f"{'' if shard_optimizer else ', or shard_optimizer=True'}")
     cands = _candidates(searched, seeds)
     every = choice.every_candidate(searches) if verify else None  # a small instance: the simulator judges every plan
     picked = choose(profile, cluster, global_batch_size, cands if every is None else cands[:1] + every, model=model,
                     overlap=overlap, schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor,
                     verify=verify if every is None else len(every) + 1, deadline=deadline, workers=workers,
                     spare=spare, within=choice.VERIFY_WITHIN if every is None else INF, recompute=recompute,
-                    mixed_precision=mixed_precision)
+                    mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
     stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor, config)
     schedule = picked.chosen.schedule  # "auto": the simulator's choice (dapple where nothing was simulated)
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
-                   overlap=overlap, mixed_precision=mixed_precision)
+                   overlap=overlap, mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
     meta = _meta(profile, cluster, config, searches, searched, picked, search, time_limit, gap, workers)
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=global_batch_size, micro_batch_size=picked.chosen.micro_batch_size, stages=stages,
                 schedule=schedule, warmup_policy=picked.chosen.warmup_policy, layer_names=list(profile.layer_names),
-                estimate=est, meta=meta, mixed_precision=mixed_precision)
+                estimate=est, meta=meta, mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
 
 
 def _settled(args: dict) -> Plan:
@@ -162,7 +167,7 @@ def _settled(args: dict) -> Plan:
     profile, cluster = args["profile"], args["cluster"]
     schedule, record = settle_schedule(args["schedule"], profile, cluster, p.stages, p.global_batch_size,
                                        p.micro_batch_size, bool(p.meta.get("overlap")), args["optimizer_factor"],
-                                       p.mixed_precision)
+                                       p.mixed_precision, p.shard_optimizer)
     meta = {**p.meta, **({"schedule_choice": record} if record is not None else {})}
     if schedule in SPLIT_BACKWARD:
         meta.pop("latency_lower_bound_ms", None)
@@ -172,7 +177,8 @@ def _settled(args: dict) -> Plan:
         return p
     est = evaluate(profile, cluster, p, schedule=schedule, optimizer_factor=args["optimizer_factor"])
     out = Plan(p.global_batch_size, p.micro_batch_size, p.stages, schedule=schedule, warmup_policy=p.warmup_policy,
-               layer_names=p.layer_names, estimate=est, meta=meta, mixed_precision=p.mixed_precision)
+               layer_names=p.layer_names, estimate=est, meta=meta, mixed_precision=p.mixed_precision,
+               shard_optimizer=p.shard_optimizer)
     if "simulated_ms" in meta:
         meta["simulated_ms"] = round(simulate(out, profile, cluster, overlap=bool(meta.get("overlap"))).latency_ms, 4)
     return out
@@ -212,11 +218,12 @@ def _reflagged(p: Plan, profile: "Profile", cluster: "Cluster", optimizer_factor
     est = evaluate(profile, cluster, [Stage(s.layers, s.devices) for s in p.stages], p.global_batch_size,
                    p.micro_batch_size, schedule=p.schedule, warmup_policy=p.warmup_policy,
                    optimizer_factor=optimizer_factor, model=p.meta.get("latency_model"), overlap=overlap,
-                   recompute="auto", mixed_precision=p.mixed_precision)
+                   recompute="auto", mixed_precision=p.mixed_precision, shard_optimizer=p.shard_optimizer)
     stages = [Stage(s.layers, s.devices, d["warmup"], d.get("recompute", False))
               for s, d in zip(p.stages, est.details["stages"])]
     out = Plan(p.global_batch_size, p.micro_batch_size, stages, schedule=p.schedule, warmup_policy=p.warmup_policy,
-               layer_names=p.layer_names, estimate=est, meta=dict(p.meta), mixed_precision=p.mixed_precision)
+               layer_names=p.layer_names, estimate=est, meta=dict(p.meta), mixed_precision=p.mixed_precision,
+               shard_optimizer=p.shard_optimizer)
     changed = [(s.warmup, s.recompute) for s in stages] != [(s.warmup, s.recompute) for s in p.stages]
     if changed and "simulated_ms" in out.meta:
         out.meta["simulated_ms"] = round(simulate(out, profile, cluster, overlap=overlap).latency_ms, 4)
@@ -390,7 +397,7 @@ def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Choice, opti
     """The chosen plan's stages on concrete devices, with their K_i and recompute flags."""
     b, spans, _, policy, _ = picked.chosen
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=config.recompute,
-                   mixed_precision=config.mixed_precision)
+                   mixed_precision=config.mixed_precision, shard_optimizer=config.shard_optimizer)
     pc, _ = pipeline_costs(cm, spans, g // b, policy)
     devs = devices_of(spans, cluster)
     return [Stage((a, c), ds, k, rc) for (a, c, _), ds, k, rc in zip(spans, devs, pc.K, pc.recompute)]

@@ -21,7 +21,7 @@ TIE = 1e-3  # a later choice must simulate this fraction faster than an earlier 
 
 def settle_schedule(schedule: str, profile: "Profile", cluster: "Cluster", stages: Sequence[Stage],
                     global_batch_size: int, micro_batch_size: int, overlap: bool, optimizer_factor: float,
-                    mixed_precision: str | None = None) -> tuple[str, dict | None]:
+                    mixed_precision: str | None = None, shard_optimizer: bool = False) -> tuple[str, dict | None]:
     """plan()'s last word on the schedule of the plan it found: "auto" picks (:func:`choose_schedule`, with its
     record); a split-backward schedule asked for by name must fit in memory (ValueError naming the stage); any other
     stays as it is (record None).
@@ -29,14 +29,15 @@ def settle_schedule(schedule: str, profile: "Profile", cluster: "Cluster", stage
     Args:
         schedule: what plan() was asked for.
         profile, cluster, stages, global_batch_size, micro_batch_size: the plan found (K_i set).
-        overlap, optimizer_factor, mixed_precision: as planned.
+        overlap, optimizer_factor, mixed_precision, shard_optimizer: as planned.
     """
     if schedule == AUTO:
         return choose_schedule(profile, cluster, stages, global_batch_size, micro_batch_size, overlap=overlap,
-                               optimizer_factor=optimizer_factor, mixed_precision=mixed_precision)
+                               optimizer_factor=optimizer_factor, mixed_precision=mixed_precision,
+                               shard_optimizer=shard_optimizer)
     if schedule in SPLIT_BACKWARD:
         cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor,
-                       mixed_precision=mixed_precision)
+                       mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
         why = split_backward_unfit(cm, stages, global_batch_size // micro_batch_size, cluster.device_memory)
         if why:
             raise ValueError(f"schedule={schedule!r}: the plan found does not fit: {why}; schedule='auto' falls "
@@ -46,7 +47,7 @@ def settle_schedule(schedule: str, profile: "Profile", cluster: "Cluster", stage
 
 def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Stage], global_batch_size: int,
                     micro_batch_size: int, *, overlap: bool, optimizer_factor: float,
-                    mixed_precision: str | None = None) -> tuple[str, dict]:
+                    mixed_precision: str | None = None, shard_optimizer: bool = False) -> tuple[str, dict]:
     """The faster of :data:`CHOICES` for ``stages`` (their K_i set), simulated, and what was found.
 
     zb-h1 keeps each micro-batch's activations until its W and lets every stage hold K_0 of them
@@ -60,13 +61,14 @@ def choose_schedule(profile: "Profile", cluster: "Cluster", stages: Sequence[Sta
         overlap: AllReduce overlapped with the last backward, as planned.
         optimizer_factor: bytes held per parameter byte.
         mixed_precision: the plan's ("bf16"/"fp16"; None: full precision).
+        shard_optimizer: the plan's: each stage's optimizer state sharded over its replicas (memory).
 
     Returns:
         (schedule, record): ``record["simulated_ms"]`` per candidate, ``record["refused"]`` a reason per one left
         out, ``record["chosen"]``.
     """
     cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor,
-                   mixed_precision=mixed_precision)
+                   mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
     simulated: dict[str, float] = {}
     refused: dict[str, str] = {}
     M = global_batch_size // micro_batch_size

@@ -1,14 +1,16 @@
 """The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, local launcher."""
 
 from .activations import ActivationMeter
+from .checkpoint_async import AsyncSave
 from .data import RankData, rank_data
 from .engine import Pipeline, pipeline
 from .launch import launch
 from .p2p import PipelineError
 from .sampler import DistributedPipelineSampler, IndexedDataset, LoadedBatch, RankCollate, pipeline_loader
+from .sharding import ShardedOptimizer, shard_optimizer
 from .tracing import Trace
 from .weights import LoadedWeights, load_weights
 
-__all__ = ["ActivationMeter", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch", "LoadedWeights",
-           "Pipeline", "PipelineError", "RankCollate", "RankData", "Trace", "launch", "load_weights", "pipeline",
-           "pipeline_loader", "rank_data"]
+__all__ = ["ActivationMeter", "AsyncSave", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch",
+           "LoadedWeights", "Pipeline", "PipelineError", "RankCollate", "RankData", "ShardedOptimizer", "Trace",
+           "launch", "load_weights", "pipeline", "pipeline_loader", "rank_data", "shard_optimizer"]

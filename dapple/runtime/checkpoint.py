@@ -5,16 +5,19 @@ from __future__ import annotations
 import inspect
 import io
 import os
-import shutil
+import sys
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 
+from ..core.checks import flag
 from ..core.dist import first_line
 from . import checkpoint_files as files
+from .checkpoint_async import AsyncSave, settle, write_in_background
 from .checkpoint_loop import is_scheduler, load_scaler, rng_states, rng_targets, scheduler_state, scheduler_target
 from .checkpoint_state import (
     FORMAT,
@@ -27,7 +30,7 @@ from .checkpoint_state import (
     save_state,
     stage_tensors,
 )
-from .checkpoint_sync import all_or_none, attempt, checkpoint_group, describe_error
+from .checkpoint_sync import all_or_none, attempt, checkpoint_group, complete_save, describe_error
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use: it pulls in DTensor, slow to import
@@ -39,21 +42,29 @@ SAVING, REPLACED = files.SAVING, files.REPLACED  # suffixes: the directory a sav
 
 # ---- public ------------------------------------------------------------------------------------
 def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None,
-                    extra: Mapping[str, Any] | None = None, *, scheduler: Any = None) -> None:
+                    extra: Mapping[str, Any] | None = None, *, scheduler: Any = None,
+                    async_save: bool = False) -> AsyncSave | None:
     """Write this pipeline (all ranks call it) to the directory ``path`` with torch.distributed.checkpoint.
 
     Each rank writes its stage's parameters and buffers under their names in the original model, and the
     optimizer's state under the same names (``optim/<name>/<state>``), so any plan or world size can load
-    it. Copies held by several ranks (stage replicas, stages sharing a tied parameter) are written once:
-    DCP keeps one writer per key. Buffers come from replica 0 of their stage (replicas may differ, e.g.
-    BatchNorm statistics; DDP likewise broadcasts rank 0's). Also stored: the plan, ``pipe.step``, the
-    dapple and torch versions, the optimizer class and param-group hyperparameters, fp16's loss scale
-    (``pipe.scaler``), the scheduler's state, each rank's random generator states, and ``extra``.
+    it (a :func:`dapple.shard_optimizer`'s state: each replica its share). Copies held by several ranks (stage
+    replicas, stages sharing a tied parameter) are written once: DCP keeps one writer per key. Buffers come from
+    replica 0 of their stage (replicas may differ, e.g. BatchNorm statistics; DDP likewise broadcasts rank 0's).
+    Also stored: the plan, ``pipe.step``, the dapple and torch versions, the optimizer class and param-group
+    hyperparameters, fp16's loss scale (``pipe.scaler``), the scheduler's state, each rank's random generator
+    states, and ``extra``.
 
     The new checkpoint is written beside ``path`` (``path.saving``), marked complete once every rank's part is
     on disk, and swapped in atomically where the OS allows (Linux), else by two renames: at every instant the
     last complete checkpoint is at ``path`` or beside it, where :func:`load_checkpoint` finds it; none is
     removed before a newer one is in place. Collectives run on a gloo group bounded by ``pipe.timeout``.
+
+    With ``async_save``, each rank copies what it saves to host memory and returns while ``dcp.async_save`` writes
+    the copy in a background thread: training goes on. The returned :class:`AsyncSave`'s ``result()`` (on every
+    rank; else the pipeline's next ``save_checkpoint`` or ``load_checkpoint`` does it first) waits for the writes
+    and only then marks the checkpoint complete and moves it into place, raising any rank's write failure on
+    every rank, as a synchronous save would. Call it before the job ends, or the last save is not in place.
 
     Args:
         path: the checkpoint directory; a dapple checkpoint already there is replaced, other files are not.
@@ -62,6 +73,10 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
             on none).
         extra: any picklable dict saved with it (e.g. the data position); :func:`load_checkpoint` returns it.
         scheduler: an LR scheduler of ``optimizer`` whose state is saved too (on every rank or on none).
+        async_save: write in the background (the same on every rank).
+
+    Returns:
+        None, or with ``async_save`` the :class:`AsyncSave` of the write in progress.
 
     Raises:
         ValueError: bad arguments or target, on every rank before anything is written.
@@ -72,10 +87,12 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     _check_args(pipe, optimizer, scheduler)
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra: expected a dict (e.g. {{'data_position': 1200}}), got {type(extra).__name__}")
+    flag("async_save", async_save, "write in the background")
     extra = dict(extra or {})
     target = Path(os.path.abspath(path))
     tmp = files.saving(target)
     what = f"save_checkpoint({str(target)!r})"
+    settle(pipe)  # a background save still pending is finished first (its failure raised here)
     group = checkpoint_group(pipe, what)
     local, infos = _describe_ranks(pipe, optimizer, scheduler, group, target, extra, what)
     sd = {**save_state(pipe, optimizer, local), **rng_states(pipe)}
@@ -83,22 +100,12 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
         sd[META] = {**describe(pipe, infos, extra), "scaler": pipe.scaler.state_dict(),
                     "scheduler": None if scheduler is None else scheduler_state(scheduler)}
     dcp = _dcp()
-    error = attempt(dcp.save, sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(),
-                    process_group=group)
-    try:
-        all_or_none(pipe, group, None, error, f"{what}: writing")  # every part is on disk, or every rank raises
-    except BaseException:
-        if pipe.ctx.rank == 0:  # the incomplete write goes (the previous checkpoint was never touched)
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if pipe.ctx.rank == 0:  # complete: mark it, then move it in place
-        error = attempt(_finish_save, target, tmp, infos[0]["serial"], pipe.step)
-    all_or_none(pipe, group, None, error, what)  # returns once it is in place
-
-
-def _finish_save(target: Path, tmp: Path, serial: int, step: int) -> None:
-    files.write_mark(tmp, serial, step)
-    files.swap_in(target, tmp)
+    writer = dcp.FileSystemWriter(tmp)
+    finish = partial(complete_save, pipe, group, target, tmp, infos[0]["serial"], pipe.step, what)
+    if async_save:  # a copy written in the background; finish() runs at AsyncSave.result()
+        return write_in_background(pipe, group, sd, writer, _save_planner(), finish, target, what)
+    finish(attempt(dcp.save, sd, storage_writer=writer, planner=_save_planner(), process_group=group))
+    return None
 
 
 def _describe_ranks(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, scheduler: Any,
@@ -157,6 +164,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     _check_args(pipe, optimizer, scheduler)
     target = Path(os.path.abspath(path))
     what = f"load_checkpoint({str(target)!r})"
+    settle(pipe)  # a background save still pending is finished first (its failure raised here)
     group = checkpoint_group(pipe, what)
     error: Exception | None = None
     found, finish, generators, schedule = files.Found(target, 0, None), _nothing, _nothing, None
@@ -238,6 +246,11 @@ def _check_args(pipe: Any, optimizer: Any, scheduler: Any) -> None:
         raise TypeError(f"pipe: expected a dapple.Pipeline (from dapple.pipeline(...)), got {type(pipe).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # (imported by its users only)
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        raise TypeError("optimizer: torch's ZeroRedundancyOptimizer keeps its state in its shards, by index, and "
+                        "saves it only consolidated on one rank; dapple.shard_optimizer(pipe, cls, ...) shards it the "
+                        "same way and its checkpoints are by name (loadable under any plan)")
     if scheduler is not None and not is_scheduler(scheduler):
         raise TypeError(f"scheduler: expected an LR scheduler (torch.optim.lr_scheduler) or None, got "
                         f"{type(scheduler).__name__}")

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..core.version import VERSION
 from .engine import Pipeline
+from .sharding import ShardedOptimizer
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use
     from torch.distributed.checkpoint.metadata import Metadata
@@ -51,8 +52,15 @@ def stage_tensors(pipe: Pipeline) -> list[StageTensor]:
 
 
 def qualname(optimizer: torch.optim.Optimizer) -> str:
-    """``torch.optim.adamw.AdamW``: what a checkpoint's optimizer state is for."""
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    """``torch.optim.adamw.AdamW``: what a checkpoint's optimizer state is for (a sharded optimizer's: the class
+    it runs on its shard, so that sharded and unsharded runs load each other's checkpoints)."""
+    kind = optimizer.optimizer_class if isinstance(optimizer, ShardedOptimizer) else type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def holds_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    """Whether ``optimizer`` keeps ``p``'s state on this rank (a sharded one: only for the parameters it owns)."""
+    return optimizer.owns(p) if isinstance(optimizer, ShardedOptimizer) else True
 
 
 def _plain(v: Any) -> Any:
@@ -113,7 +121,9 @@ def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
         for p in parts:
             for g in p["param_groups"]:
                 groups.setdefault(tuple(g["params"]), g)  # replicas hold the same groups
-            state.update(p["state"])
+            for key, kinds in p["state"].items():  # a sharded optimizer's owner lists the state, the others none
+                if kinds or key not in state:
+                    state[key] = kinds
         opt = {"class": parts[0]["class"], "param_groups": list(groups.values()), "state": state}
     return {"format": FORMAT, "step": int(pipe.step), "dapple_version": VERSION,
             "torch_version": str(torch.__version__), "world_size": pipe.ctx.world_size, "plan": pipe.plan.to_dict(),
@@ -165,8 +175,9 @@ def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: 
 
 def _optimizer_targets(optimizer: torch.optim.Optimizer, path: Path, md: Metadata, meta: dict,
                        keys: dict[int, str], sd: dict[str, Any]) -> Callable[[], None]:
-    """Destinations for the saved state of this optimizer's parameters (by name); ``finish`` maps them back
-    to its own parameter order and param groups through ``optimizer.load_state_dict``."""
+    """Destinations for the saved state of this optimizer's parameters (by name; a sharded optimizer's: of those
+    this rank owns); ``finish`` maps them back to its own parameter order and param groups through
+    ``optimizer.load_state_dict``."""
     om = meta["optimizer"]
     if om is None:
         raise ValueError(f"{path}: saved without optimizer state; load without an optimizer, or save with one")
@@ -186,8 +197,9 @@ def _optimizer_targets(optimizer: torch.optim.Optimizer, path: Path, md: Metadat
                 raise _foreign(i, p)
             if key not in om["state"] or key not in hyper_of:
                 raise ValueError(f"{path}: no optimizer state for parameter {key!r} (its optimizer did not hold it)")
-            _state_destinations(path, md, key, om["state"][key], sd)
-            entries.append((key, list(om["state"][key])))
+            kinds = om["state"][key] if holds_state(optimizer, p) else {}  # (its owner reads it)
+            _state_destinations(path, md, key, kinds, sd)
+            entries.append((key, list(kinds)))
             hypers.append((key, hyper_of[key]))
         hyper = _one_hyper(i, hypers) if hypers else {k: v for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": list(range(first, len(entries)))})

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 from weakref import WeakKeyDictionary
 
 import torch.distributed as dist
 
 from ..core.dist import PipelineError, first_line
+from . import checkpoint_files as files
 from .engine import Pipeline
 from .roll import called
 
@@ -77,3 +80,25 @@ def _own(error: BaseException, who: str, what: str, note: str) -> BaseException:
     if isinstance(error, (ValueError, TypeError, FileNotFoundError)) and not note:
         return error
     return RuntimeError(f"{who}: {what} failed: {describe_error(error)}{note}")
+
+
+def complete_save(pipe: Pipeline, group: dist.ProcessGroup, target: Path, tmp: Path, serial: int, step: int,
+                  what: str, error: BaseException | None) -> None:
+    """The end of a save, once this rank's write into ``tmp`` ended (``error``: how it failed, or None): every part
+    is on disk, or every rank raises (and the incomplete write goes: the previous checkpoint was never touched);
+    then rank 0 marks it complete (``serial``, ``step``) and moves it to ``target``; every rank returns once it is
+    there."""
+    try:
+        all_or_none(pipe, group, None, error, f"{what}: writing")
+    except BaseException:
+        if pipe.ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if pipe.ctx.rank == 0:
+        error = attempt(_mark_and_swap, target, tmp, serial, step)
+    all_or_none(pipe, group, None, error, what)
+
+
+def _mark_and_swap(target: Path, tmp: Path, serial: int, step: int) -> None:
+    files.write_mark(tmp, serial, step)
+    files.swap_in(target, tmp)

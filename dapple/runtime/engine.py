@@ -149,6 +149,12 @@ class Pipeline:
         for p in self.module.parameters():
             yield self._names[id(p)], p
 
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The process group of this stage's replicas (the one its gradient AllReduce runs on), or None where the
+        stage has one replica: what :func:`dapple.shard_optimizer` shards the optimizer state over."""
+        return next((g.group for g in self._groups if not g.spans_stages), None)
+
     def rows(self, batch_size: int | None = None) -> list[int]:
         """The global-batch row indices this rank reads, in the order of its compact batch (``[]`` where it reads
         nothing): ``self.data.rows``; :class:`DistributedPipelineSampler` loads them from a dataset.
@@ -406,7 +412,9 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             on the meta device (``with torch.device("meta"):``, or with only the parameters there, as accelerate's
             ``init_empty_weights``): then each rank makes only its stage's tensors real, on its device, and
             initialises them with ``init_fn`` (load trained weights with :func:`dapple.load_weights`).
-        plan: the plan (``dapple.plan`` or ``dapple.Plan.load``) for this world size.
+        plan: the plan (``dapple.plan`` or ``dapple.Plan.load``) for this world size. One whose
+            ``shard_optimizer`` is set counted each stage's optimizer state sharded over its replicas: build the
+            optimizer with :func:`dapple.shard_optimizer` then.
         loss_fn: ``loss_fn(output, *targets)``, the mean loss over the rows it is given; ``output`` is what the
             model returns (a tensor, tuple, dict or ``ModelOutput``), for those rows.
         timeout: seconds that bound every receive and collective: a dead or stuck peer makes the others raise

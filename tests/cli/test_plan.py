@@ -270,3 +270,17 @@ def test_plan_overlaps_the_allreduce_unless_told_not_to(tmp_path, capsys):
                      "-o", str(out)]) == 0
         assert Plan.load(out).meta["overlap"] is overlap, flags
         capsys.readouterr()
+
+
+def test_plan_shard_optimizer(tmp_path, capsys):
+    from tests.planner.helpers import cluster, linear_profile
+    prof, cl = tmp_path / "p.yaml", tmp_path / "c.yaml"
+    linear_profile([1.0] * 4, params=[1e9, 1e6, 1e6, 1e6], saved=1e5).save(prof)  # fits only sharded
+    cluster(1, 4, memory=3.2e9).save(cl)
+    out = tmp_path / "plan.yaml"
+    args = ["plan", str(prof), "--cluster", str(cl), "--global-batch", "16", "--micro-batch", "4", "--workers", "1"]
+    assert main(args + ["--shard-optimizer", "-o", str(out)]) == 0
+    assert "optimizer state sharded over each stage's replicas" in capsys.readouterr().out
+    assert Plan.load(out).shard_optimizer is True
+    with pytest.raises((SystemExit, ValueError), match="shard_optimizer=True"):
+        main(args)

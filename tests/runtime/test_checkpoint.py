@@ -132,6 +132,7 @@ def resume(root: str) -> bytes:
         out[f"{label}_loaded"] = snapshot(pipe.named_parameters(), opt)
         if label == "p2":  # re-save from 3 ranks with a replicated stage: dedup, and a round trip
             dapple.save_checkpoint(f"{root}/ckpt2", pipe, opt, extra=out["p2_extra"])
+            p2 = pipe
         losses = []
         for step in range(SAVED_AT, SAVED_AT + MORE):
             losses.append(pipe.train_step(*batch(step)))
@@ -167,6 +168,7 @@ def resume(root: str) -> bytes:
         pipe.parameters(), lr=0.1)))
     out["errors"] = errors
     out["damaged"] = damaged(root, gpipe)
+    out["async"] = async_saves(root, p2)
 
     # a rank that never joins: the others fail within the pipeline's timeout instead of hanging; a load on a
     # pipeline whose group exists, and the first save of a fresh one, which creates it (`if rank == 0: save`)
@@ -217,6 +219,49 @@ def damaged(root: str, pipe: dapple.Pipeline) -> dict[str, Any]:
     dapple.load_checkpoint(f"{root}/ckpt1", pipe, opt)  # and the pipeline goes on
     out["loss_after"] = pipe.train_step(*batch(SAVED_AT))
     return out
+
+
+def async_saves(root: str, pipe: dapple.Pipeline) -> dict[str, Any]:
+    """From ckpt1 on plan P2: a background save, two steps while it writes (they change every tensor it saved),
+    its result, a load of it and the same two steps again; then a background write failing on rank 1, surfacing
+    at the next save, which then goes on."""
+    import torch.distributed.checkpoint as dcp_api
+    opt, out = adamw(pipe.named_parameters()), {}
+    dapple.save_checkpoint(f"{root}/fresh", pipe, opt)  # an optimizer never stepped: saving gives it no state
+    out["fresh_state"] = len(opt.state)
+    dapple.load_checkpoint(f"{root}/ckpt1", pipe, opt)
+    out["at_save"] = snapshot(pipe.named_parameters(), opt)
+    handle = dapple.save_checkpoint(f"{root}/async", pipe, opt, extra={"tag": torch.arange(3)}, async_save=True)
+    out["losses"] = _steps(pipe, opt)
+    handle.result()
+    out["handle"] = repr(handle)
+    out["extra"] = dapple.load_checkpoint(f"{root}/async", pipe, opt)
+    out["step"], out["loaded"] = pipe.step, snapshot(pipe.named_parameters(), opt)
+    out["losses_again"] = _steps(pipe, opt)
+    write = dcp_api.FileSystemWriter.write_data
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    if int(os.environ["RANK"]) == 1:
+        dcp_api.FileSystemWriter.write_data = broken  # (read when the background thread writes)
+    failing = dapple.save_checkpoint(f"{root}/async", pipe, opt, async_save=True)
+    _steps(pipe, opt)
+    out["next_call"] = _error(lambda: dapple.load_checkpoint(f"{root}/async", pipe, opt))
+    dcp_api.FileSystemWriter.write_data = write
+    out["result_after"] = _error(failing.result)
+    out["failed_handle"] = repr(failing)
+    out["then"] = _error(lambda: dapple.load_checkpoint(f"{root}/async", pipe, opt))
+    out["step_then"] = pipe.step
+    return out
+
+
+def _steps(pipe: dapple.Pipeline, opt: torch.optim.Optimizer) -> list[float]:
+    losses = []
+    for step in range(SAVED_AT, SAVED_AT + MORE):
+        losses.append(pipe.train_step(*batch(step)))
+        opt.step()
+        opt.zero_grad()
+    return losses
 
 
 # ---- the tests ------------------------------------------------------------------------------------------
@@ -423,3 +468,32 @@ def test_description_of_the_checkpoint(run):
         assert by_name[n]["lr"] == 1e-2 and by_name[n]["weight_decay"] == (0.1 if p.dim() >= 2 else 0.0), n
         assert set(opt["state"][n]) == {"step", "exp_avg", "exp_avg_sq"}, n
     assert meta["tensors"]["wte.weight"]["names"] == ["wte.weight", "lm_head.weight"]
+
+
+@pytest.mark.slow
+def test_an_async_save_holds_what_it_was_given_and_a_failure_surfaces_at_the_next_call(run, reference):
+    """Training on while the background write runs changes nothing it saved: the load gives the state of the save
+    and the same losses again, to the bit. A write failing on rank 1 is raised on every rank by the next checkpoint
+    call (and by the handle's result()), and the checkpoint before it stays in place."""
+    for rank, r in enumerate(run["resumed"]):
+        a = r["async"]
+        assert a["fresh_state"] == 0, rank
+        assert a["step"] == SAVED_AT and torch.equal(a["extra"]["tag"], torch.arange(3)), rank
+        got, want = a["loaded"], a["at_save"]
+        for n, p in want["params"].items():
+            assert torch.equal(got["params"][n], p), (rank, n)
+            assert all(torch.equal(got["state"][n][k], v) for k, v in want["state"][n].items()), (rank, n)
+        assert got["hyper"] == want["hyper"], rank
+        assert a["losses_again"] == a["losses"], rank
+        assert all(_rel(x, y) <= TOL for x, y in zip(a["losses"], reference["losses"][SAVED_AT:])), rank
+        assert "in place" in a["handle"] and "failed" in a["failed_handle"], (a["handle"], a["failed_handle"])
+        msg = a["next_call"]
+        assert msg.startswith(f"RuntimeError: rank {rank} (stage {rank // 2}): save_checkpoint(") and msg.endswith(
+            "/async'): writing failed: on rank 1: OSError: [Errno 28] No space left on device"), msg
+        assert a["result_after"] == msg, rank  # the handle says the same
+        assert a["then"] == "no error" and a["step_then"] == SAVED_AT, (rank, a["then"])  # and the last one loads
+    root = run["root"]
+    assert not (root / "async.saving").exists()
+    full = dapple.load_full_state_dict(root / "async")
+    want = run["resumed"][0]["async"]["at_save"]["params"]
+    assert all(torch.equal(full[n], p) for n, p in want.items())

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 
 from ...core.buckets import BUCKET_BYTES, bucket
-from ...core.checks import number, positive_int
+from ...core.checks import flag, number, positive_int
 from ...core.split_concat import routes
-from .memory import StageBytes, activation_scale, recompute_mode
+from .memory import StageBytes, activation_scale, recompute_mode, static_factor
 from .transfers import CommLinks, CommPair, GradientPorts, ServerLoad
 
 if TYPE_CHECKING:
@@ -102,16 +102,19 @@ class CostModel:
         recompute: whether the stages it prices recompute activations by default (methods take it per stage too).
         mixed_precision: "bf16" or "fp16": activations (saved and sent) take half the profiled fp32 bytes;
             parameters, gradients, optimizer state and the gradient AllReduce stay fp32. None: full precision.
+        shard_optimizer: the optimizer state of a stage on r replicas is sharded over them (ZeRO-1): each holds
+            1/r of it (:func:`memory.static_factor`).
     """
 
     def __init__(self, profile: "Profile", cluster: "Cluster", micro_batch_size: int,
                  optimizer_factor: float = 4.0, bucket_bytes: float = BUCKET_BYTES, *,
-                 recompute: bool | str = False, mixed_precision: str | None = None):
+                 recompute: bool | str = False, mixed_precision: str | None = None, shard_optimizer: bool = False):
         positive_int("micro_batch_size", micro_batch_size)
         number("optimizer_factor", optimizer_factor, positive=True)
         number("bucket_bytes", bucket_bytes, positive=True, finite=True)
         recompute_mode(recompute, (False, True))
-        self.recompute, self.mixed_precision = recompute, mixed_precision
+        flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
+        self.recompute, self.mixed_precision, self.shard_optimizer = recompute, mixed_precision, shard_optimizer
         self.activation_scale = activation_scale(mixed_precision)  # bytes of an activation per profiled byte
         self.profile, self.cluster, self.micro = profile, cluster, micro_batch_size
         self.optimizer_factor, self.bucket_bytes = float(optimizer_factor), float(bucket_bytes)
@@ -172,7 +175,7 @@ class CostModel:
 
     def stage_bytes(self, a: int, c: int, replicas: int, recompute: bool) -> StageBytes:
         """What layers [a, c) on ``replicas`` replicas hold (memory.StageBytes), recomputing or not."""
-        static, saved = self.static_bytes(a, c), self.saved_bytes(a, c, replicas)
+        static, saved = self.static_bytes(a, c, replicas), self.saved_bytes(a, c, replicas)
         if recompute:
             return StageBytes(static, self.input_bytes(a, replicas), saved)
         return StageBytes(static, saved)
@@ -351,9 +354,14 @@ class CostModel:
         return max(end, b)
 
     # ---- memory --------------------------------------------------------------------------------------
-    def static_bytes(self, a: int, c: int) -> float:
-        """Parameters x optimizer factor (4: fp32 weights, gradients, Adam's two moments: 16 B/param)."""
-        return self.params(a, c) * self.optimizer_factor
+    def static_bytes(self, a: int, c: int, replicas: int = 1) -> float:
+        """Parameters x optimizer factor (4: fp32 weights, gradients, Adam's two moments: 16 B/param) on each of
+        ``replicas`` replicas: with ``shard_optimizer``, the optimizer's part divided among them."""
+        return self.params(a, c) * self.static_factor(replicas)
+
+    def static_factor(self, replicas: int) -> float:
+        """Static bytes per parameter byte on each of ``replicas`` replicas (:func:`memory.static_factor`)."""
+        return static_factor(self.optimizer_factor, replicas if self.shard_optimizer else 1)
 
 
 def _prefix(values: Sequence[float]) -> list[float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from ...core.checks import positive_int
+from ...core.checks import flag, positive_int
 from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
 from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, stage_holds, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
@@ -167,7 +167,8 @@ def _warmup(cm: CostModel, spans: Sequence[Span], M: int, policy: str, warmup: S
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
              micro_batch_size: int | None = None, *, schedule: str | None = None, warmup_policy: str | None = None,
              optimizer_factor: float = 4.0, model: str | None = None, overlap: bool | None = None,
-             recompute: bool | str | None = None, mixed_precision: str | None = None) -> Estimate:
+             recompute: bool | str | None = None, mixed_precision: str | None = None,
+             shard_optimizer: bool | None = None) -> Estimate:
     """Latency of one iteration of ``stages``, with per-stage costs in ``details``.
 
     ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``: for a Plan the defaults are its own batch
@@ -189,11 +190,18 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
             "auto": as :func:`auto_recompute` says (K_i from the policy then, or M each for gpipe).
         mixed_precision: "bf16" or "fp16" (activations in half the bytes), "fp32" (full precision), or None: a
             Plan's own ``mixed_precision`` (otherwise full precision).
+        shard_optimizer: each stage's optimizer state is sharded over its replicas (ZeRO-1, as
+            :func:`dapple.shard_optimizer` runs it): a stage on r replicas holds the weights and gradients whole and
+            1/r of the rest of ``optimizer_factor``; None: a Plan's own ``shard_optimizer`` (otherwise False).
+            ``details["stages"][i]["memory_gb"]`` shows it.
 
     Raises:
         ValueError: bad input, or a plan that does not fit in device memory (naming the stage).
     """
     profile_and_cluster("evaluate", profile, cluster)
+    if shard_optimizer is None:
+        shard_optimizer = stages.shard_optimizer if isinstance(stages, Plan) else False
+    flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
     opt = _options(profile, stages, global_batch_size, micro_batch_size, schedule, warmup_policy, model, overlap,
                    mixed_precision)
     b = opt.micro_batch_size
@@ -203,7 +211,8 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     recompute_mode(recompute, (None,) + RECOMPUTE_MODES)
     auto = recompute == "auto"
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor,
-                   recompute=False if recompute is None or auto else recompute, mixed_precision=opt.mixed_precision)
+                   recompute=False if recompute is None or auto else recompute, mixed_precision=opt.mixed_precision,
+                   shard_optimizer=shard_optimizer)
     spans = [Span(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
     if auto:
         given = [M] * len(sts) if opt.schedule == "gpipe" else None
@@ -215,7 +224,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     if opt.schedule in SPLIT_BACKWARD:
         rc = flags if flags is not None else [bool(recompute)] * len(sts)
         played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k, r) for s, k, r in zip(sts, pc.K, rc)],
-                      schedule=opt.schedule, mixed_precision=opt.mixed_precision)
+                      schedule=opt.schedule, mixed_precision=opt.mixed_precision, shard_optimizer=shard_optimizer)
         if why := split_backward_unfit(cm, played.stages, M, cluster.device_memory):
             raise ValueError(f"schedule={opt.schedule!r}: the plan does not fit: {why}")
         if opt.model == "refined":  # the closed form is 1F1B's: simulate the split
@@ -316,6 +325,7 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
     q = lat.pivot
     details = {"model": model, "schedule": schedule, "overlap": overlap, "num_micro_batches": pc.M,
                **({"mixed_precision": cm.mixed_precision} if cm.mixed_precision else {}),
+               **({"shard_optimizer": True} if cm.shard_optimizer else {}),
                "stages": per, "bubble_fraction": round(max(0.0, 1 - busy / (devices * lat.total)), 6)
                if lat.total > 0 else 0.0, "acr": round(acr, 6),
                "pivot": f"stage {q // 2}" if q % 2 == 0 else f"communication {q // 2}->{q // 2 + 1}"}

@@ -1,5 +1,5 @@
 """Device memory of a stage: parameters x optimizer factor + K_i in-flight micro-batch slices (paper V-C, D), with
-activation recomputation and mixed precision."""
+activation recomputation, mixed precision and optimizer state sharded over a stage's replicas (ZeRO-1)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .cost import CostModel
 
 GB = 1e9
+WEIGHTS_AND_GRADIENTS = 2.0  # of the optimizer factor, what every replica holds whole: the weights and gradients
 RECOMPUTE_MODES = (False, True, "auto")  # dapple.plan's: never, every stage, only where memory binds (planning.py)
 
 
@@ -39,6 +40,14 @@ def activation_scale(mixed_precision: str | None) -> float:
     return 0.5
 
 
+def static_factor(optimizer_factor: float, replicas: int = 1) -> float:
+    """Static bytes per parameter byte on each replica of a stage whose optimizer state is sharded over
+    ``replicas`` of them (ZeRO-1; 1: not sharded): every replica holds the weights and gradients whole, and 1 /
+    ``replicas`` of the rest of ``optimizer_factor`` (Adam's two moments of the default 4): 4 -> 2 + 2 / r."""
+    held = min(optimizer_factor, WEIGHTS_AND_GRADIENTS)
+    return held + (optimizer_factor - held) / replicas
+
+
 class StageBytes(NamedTuple):
     """What a stage holds: ``static`` always, ``per_slice`` per micro-batch slice in flight, ``once`` beside them.
 
@@ -46,7 +55,7 @@ class StageBytes(NamedTuple):
     its inputs per slice, plus one slice's full activations while it runs a recomputed backward (``once``).
     """
 
-    static: float  # parameters x optimizer factor
+    static: float  # parameters x optimizer factor (its optimizer part / replicas where sharded)
     per_slice: float
     once: float = 0.0
 
@@ -111,7 +120,7 @@ def split_backward_unfit(cm: "CostModel", stages: Sequence["Stage"], num_micro_b
         if st.recompute:
             continue
         a, c = st.layers
-        need = cm.static_bytes(a, c) + h * cm.saved_bytes(a, c, st.replicas)
+        need = cm.static_bytes(a, c, st.replicas) + h * cm.saved_bytes(a, c, st.replicas)
         if need > memory:
             return (f"stage {i} would hold {h} micro-batches until their W: {need / 1e9:.3g} GB > "
                     f"{memory / 1e9:.3g} GB of device memory")

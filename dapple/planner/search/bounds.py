@@ -250,7 +250,7 @@ class _FirstStages:
         self.f2, self.b2, self.saved2 = (np.array([x[k] for x in sums]) for k in range(3))
         self.fb2 = self.f2 + self.b2
         self.params = np.asarray(cm.param_prefix)
-        self.static = self.params * cm.optimizer_factor
+        self.static = np.outer([cm.static_factor(r) for r in self.reps], self.params)  # (reps, N + 1)
         self.r = np.asarray(self.reps)
         self.rings = _rings(cm, self.reps)
         self.last: tuple = (None, None)  # ((j, allreduce), every(j, allreduce)): what __call__ reads rows of
@@ -275,7 +275,7 @@ class _FirstStages:
             ar = _ring_floor(self.rings, self.r, self.params[j + 1:] - self.params[j])
             if self.overlap:  # E - B >= AR - B: the part of the AllReduce after the last backward
                 ar = np.maximum(ar - (self.b2[:, j + 1:] - self.b2[:, j:j + 1]), 0.0)
-        ok = (self.static[j + 1:] - self.static[j]) + (self.saved2[:, j + 1:] - self.saved2[:, j:j + 1]) \
+        ok = (self.static[:, j + 1:] - self.static[:, j:j + 1]) + (self.saved2[:, j + 1:] - self.saved2[:, j:j + 1]) \
             <= self.cm.cluster.device_memory
         if self.cut < INF:
             ok &= self.M * T + ar < self.cut

@@ -84,7 +84,7 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
            model: str, overlap: bool, schedule: str, warmup_policy: str | None, optimizer_factor: float,
            verify: int, deadline: float | None = None, workers: int = 1, spare: int | None = None,
            within: float | None = None, recompute: bool | str = False,
-           mixed_precision: str | None = None) -> Choice:
+           mixed_precision: str | None = None, shard_optimizer: bool = False) -> Choice:
     """The DP's plan and warmup policy, or with ``verify`` the fastest in the event simulator.
 
     Args:
@@ -104,7 +104,8 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
         workers: processes simulating side by side (forking.forked_map); ``spare`` (more): used instead once the
             first simulation says the rest would take forking.FORK_WORTH.
         within: a fraction (None: VERIFY_WITHIN; inf: every candidate and policy, up to ``verify`` candidates).
-        recompute, mixed_precision: as the search priced the stages (SearchConfig); the trial plans record them.
+        recompute, mixed_precision, shard_optimizer: as the search priced the stages (SearchConfig); the trial plans
+            record the first two.
 
     A candidate whose floor (floor.latency_floor) is above the best simulated before it is not simulated: it
     could not win.
@@ -113,7 +114,7 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
 
     def priced(b: int, spans: tuple) -> dict[str, PipelineCosts]:  # per warmup policy (none where it does not fit)
         cm, out = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=recompute,
-                            mixed_precision=mixed_precision), {}
+                            mixed_precision=mixed_precision, shard_optimizer=shard_optimizer), {}
         for pol in pols:
             try:
                 out[pol] = pipeline_costs(cm, spans, global_batch_size // b, pol)[0]
@@ -136,7 +137,7 @@ def choose(profile: "Profile", cluster: "Cluster", global_batch_size: int, candi
     def fits(plan: Plan) -> bool:  # a split backward holds more activations (model.memory.split_backward_unfit)
         b = plan.micro_batch_size
         cm = cms.setdefault(b, CostModel(profile, cluster, b, optimizer_factor=optimizer_factor,
-                                         mixed_precision=mixed_precision))
+                                         mixed_precision=mixed_precision, shard_optimizer=shard_optimizer))
         return not split_backward_unfit(cm, plan.stages, plan.num_micro_batches, cluster.device_memory)
 
     trials = list_trials(candidates, first, priced, verify, deadline, overlap, cluster, global_batch_size,

@@ -43,7 +43,8 @@ class DPSearch:
         self.M = global_batch_size // micro_batch_size
         self.dps, self.ns = cluster.devices_per_server, cluster.servers
         self.cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=config.optimizer_factor,
-                            recompute=config.recompute, mixed_precision=config.mixed_precision)
+                            recompute=config.recompute, mixed_precision=config.mixed_precision,
+                            shard_optimizer=config.shard_optimizer)
         self.rho = least_work(self.cm, min(self.b, self.G))
         self.incumbent = Incumbent(incumbent, config.gap)
         self.costs = StageCosts(self.cm, config, self.M, self.incumbent)

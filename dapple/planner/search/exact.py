@@ -109,7 +109,7 @@ class FloorTerms:
         key = (a, c, r)
         if key not in self.stages:
             cm, config = self.cm, self.config
-            if slices_that_fit(cm.static_bytes(a, c), cm.saved_bytes(a, c, r), cm.cluster.device_memory) < 1:
+            if slices_that_fit(cm.static_bytes(a, c, r), cm.saved_bytes(a, c, r), cm.cluster.device_memory) < 1:
                 self.stages[key] = None
             else:
                 f, b = cm.compute(a, c, r)

@@ -27,6 +27,7 @@ class SearchConfig:
         gap: prune what cannot beat the best plan so far by more than this fraction.
         recompute, mixed_precision: the stages' activation recomputation (False, True or "auto") and autocast
             dtype (None, "bf16" or "fp16"), as CostModel prices them.
+        shard_optimizer: a stage's optimizer state is sharded over its replicas (CostModel.static_bytes).
     """
 
     model: str = "paper"
@@ -39,6 +40,7 @@ class SearchConfig:
     gap: float = 0.0
     recompute: bool | str = False
     mixed_precision: str | None = None
+    shard_optimizer: bool = False
 
     @property
     def refined(self) -> bool:

@@ -130,7 +130,7 @@ class StageCosts:
             bs = pad + [b + f for b, f in zip(bs[j + 1:], fs[j + 1:])]
             return StageLists(fs, bs, ars, [0] * (j + 1) + [cm.fits(j, c, m) for c in range(j + 1, end)])
         static = cm.static_bytes
-        ds = [0] * (j + 1) + [slices_that_fit(static(j, c), spre[c] - s0, mem) for c in range(j + 1, end)]
+        ds = [0] * (j + 1) + [slices_that_fit(static(j, c, m), spre[c] - s0, mem) for c in range(j + 1, end)]
         return StageLists(fs, bs, ars, ds)
 
 
