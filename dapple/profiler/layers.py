@@ -37,12 +37,19 @@ class Arity:
         raise ValueError(f"{what}: the model takes {want} inputs {self.names}, got {given}{why}")
 
 
+def _checks_only(u: fx.Node) -> bool:
+    """A use that only checks an input (fx's ``_assert_is_none``, torch.export's ``_guards_fn`` of every input),
+    not one that computes with it."""
+    return getattr(u.target, "__name__", None) == "_assert_is_none" or (u.op == "call_module"
+                                                                         and u.target == "_guards_fn")
+
+
 def arity(gm: fx.GraphModule) -> Arity:
     """The inputs a call of traced ``gm`` must give. A placeholder defaulting to None is used as a tensor unless
-    its only users are fx's ``_assert_is_none`` (what ``concrete_args={'mask': None}`` leaves)."""
+    its only users check it (what ``concrete_args={'mask': None}`` leaves, under torch.fx and torch.export)."""
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     traced_none = [n.name for n in nodes if n.args and n.args[0] is None
-                   and any(getattr(u.target, "__name__", None) != "_assert_is_none" for u in n.users)]
+                   and any(not _checks_only(u) for u in n.users)]
     need = max((i + 1 for i, n in enumerate(nodes) if not n.args or n.name in traced_none), default=0)
     return Arity([n.name for n in nodes], need, traced_none)
 
