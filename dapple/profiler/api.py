@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from ..core.checks import is_int
 from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
+from .boundary import crossing_shapes, cut_problems
 from .export_graph import retarget_devices
 from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
@@ -98,13 +99,16 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         bar.close()
     call_ms = [round(statistics.median([x for t in runs.calls for x in getattr(t.result, key)]) * 1e3, 6)
                for key in ("forward_s", "backward_s")]
-    result = _layer_profiles(lg, runs)
+    uncut = cut_problems(lg, dict(zip(sizes, runs.crossing)))  # per layer: why no plan may cut after it
+    result = _layer_profiles(lg, runs, uncut)
     meta = {"dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
             "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "profiling_seconds": round(time.perf_counter() - started, 3),
             "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
             "layering": lg.layering.to_meta() if lg.layering is not None else None}
+    if any(uncut):
+        meta["uncuttable"] = {lg.names[k]: why for k, why in enumerate(uncut) if why}
     prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
                    meta=meta, call_ms=call_ms)
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
@@ -134,6 +138,7 @@ class _Measured(NamedTuple):
 
     layers: list[list[LayerMeasurement]]  # per batch size, per layer
     boundary: list[list[int]]  # per batch size, per layer: bytes a cut after the layer carries
+    crossing: list[list[dict]]  # per batch size, per layer: the shape of each value a cut after it carries
     calls: list[LayerTimer]  # per batch size: the empty layer (Profile.call_ms)
     steps: list[float]  # per batch size: a whole step's median seconds (check_step; else empty)
 
@@ -142,7 +147,7 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
              sizes: list[int], loss_fn: Callable | None, dev: torch.device, dtype: torch.dtype, warmup: int,
              repeats: int, check_step: bool, bar: Any) -> _Measured:
     """Record every batch size's layer inputs, then time all layers in interleaved rounds, on ``dev``."""
-    out = _Measured([], [], [], [])
+    out = _Measured([], [], [], [], [])
     with on_device(model, dev), untouched(model, dev):
         lg.gm.to(dev)  # tensor constants fx lifted into the traced module
         retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
@@ -154,6 +159,7 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
             ys = tuple(to_model(resize(t, b), dev, dtype) for t in targets)
             values = record_inputs(lg, layers, x)
             out.boundary.append([sum(tensor_bytes(values[n]) for n in lg.crossing(k)) for k in range(lg.num_layers)])
+            out.crossing.append(crossing_shapes(lg, values))
             timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev) for lm in layers]
             out.layers.append([t.measure_sizes() for t in timers])
             out.calls.append(call_timer(dev, dtype, state))
@@ -169,8 +175,9 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
     return out
 
 
-def _layer_profiles(lg: LayerGraph, runs: _Measured) -> list[LayerProfile]:
-    """One LayerProfile per layer: its medians, bytes and inputs at every batch size."""
+def _layer_profiles(lg: LayerGraph, runs: _Measured, uncut: list[str | None]) -> list[LayerProfile]:
+    """One LayerProfile per layer: its medians, bytes and inputs at every batch size, and whether a plan may cut
+    after it (``uncut``: why not, or None)."""
     saved = [_saved_once(lg, measured) for measured in runs.layers]
     params = lg.params_by_layer()
     return [LayerProfile(name=layer_name,
@@ -179,7 +186,8 @@ def _layer_profiles(lg: LayerGraph, runs: _Measured) -> list[LayerProfile]:
                          boundary_bytes=[bb[k] for bb in runs.boundary], saved_bytes=[s[k] for s in saved],
                          param_bytes=sum(p.numel() * p.element_size() for _, p in params[k]),
                          inputs=lg.layer_inputs(k),
-                         weight_ms=[round(m[k].backward_ms * m[k].weight_share, 6) for m in runs.layers])
+                         weight_ms=[round(m[k].backward_ms * m[k].weight_share, 6) for m in runs.layers],
+                         cuttable=uncut[k] is None)
             for k, layer_name in enumerate(lg.names)]
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .boundary import is_size
 from .export_graph import check_cuts, localise_sizes
 from .export_trace import trace_graph
 from .fx_trace import LeafSpec
@@ -154,7 +155,7 @@ def _shape_only(nodes: list[fx.Node]) -> set[fx.Node]:
     in-place op, no module holding buffers: a BatchNorm would count its batches twice; no random numbers)."""
     out: set[fx.Node] = set()
     for n in nodes:
-        if n.op == "get_attr" or _is_size(n):
+        if n.op == "get_attr" or is_size(n):
             out.add(n)
         elif n.op not in ("placeholder", "output") and all(a in out for a in n.all_input_nodes) \
                 and not _has_effects(n):
@@ -167,17 +168,6 @@ def _disposable(n: fx.Node) -> bool:
     name = str(getattr(n.target, "__name__", n.target))
     return n.op == "call_function" and (name.startswith("_assert_tensor_metadata")
                                         or not any(w in name for w in ("assert", "check", "constrain")))
-
-
-def _is_size(n: fx.Node) -> bool:
-    """A size query: ``aten.sym_size``, ``x.size(d)``, ``x.dim()``, ``x.shape``."""
-    if n.op == "call_method":
-        return n.target in ("size", "dim")
-    if n.op != "call_function":
-        return False
-    if n.target is getattr:
-        return len(n.args) > 1 and n.args[1] in ("shape", "ndim", "dtype", "device")
-    return n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default)
 
 
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal")  # a copy would draw other numbers

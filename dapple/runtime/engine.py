@@ -102,7 +102,8 @@ class Pipeline:
         self._batch_check = BatchCheck(self.data, plan, inputs.arity, self.ctx.device, self.timeout)
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
         places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
-        shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places)  # keeps a meta copy only
+        cuts = [(lg.names[s.layers[1] - 1], lg.names[s.layers[1]]) for s in plan.stages[:-1]]  # for errors
+        shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places, cuts)  # keeps a meta copy only
         self.step = 0
         self._failed: str | None = None
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.

@@ -9,6 +9,7 @@ from ...core.checks import positive_int
 from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
 from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, stage_holds, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
+from ..cuts import check_cuts
 from ..simulator.latency import simulated_latency
 from .cost import CostModel, Span, layout_of
 from .memory import (RECOMPUTE_MODES, StageBytes, activation_scale, check_stage_memory, recompute_mode,
@@ -201,6 +202,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
                    mixed_precision)
     b = opt.micro_batch_size
     sts = stage_list(stages, profile.num_layers, cluster, b)
+    check_cuts(profile, sts, "evaluate")
     M = opt.global_batch_size // b
     given = _given_warmup(sts, M, opt.schedule)
     recompute_mode(recompute, (None,) + RECOMPUTE_MODES)
