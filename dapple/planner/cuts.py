@@ -3,11 +3,10 @@ sides of each are one layer, and their plan is mapped back onto the profile's ow
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
-from ..core.plan import Plan, Stage
+from ..core.plan import Stage
 from ..core.profile import LayerProfile, Profile
 
 
@@ -56,28 +55,6 @@ def _join(profile: Profile, members: list[int], group: dict[int, int], g: int) -
                         forward_ms=summed("forward_ms", f0), backward_ms=summed("backward_ms", b0),
                         boundary_bytes=list(layers[-1].boundary_bytes), saved_bytes=summed("saved_bytes", 0.0),
                         param_bytes=sum(x.param_bytes for x in layers), inputs=sorted(inputs), weight_ms=weight)
-
-
-def keeps_cuts(reprice: Callable[..., Any] | None = None) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
-    """A decorator: ``planner(profile, cluster, ...)`` plans a profile with uncuttable boundaries on the joined
-    profile, and returns the plan over the profile's own layers (and names); ``reprice(profile, cluster, plan,
-    **kwargs)`` (given the planner's keyword arguments), if given, makes its estimate from the profile's own layers."""
-
-    def wrap(planner: Callable[..., Plan]) -> Callable[..., Plan]:
-        @functools.wraps(planner)
-        def planned(profile: Profile, cluster: Any, *args: Any, **kwargs: Any) -> Plan:
-            j = joined(profile)
-            if j is None:
-                return planner(profile, cluster, *args, **kwargs)
-            p = planner(j.profile, cluster, *args, **kwargs)
-            out = Plan(p.global_batch_size, p.micro_batch_size, j.original(p.stages), schedule=p.schedule,
-                       warmup_policy=p.warmup_policy, layer_names=list(profile.layer_names), estimate=p.estimate,
-                       meta={**p.meta, **profile.source()}, mixed_precision=p.mixed_precision)
-            if reprice is not None:
-                out.estimate = reprice(profile, cluster, out, **kwargs)
-            return out
-        return planned
-    return wrap
 
 
 def check_cuts(profile: Profile, stages: Sequence[Stage], where: str) -> None:

@@ -15,6 +15,7 @@ from ..core.checks import is_int
 from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
 from .boundary import crossing_shapes, cut_problems
+from .by_name import by_position, keyword_tensors
 from .export_graph import retarget_devices
 from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
@@ -23,6 +24,7 @@ from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
 from .state import model_dtype, on_device, resolve_device, untouched
+from .trace_options import record
 
 WEIGHT_RUNS = 3  # split backward runs per layer and batch size, after the rounds, for its weight-gradient share
 
@@ -42,8 +44,11 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
 
     Args:
         model: the module to profile.
-        example_inputs: its positional inputs (a tensor or tuple of tensors) at any batch size; rows along dim 0
-            are taken or repeated to make each batch size.
+        example_inputs: its inputs at any batch size: a tensor or tuple of tensors (positional), or tensors by
+            name (a dict, a ``BatchEncoding``: passed to ``forward`` by keyword, the model's only inputs, e.g.
+            ``{"input_ids": ids, "attention_mask": mask}``); rows along dim 0 are taken or repeated to make each
+            batch size. Their shapes and dtypes are recorded (``meta["tracing"]``, with the tracer and its
+            options), and a plan made from the profile carries them to :func:`dapple.pipeline`.
         loss_fn: ``loss_fn(model_output, *targets)`` (the runtime's convention), made part of the last layer
             (forward and backward); it gets the output as the model returns it (a tensor, tuple, dict or
             ``ModelOutput``); None: backward starts from a gradient of ones on every output.
@@ -74,13 +79,19 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         rounds: what each layer's times include for being called at all, which a stage pays once.
     """
     _check_options(model, loss_fn, targets, repeats, warmup)
-    inputs = as_tensors(example_inputs, "example_inputs")
+    by_name = keyword_tensors(example_inputs, "example_inputs")  # inputs by keyword: in the traced order below
+    inputs = as_tensors(example_inputs, "example_inputs") if by_name is None else ()
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
 
-    cast = tuple(to_model(t, t.device, model_dtype(model)) for t in inputs)  # torch.export traces with these
-    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
-                      example_inputs=cast, dynamic_shapes=dynamic_shapes, layers=layers)  # errors before any work
+    def cast(t: torch.Tensor) -> torch.Tensor:  # torch.export traces with these
+        return to_model(t, t.device, model_dtype(model))
+
+    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, tracer=tracer,
+                      example_inputs={k: cast(t) for k, t in by_name.items()} if by_name else tuple(map(cast, inputs)),
+                      dynamic_shapes=dynamic_shapes, layers=layers)  # errors before any work
+    if by_name is not None:
+        inputs = by_position(by_name, lg.inputs, "example_inputs", gaps=False)
     arity(lg.gm).check(len(inputs), "example_inputs")
     named = {f"example_inputs[{i}] ({lg.inputs[i]})": t for i, t in enumerate(inputs)}
     named.update({f"targets[{i}]" if len(target_list) > 1 else "targets": t for i, t in enumerate(target_list)})
@@ -106,7 +117,9 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "profiling_seconds": round(time.perf_counter() - started, 3),
             "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
-            "layering": lg.layering.to_meta() if lg.layering is not None else None}
+            "layering": lg.layering.to_meta() if lg.layering is not None else None,
+            # the tracer, its options and the example's shapes: a plan carries them to dapple.pipeline
+            "tracing": record(lg, inputs, by_name is not None, concrete_args, leaf_modules, dynamic_shapes).to_dict()}
     if any(uncut):
         meta["uncuttable"] = {lg.names[k]: why for k, why in enumerate(uncut) if why}
     prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,

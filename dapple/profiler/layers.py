@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-import torch
 import torch.fx as fx
 from torch import nn
 
@@ -73,8 +73,8 @@ def _owner(node: fx.Node, units: set[str]) -> str | None:
 
 
 def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), *,
-                 method: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None,
-                 layers: Sequence[str] | None = None) -> LayerGraph:
+                 tracer: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None,
+                 layers: Sequence[str] | None = None, method: str | None = None) -> LayerGraph:
     """Trace ``model`` and group its nodes into layers: by default each block of its stacks of repeated blocks
     (``transformer.h.0``, ``bert.encoder.layer.0``, ``model.layers.0``) and, at each depth on the way down to
     them, the modules beside them (embeddings, final norm, head); see :func:`~dapple.profiler.units.layering`.
@@ -84,20 +84,27 @@ def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, 
         concrete_args: Python-level arguments fixed for the tracer (``{"mask": None}``); ``use_cache=False`` is
             added for a ``forward`` that takes ``use_cache`` (training never wants a cache).
         leaf_modules: module classes or qualified names torch.fx keeps as opaque calls.
-        method: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
+        tracer: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
             ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows;
             see :mod:`dapple.profiler.export_trace`), or ``"auto"``: fx, and export when fx fails and example
-            inputs are given.
-        example_inputs: the model's positional inputs (a tensor or tuple of tensors), for torch.export.
+            inputs are given (the same name as :func:`dapple.profile`'s and :func:`dapple.pipeline`'s).
+        example_inputs: the model's inputs: a tensor or tuple of tensors (positional), or tensors by name (a dict,
+            a ``BatchEncoding``: passed to ``forward`` by keyword, the traced model's only inputs), for torch.export
+            and, by name, for torch.fx too.
         dynamic_shapes: torch.export's per-input dynamic dims (dim 0 is always dynamic).
         layers: module paths that each become a layer, instead of the default rule (operations of no listed
             module join a neighbouring layer).
+        method: the former name of ``tracer`` (deprecated).
 
     Returns:
         The :class:`LayerGraph`. Raises :class:`~dapple.profiler.TraceError` if the model cannot be traced.
     """
+    if method is not None:
+        warnings.warn("trace_layers(method=...) is deprecated: pass tracer=... (the name dapple.profile and "
+                      "dapple.pipeline use)", DeprecationWarning, stacklevel=2)
+        tracer = method
     rule = layering(model, layers)  # a bad path fails before tracing
-    gm = trace_graph(model, method=method, concrete_args=concrete_args, leaf_modules=leaf_modules,
+    gm = trace_graph(model, method=tracer, concrete_args=concrete_args, leaf_modules=leaf_modules,
                      example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
     lg = group_layers(gm, rule.units)
     lg.layering = rule
