@@ -101,6 +101,17 @@ def test_collate_keeps_only_the_tensors_a_rank_reads():
         RankCollate(rank_data(PLAN, 0))([(1, 2, 3)])
 
 
+def test_collate_keeps_the_inputs_by_name_a_rank_reads():
+    items = [({"ids": torch.full((2,), i), "mask": torch.ones(2)}, torch.tensor(i)) for i in range(3)]
+    names = dict(input_stages=((0,), (2,)), input_names=("ids", "mask"))  # ids on stage 0, mask on stage 2
+    x, y, _, _ = RankCollate(rank_data(PLAN, 0, **names))(items)
+    assert list(x) == ["ids"] and x["ids"][:, 0].tolist() == [0, 1, 2] and y is None
+    x, y, _, _ = RankCollate(rank_data(PLAN, 3, **names))(items)
+    assert list(x) == ["mask"] and x["mask"].shape == (3, 2) and y.tolist() == [0, 1, 2]
+    x, y, _, _ = RankCollate(rank_data(PLAN, 2, input_stages=((0,), (0,)), input_names=("ids", "mask")))(items)
+    assert x is None and y is None  # a middle stage reads nothing
+
+
 def test_a_loader_reads_only_this_ranks_rows():
     reads: list[int] = []
 
