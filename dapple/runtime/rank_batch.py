@@ -67,7 +67,7 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
     xs, ys = _entries(inputs, "inputs", True), _entries(targets, "targets", False)
     if xs is not None and (len(xs) > len(arity.names) or any(data.reads[len(xs):arity.need])):
         arity.check(len(xs), "inputs")  # too many, or fewer than this rank's stage needs: a ValueError
-    defaulted = _check_reads(data, xs, ys)
+    defaulted = _check_reads(data, xs, ys, labels is not None)
     labels = labels or [f"inputs[{i}]" for i in range(len(xs or ()))]
     held = [(labels[i] if what == "inputs" else f"targets[{i}]", t)
             for what, ts in (("inputs", xs or ()), ("targets", ys or ())) for i, t in enumerate(ts) if t is not None]
@@ -97,13 +97,14 @@ def _entries(x: Any, what: str, nones: bool) -> tuple[torch.Tensor | None, ...] 
     return xs
 
 
-def _check_reads(data: RankData, xs: tuple | None, ys: tuple | None) -> tuple[int, ...]:
+def _check_reads(data: RankData, xs: tuple | None, ys: tuple | None, by_name: bool = False) -> tuple[int, ...]:
     """ValueError where this rank reads an input or the targets it was not given; the inputs it leaves to their
-    defaults (positions past the end of a shorter tuple)."""
+    defaults (positions past the end of a shorter tuple, or of the names given)."""
     where = f"rank {data.rank} (stage {data.stage})"
     for i, (name, reads) in enumerate(zip(data.input_names, data.reads)):
         if reads and (xs is None or (i < len(xs) and xs[i] is None)):
-            given = "inputs is None" if xs is None else f"inputs[{i}] is None"
+            given = (f"inputs has no {name!r}" if by_name else "inputs is None" if xs is None else
+                     f"inputs[{i}] is None")
             raise ValueError(f"{given}, but {where} reads input {i} ({name!r}): pass the global batch or this "
                              f"rank's rows of it (pipe.rows())")
     if data.targets and ys is None:

@@ -146,6 +146,22 @@ def test_a_rank_may_pass_its_own_rows_the_global_batch_or_none():
     assert rank_batch(data, ARITY, (torch.zeros(3, 4), None), None, 9, any_rows=True).inputs[0].compact
 
 
+def test_inputs_by_name_are_the_traced_models_inputs_in_order():
+    data = rank_data(PLAN, 1, TWO_INPUTS, ["x", "z"])  # reads x (its own rows: 3)
+    got = rank_batch(data, ARITY, {"x": torch.zeros(3, 4)}, None)
+    assert got.inputs[0].compact and len(got.inputs) == 1
+    got = rank_batch(data, ARITY, {"z": torch.zeros(9, 4), "x": torch.zeros(9, 4)}, None)
+    assert [h.tensor.shape for h in got.inputs] == [(9, 4), (9, 4)]
+    assert rank_batch(rank_data(PLAN, 2, TWO_INPUTS, ["x", "z"]), ARITY, {}, None).inputs is None  # reads none
+    with pytest.raises(ValueError, match=r"inputs\['x'\] has shape \(5, 4\); expected the global batch of 9 rows"):
+        rank_batch(data, ARITY, {"x": torch.zeros(5, 4)}, None)
+    with pytest.raises(ValueError, match=r"inputs has no 'x', but rank 1 \(stage 0\) reads input 0 \('x'\)"):
+        rank_batch(data, ARITY, {"z": torch.zeros(9, 4)}, None)
+    with pytest.raises(ValueError, match=r"inputs: \['mask'\] are not inputs of the traced model, which takes "
+                                         r"\['x', 'z'\]"):
+        rank_batch(data, ARITY, {"x": torch.zeros(9, 4), "mask": torch.zeros(9, 4)}, None)
+
+
 def test_wrong_per_rank_shapes_name_both_layouts():
     data = rank_data(PLAN, 0, TWO_INPUTS, ["x", "z"])  # reads x, rows 0:2 of each micro-batch: 6 rows
     with pytest.raises(ValueError, match=r"inputs\[0\] has shape \(5, 4\); expected the global batch of 9 rows "
