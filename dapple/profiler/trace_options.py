@@ -11,6 +11,7 @@ from torch import nn
 from ..core.trace_spec import PLAIN, InputSpec, TraceSpec
 from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
+from .state import model_dtype
 
 CLASS = "class:"  # a leaf module given as a class: "class:module.QualName"
 EXAMPLE_ROWS = 2  # rows of the example inputs rebuilt from a plan (torch.export traces dim 0 from 2 rows)
@@ -42,11 +43,16 @@ def leaf_modules_of(spec: TraceSpec, model: nn.Module) -> list[type | str]:
             or x in classes]
 
 
-def examples(spec: TraceSpec) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+def examples(spec: TraceSpec, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
     """Zeros of the recorded example inputs' shapes and dtypes, with :data:`EXAMPLE_ROWS` rows: what tracing needs
-    (the values do not matter to it), by name where the profile gave them so."""
-    zeros = {i.name: torch.zeros((EXAMPLE_ROWS, *i.shape[1:]), dtype=getattr(torch, i.dtype)) for i in spec.inputs}
-    return zeros if spec.by_name else tuple(zeros.values())
+    (the values do not matter to it), by name where the profile gave them so; floating-point ones in ``dtype`` (the
+    model's: the profiler traced them cast to its model's, and the traced graph checks the dtype)."""
+    def zeros(i: InputSpec) -> torch.Tensor:
+        t = torch.zeros((EXAMPLE_ROWS, *i.shape[1:]), dtype=getattr(torch, i.dtype))
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    made = {i.name: zeros(i) for i in spec.inputs}
+    return made if spec.by_name else tuple(made.values())
 
 
 def traced_as(spec: TraceSpec | None, model: nn.Module, *, tracer: str | None = None,
@@ -72,5 +78,5 @@ def traced_as(spec: TraceSpec | None, model: nn.Module, *, tracer: str | None = 
                 concrete_args=concrete_args if concrete_args is not None else dict(spec.concrete_args) or None,
                 leaf_modules=leaf_modules if leaf_modules is not None else leaf_modules_of(spec, model),
                 example_inputs=example_inputs if example_inputs is not None else
-                examples(spec) if spec.inputs else None,
+                examples(spec, model_dtype(model)) if spec.inputs else None,
                 dynamic_shapes=dynamic_shapes)

@@ -52,3 +52,10 @@ def test_inputs_by_name_come_back_as_a_dict_and_lost_options_are_asked_for():
     ex = examples(spec)
     assert list(ex) == ["input_ids", "attention_mask"] and ex["input_ids"].shape == (2, 8)
     assert ex["attention_mask"].dtype == torch.int64
+
+
+def test_floating_examples_take_the_models_dtype():
+    """A profile of a float32 model, a pipeline of its float64 copy: the traced graph checks the inputs' dtype."""
+    spec = TraceSpec("export", (InputSpec("x", (4, 5, 6), "float32"), InputSpec("ids", (4, 5), "int64")))
+    got = traced_as(spec, CheckedNet().double())["example_inputs"]
+    assert [t.dtype for t in got] == [torch.float64, torch.int64]
