@@ -6,6 +6,7 @@ from .profile import LayerCosts, LayerProfile, Profile
 from .schedule import Op, stage_ops, warmup_counts
 from .split_concat import Route, routes, slice_bounds
 from .timeline import Event
+from .trace_spec import InputSpec, TraceSpec
 
-__all__ = ["Cluster", "Estimate", "Event", "LayerCosts", "LayerProfile", "Op", "Plan", "Profile", "Route", "Stage",
-           "routes", "slice_bounds", "stage_ops", "warmup_counts"]
+__all__ = ["Cluster", "Estimate", "Event", "InputSpec", "LayerCosts", "LayerProfile", "Op", "Plan", "Profile", "Route",
+           "Stage", "TraceSpec", "routes", "slice_bounds", "stage_ops", "warmup_counts"]

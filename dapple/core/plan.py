@@ -9,6 +9,7 @@ from . import documents
 from .checks import is_int, positive_int
 from .plan_table import format_plan
 from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
+from .trace_spec import TraceSpec
 
 VERSION = 1
 MIXED_PRECISIONS = ("bf16", "fp16")  # a plan's mixed_precision: autocast dtype of every stage (None: full precision)
@@ -114,6 +115,7 @@ class Plan:
     mixed_precision: str | None = None  # "bf16"/"fp16": the stages run under autocast (None: full precision)
     reduce_dtype: str | None = None  # "bf16"/"fp16"/"fp32": the gradient AllReduce's dtype (None: the gradients')
     shard_optimizer: bool = False  # each stage's optimizer state sharded over its replicas (dapple.shard_optimizer)
+    tracing: TraceSpec | None = None  # how the profile traced the model: dapple.pipeline traces it the same way
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, Stage) else Stage(*s) for s in self.stages]
@@ -189,6 +191,8 @@ class Plan:
         ids = sorted(d for s in self.stages for d in s.devices)
         if ids != list(range(len(ids))):
             raise ValueError(f"{where}: device ids must be 0..{len(ids) - 1} (device id == global rank), got {ids}")
+        if self.tracing is not None and not isinstance(self.tracing, TraceSpec):
+            raise ValueError(f"{where}.tracing: expected a TraceSpec or None, got {type(self.tracing).__name__}")
         if self.layer_names is not None and len(self.layer_names) != start:
             raise ValueError(f"{where}: stages cover {start} layers but layer_names lists {len(self.layer_names)}")
         try:
@@ -231,6 +235,8 @@ class Plan:
             doc["layer_names"] = list(self.layer_names)
         if self.estimate is not None:
             doc["estimate"] = self.estimate.to_dict()
+        if self.tracing is not None:
+            doc["tracing"] = self.tracing.to_dict()
         if self.meta:
             doc["meta"] = dict(self.meta)
         return doc
@@ -242,7 +248,7 @@ class Plan:
     def from_dict(cls, doc: dict, where: str = "Plan") -> "Plan":
         f = documents.Fields(doc, where).known("dapple_plan", "global_batch_size", "micro_batch_size", "schedule",
                                          "warmup_policy", "stages", "layer_names", "estimate", "meta",
-                                         "mixed_precision", "reduce_dtype", "shard_optimizer")
+                                         "mixed_precision", "reduce_dtype", "shard_optimizer", "tracing")
 
         def stage(g: documents.Fields) -> Stage:
             g.known("layers", "devices", "warmup", "recompute")
@@ -258,13 +264,15 @@ class Plan:
         if names is not None and (not isinstance(names, list) or not all(isinstance(x, str) for x in names)):
             raise documents.DocumentError(f"{where}.layer_names: expected a list of strings, got {names!r:.100}")
         estimate = Estimate.from_dict(f.sub("estimate")) if f.data.get("estimate") is not None else None
+        tracing = TraceSpec.from_dict(f.data["tracing"], f"{where}.tracing") if f.data.get("tracing") else None
         try:
             return cls(global_batch_size=f.number("global_batch_size", integer=True, minimum=1),
                        micro_batch_size=f.number("micro_batch_size", integer=True, minimum=1),
                        stages=f.each("stages", stage), schedule=f.str("schedule", default="dapple"),
                        warmup_policy=str(f.data.get("warmup_policy", "A")), layer_names=names, estimate=estimate,
                        meta=f.mapping("meta"), mixed_precision=f.data.get("mixed_precision"),
-                       reduce_dtype=f.data.get("reduce_dtype"), shard_optimizer=f.data.get("shard_optimizer", False))
+                       reduce_dtype=f.data.get("reduce_dtype"), shard_optimizer=f.data.get("shard_optimizer", False),
+                       tracing=tracing)
         except documents.DocumentError:
             raise
         except ValueError as e:

@@ -26,6 +26,9 @@ class LayerProfile:
     param_bytes: int  # parameters owned by this layer (a tied parameter counts once, at its first layer)
     inputs: list[int] | None = None  # earlier layers whose outputs this layer reads (None: the previous one)
     weight_ms: list[float] | None = None  # of backward_ms, the weight gradients' part (None: not measured)
+    # False: no plan may cut after this layer (a tensor crossing there can be neither split by rows nor sent whole;
+    # the profiler says which in meta["uncuttable"])
+    cuttable: bool = True
 
 
 @dataclass
@@ -89,6 +92,11 @@ class Profile:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def uncuttable(self) -> list[int]:
+        """The layers after which no plan may cut (``LayerProfile.cuttable`` False)."""
+        return [i for i, layer in enumerate(self.layers[:-1]) if not layer.cuttable]
 
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
@@ -179,6 +187,9 @@ class Profile:
             if not is_finite(layer.param_bytes):
                 raise ValueError(f"{where}.layers[{i}] ({layer.name}).param_bytes: expected a finite number >= 0, "
                                  f"got {layer.param_bytes!r}")
+            if not isinstance(layer.cuttable, bool):
+                raise ValueError(f"{where}.layers[{i}] ({layer.name}).cuttable: expected true or false, got "
+                                 f"{layer.cuttable!r}")
             if layer.inputs is not None and any(not 0 <= j < i for j in layer.inputs):
                 raise ValueError(f"{where}.layers[{i}] ({layer.name}).inputs: expected indices of earlier layers "
                                  f"(0..{i - 1}), got {layer.inputs}")
@@ -200,6 +211,8 @@ class Profile:
                 d["inputs"] = list(layer.inputs)
             if layer.weight_ms is not None:
                 d["weight_ms"] = [round(float(v), 6) for v in layer.weight_ms]
+            if not layer.cuttable:
+                d["cuttable"] = False
             layers.append(d)
         doc["layers"] = layers
         return doc
@@ -227,7 +240,7 @@ class Profile:
 
         def layer(g: documents.Fields) -> LayerProfile:
             g.known("name", "forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "param_bytes", "inputs",
-                    "weight_ms")
+                    "weight_ms", "cuttable")
             inputs = g.numbers("inputs", integer=True, default=[]) if "inputs" in g.data else None
             weight = g.numbers("weight_ms", n) if "weight_ms" in g.data else None  # older profiles: none
             return LayerProfile(name=g.str("name"), forward_ms=g.numbers("forward_ms", n),
@@ -235,7 +248,7 @@ class Profile:
                                 boundary_bytes=g.numbers("boundary_bytes", n),
                                 saved_bytes=g.numbers("saved_bytes", n),
                                 param_bytes=g.number("param_bytes", integer=False), inputs=inputs,
-                                weight_ms=weight)
+                                weight_ms=weight, cuttable=g.data.get("cuttable", True))
 
         layers = f.each("layers", layer)
         meta = f.mapping("meta")
@@ -259,8 +272,11 @@ class Profile:
                  f"  {'#':>3}  {'layer':<28} {'fwd ms':>9} {'bwd ms':>9} {'boundary B':>12} {'saved B':>12} "
                  f"{'param B':>12}   (at batch {b})"]
         for i, layer in enumerate(self.layers):
-            lines.append(f"  {i:>3}  {layer.name[:28]:<28} {c.forward_ms[i]:>9.3f} {c.backward_ms[i]:>9.3f} "
+            name = layer.name[:27] + "|" if not layer.cuttable else layer.name[:28]  # | : no cut after it
+            lines.append(f"  {i:>3}  {name:<28} {c.forward_ms[i]:>9.3f} {c.backward_ms[i]:>9.3f} "
                          f"{c.boundary_bytes[i]:>12.0f} {c.saved_bytes[i]:>12.0f} {layer.param_bytes:>12}")
+        if self.uncuttable:
+            lines.append("  (| : no plan cuts after the layer: what crosses there can be neither split nor sent whole)")
         if any(self.call_ms):
             f0, b0 = self.call_ms
             lines.append(f"  (each layer's times include {f0:.3f} / {b0:.3f} ms of calling it, which a stage pays once)")

@@ -11,6 +11,7 @@ from ..core.checks import flag, is_int, is_real, non_negative_int, number, posit
 from ..core.plan import Plan, Stage
 from ..core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
 from .checks import profile_and_cluster
+from .profiled import profiled
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
 from .model.memory import activation_scale, recompute_mode
@@ -37,6 +38,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _repriced(profile: "Profile", cluster: "Cluster", p: Plan, **kwargs: object) -> object:
+    """A plan found on a joined profile (profiled.py), estimated on the profile's own layers."""
+    return evaluate(profile, cluster, p, optimizer_factor=kwargs.get("optimizer_factor", 4.0))
+
+
+@profiled(_repriced)  # never cuts where the profile forbids it; carries its tracing
 @gc_paused()  # the seeds and the simulator's checks allocate as much as the search
 def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None = None, *,
          model: str = "refined", overlap: bool = True, schedule: str = "dapple", warmup_policy: str | None = None,

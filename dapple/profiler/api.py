@@ -15,6 +15,8 @@ from ..core.checks import is_int
 from ..core.meta import InitFn, check_init_fn, is_meta_model
 from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
+from .boundary import crossing_shapes, cut_problems
+from .by_name import by_position, keyword_tensors
 from .export_graph import retarget_devices
 from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
@@ -24,6 +26,7 @@ from .meta_measure import Measured, measure_meta
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
 from .state import model_dtype, on_device, resolve_device, untouched
+from .trace_options import record
 
 WEIGHT_RUNS = 3  # split backward runs per layer and batch size, after the rounds, for its weight-gradient share
 
@@ -48,8 +51,11 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
 
     Args:
         model: the module to profile.
-        example_inputs: its positional inputs (a tensor or tuple of tensors) at any batch size; rows along dim 0
-            are taken or repeated to make each batch size.
+        example_inputs: its inputs at any batch size: a tensor or tuple of tensors (positional), or tensors by
+            name (a dict, a ``BatchEncoding``: passed to ``forward`` by keyword, the model's only inputs, e.g.
+            ``{"input_ids": ids, "attention_mask": mask}``); rows along dim 0 are taken or repeated to make each
+            batch size. Their shapes and dtypes are recorded (``meta["tracing"]``, with the tracer and its
+            options), and a plan made from the profile carries them to :func:`dapple.pipeline`.
         loss_fn: ``loss_fn(model_output, *targets)`` (the runtime's convention), made part of the last layer
             (forward and backward); it gets the output as the model returns it (a tensor, tuple, dict or
             ``ModelOutput``); None: backward starts from a gradient of ones on every output.
@@ -84,13 +90,19 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     """
     _check_options(model, loss_fn, targets, repeats, warmup, check_step, init_fn)
     on_meta = is_meta_model(model)
-    inputs = as_tensors(example_inputs, "example_inputs")
+    by_name = keyword_tensors(example_inputs, "example_inputs")  # inputs by keyword: in the traced order below
+    inputs = as_tensors(example_inputs, "example_inputs") if by_name is None else ()
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
 
-    cast = tuple(to_model(t, t.device, model_dtype(model)) for t in inputs)  # torch.export traces with these
-    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
-                      example_inputs=cast, dynamic_shapes=dynamic_shapes, layers=layers)  # errors before any work
+    def cast(t: torch.Tensor) -> torch.Tensor:  # torch.export traces with these
+        return to_model(t, t.device, model_dtype(model))
+
+    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, tracer=tracer,
+                      example_inputs={k: cast(t) for k, t in by_name.items()} if by_name else tuple(map(cast, inputs)),
+                      dynamic_shapes=dynamic_shapes, layers=layers)  # errors before any work
+    if by_name is not None:
+        inputs = by_position(by_name, lg.inputs, "example_inputs", gaps=False)
     arity(lg.gm).check(len(inputs), "example_inputs")
     named = {f"example_inputs[{i}] ({lg.inputs[i]})": t for i, t in enumerate(inputs)}
     named.update({f"targets[{i}]" if len(target_list) > 1 else "targets": t for i, t in enumerate(target_list)})
@@ -110,13 +122,18 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         bar.close()
     call_ms = [round(statistics.median([x for t in runs.calls for x in getattr(t.result, key)]) * 1e3, 6)
                for key in ("forward_s", "backward_s")]
-    result = _layer_profiles(lg, runs)
+    uncut = cut_problems(lg, dict(zip(sizes, runs.crossing)))  # per layer: why no plan may cut after it
+    result = _layer_profiles(lg, runs, uncut)
     meta = {"dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
             "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "profiling_seconds": round(time.perf_counter() - started, 3),
             "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
-            "layering": lg.layering.to_meta() if lg.layering is not None else None}
+            "layering": lg.layering.to_meta() if lg.layering is not None else None,
+            # the tracer, its options and the example's shapes: a plan carries them to dapple.pipeline
+            "tracing": record(lg, inputs, by_name is not None, concrete_args, leaf_modules, dynamic_shapes).to_dict()}
+    if any(uncut):
+        meta["uncuttable"] = {lg.names[k]: why for k, why in enumerate(uncut) if why}
     if on_meta:  # which layers took an identical earlier layer's times
         meta.update(materialised="one layer at a time", reused=runs.reused)
     prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
@@ -152,7 +169,7 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
              sizes: list[int], loss_fn: Callable | None, dev: torch.device, dtype: torch.dtype, warmup: int,
              repeats: int, check_step: bool, bar: Any) -> Measured:
     """Record every batch size's layer inputs, then time all layers in interleaved rounds, on ``dev``."""
-    out = Measured([], [], [], [])
+    out = Measured([], [], [], [], [])
     with on_device(model, dev), untouched(model, dev):
         lg.gm.to(dev)  # tensor constants fx lifted into the traced module
         retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
@@ -164,6 +181,7 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
             ys = tuple(to_model(resize(t, b), dev, dtype) for t in targets)
             values = record_inputs(lg, layers, x)
             out.boundary.append([sum(tensor_bytes(values[n]) for n in lg.crossing(k)) for k in range(lg.num_layers)])
+            out.crossing.append(crossing_shapes(lg, values))
             timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev) for lm in layers]
             out.layers.append([t.measure_sizes() for t in timers])
             out.calls.append(call_timer(dev, dtype, state))
@@ -192,8 +210,9 @@ def _measure_meta(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, 
                             init_fn=init_fn, bar=bar)
 
 
-def _layer_profiles(lg: LayerGraph, runs: Measured) -> list[LayerProfile]:
-    """One LayerProfile per layer: its medians, bytes and inputs at every batch size."""
+def _layer_profiles(lg: LayerGraph, runs: Measured, uncut: list[str | None]) -> list[LayerProfile]:
+    """One LayerProfile per layer: its medians, bytes and inputs at every batch size, and whether a plan may cut
+    after it (``uncut``: why not, or None)."""
     saved = [_saved_once(lg, measured) for measured in runs.layers]
     params = lg.params_by_layer()
     return [LayerProfile(name=layer_name,
@@ -202,7 +221,8 @@ def _layer_profiles(lg: LayerGraph, runs: Measured) -> list[LayerProfile]:
                          boundary_bytes=[bb[k] for bb in runs.boundary], saved_bytes=[s[k] for s in saved],
                          param_bytes=sum(p.numel() * p.element_size() for _, p in params[k]),
                          inputs=lg.layer_inputs(k),
-                         weight_ms=[round(m[k].backward_ms * m[k].weight_share, 6) for m in runs.layers])
+                         weight_ms=[round(m[k].backward_ms * m[k].weight_share, 6) for m in runs.layers],
+                         cuttable=uncut[k] is None)
             for k, layer_name in enumerate(lg.names)]
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from ..core.checks import is_int
 
-Batch = Union[Tensor, Sequence[Tensor]]  # one tensor, or a tuple of tensors sharing batch dim 0
+Batch = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]  # one tensor, a tuple, or tensors by name (dim 0)
 
 
 def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:

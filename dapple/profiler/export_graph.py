@@ -209,6 +209,6 @@ def check_cuts(lg: LayerGraph) -> None:
                   if "val" in n.meta and not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(n.meta["val"]))
                   })
     if bad:
-        warnings.warn(f"non-tensor values cross layer cuts in the exported graph: {bad}; a pipeline split there "
-                      "has to send them (compute sizes from tensors inside the layer that uses them)",
-                      stacklevel=user_stacklevel())
+        warnings.warn(f"non-tensor values cross layer cuts in the exported graph: {bad}; no plan can cut where they "
+                      "cross (the profile marks those boundaries; compute sizes from tensors inside the layer that "
+                      "uses them)", stacklevel=user_stacklevel())

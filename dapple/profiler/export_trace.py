@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .batch import as_tensors, resize
+from .by_name import absent_arguments, given_first, keyword_tensors
 from .export_graph import (
     canonical_get_attrs,
     clean_module_stacks,
@@ -40,28 +41,34 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
     """Trace ``model`` with torch.fx (``method="fx"``), torch.export (``"export"``, needs ``example_inputs``) or
     fx with a fall-back to export when fx fails (``"auto"``); failures raise TraceError naming what to do."""
     if method not in METHODS:
-        raise ValueError(f"tracer: expected one of {METHODS}, got {method!r}")  # the public name of `method`
+        raise ValueError(f"tracer: expected one of {METHODS}, got {method!r}")
     fixed = training_args(model, concrete_args)  # under torch.export, bound into forward: not an input
+    named = keyword_tensors(example_inputs, "example_inputs")  # inputs by name: only those are the model's inputs
     if method == "export":
         if list(leaf_modules):
             raise ValueError("leaf_modules apply to torch.fx only (torch.export traces through every module); "
-                             "drop them or use method='fx'")
+                             "drop them or use tracer='fx'")
         return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args, bound=fixed)
+    absent = absent_arguments(model, named, concrete_args) if named is not None else {}
     try:
-        gm = symbolic_trace(model, concrete_args={**(concrete_args or {}), **fixed} or None,
+        gm = symbolic_trace(model, concrete_args={**absent, **(concrete_args or {}), **fixed} or None,
                             leaf_modules=leaf_modules)
     except TraceError as fx_error:
         if method == "fx":
             raise
         if example_inputs is None:
-            raise TraceError(f"{fx_error}\n  - or pass example_inputs=... (a tensor or tuple of tensors) so the "
-                             "model can be traced with torch.export instead (method='export')") from fx_error
+            raise TraceError(f"torch.fx could not trace {type(model).__name__}; torch.export may: pass "
+                             "example_inputs=... (a tensor, a tuple of tensors, or tensors by name in a dict) with "
+                             "tracer='auto' or 'export' (a plan made from a profile of the model carries them: then "
+                             f"dapple.pipeline needs neither).\n\n{fx_error}") from fx_error
         try:
             return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args,
                                 bound=fixed)
         except TraceError as export_error:
             raise TraceError(f"{fx_error}\n\ntorch.export could not trace it either:\n{export_error}"
                              ) from export_error
+    if named is not None:
+        given_first(gm, list(named))
     gm.meta["dapple_trace"] = {"method": "fx"}
     return gm
 
@@ -108,17 +115,26 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
                          f"is torch {torch.__version__} (use tracer='fx', with concrete_args or leaf_modules for "
                          f"what fx cannot trace)")
     if example_inputs is None:
-        raise ValueError("method='export' needs example_inputs (a tensor or tuple of tensors, batch along dim 0)")
+        raise ValueError("tracer='export' needs example_inputs (a tensor, a tuple of tensors or tensors by name, "
+                         "batch along dim 0)")
     home = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
-    inputs = tuple(t if home is None else t.to(home) for t in as_tensors(example_inputs, "example_inputs"))
-    # A dim of size 1 would be specialised (export's 0/1 rule): trace with two rows; the graph still runs one.
-    # Fresh copies: an input that is a view (tokens[:, :-1]) would get guards on its base (idx._base.size()).
-    inputs = tuple((resize(t, 2) if t.dim() > 0 and t.shape[0] == 1 else t).detach().clone() for t in inputs)
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        # A dim of size 1 would be specialised (export's 0/1 rule): trace with two rows; the graph still runs one.
+        # Fresh copies: an input that is a view (tokens[:, :-1]) would get guards on its base (idx._base.size()).
+        t = t if home is None else t.to(home)
+        return (resize(t, 2) if t.dim() > 0 and t.shape[0] == 1 else t).detach().clone()
+
+    by_name = keyword_tensors(example_inputs, "example_inputs")
+    order = list(inspect.signature(model.forward).parameters)
+    tensors = {k: fresh(by_name[k]) for k in sorted(by_name, key=lambda k: order.index(k) if k in order else
+                                                   len(order))} if by_name is not None else {}
+    inputs = tuple(fresh(t) for t in as_tensors(example_inputs, "example_inputs")) if by_name is None else ()
     named, extra = _split_kwargs(model, kwargs or {})
     with _training(model), _bound_forward(model, {**extra, **(bound or {})}):
-        spec = _dynamic_spec(model, inputs, dynamic_shapes, named)
-        try:
-            ep = torch.export.export(model, inputs, kwargs=named, dynamic_shapes=spec)
+        spec = _dynamic_spec(model, inputs, dynamic_shapes, named, tensors)
+        try:  # the inputs by name first, in forward's order (the traced model's positional order), then fixed ones
+            ep = torch.export.export(model, inputs, kwargs={**tensors, **named}, dynamic_shapes=spec)
         except Exception as e:  # UserError, ValueError, data-dependent guards, unsupported ops...
             raise TraceError(_explain_export(model, e)) from e
     gm = ep.module()  # unlifted: parameters and buffers as get_attr; guards checked by a _guards_fn call
@@ -131,30 +147,34 @@ def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any =
     views_as_reshapes(gm)
     plain = fx.GraphModule(gm, gm.graph, type(model).__name__)  # plain module: train()/eval() allowed
     ranges = {str(k): str(v) for k, v in ep.range_constraints.items()}
-    plain.meta["dapple_trace"] = {"method": "export", "device": home or inputs[0].device, "ranges": ranges}
+    traced_on = home or next(iter([*inputs, *tensors.values()])).device
+    plain.meta["dapple_trace"] = {"method": "export", "device": traced_on, "ranges": ranges}
     return plain
 
 
-def _dynamic_spec(model: nn.Module, inputs: tuple[torch.Tensor, ...], user: Any, kwargs: dict[str, Any]) -> Any:
-    """Per input: dim 0 dynamic; other dims Dim.AUTO by default, or as the user's spec says (dim 0 added).
+def _dynamic_spec(model: nn.Module, inputs: tuple[torch.Tensor, ...], user: Any, kwargs: dict[str, Any],
+                  tensors: dict[str, torch.Tensor] | None = None) -> Any:
+    """Per input (positional, or ``tensors`` by name): dim 0 dynamic; other dims Dim.AUTO by default, or as the
+    user's spec says (dim 0 added).
 
     Keyed by ``forward``'s argument names, as export binds them (keywords a ``**kwargs`` takes nest under its
     name); fixed keyword values (``concrete_args``) get ``None`` (static).
     """
     sig = inspect.signature(model.forward)
     try:
-        bound = sig.bind(*inputs, **kwargs)
+        bound = sig.bind(*inputs, **(tensors or {}), **kwargs)
     except TypeError as e:
-        raise ValueError(f"{len(inputs)} example inputs and concrete_args {sorted(kwargs)} do not fit "
-                         f"{type(model).__name__}.forward{sig}: {e}") from None
-    slots: list[tuple[str, int | None]] = []  # per positional input: its argument, and its index in *args
+        raise ValueError(f"{len(inputs) or list(tensors or {})} example inputs and concrete_args {sorted(kwargs)} "
+                         f"do not fit {type(model).__name__}.forward{sig}: {e}") from None
+    slots: list[tuple[str, int | None]] = []  # per tensor input: its argument, and its index in *args
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
             slots.extend((name, j) for j in range(len(value)))
         elif kind is not inspect.Parameter.VAR_KEYWORD and name not in kwargs:
             slots.append((name, None))
-    per_input = _input_specs(inputs, user, [name for name, _ in slots])
+    given = [bound.arguments[name] if j is None else bound.arguments[name][j] for name, j in slots]
+    per_input = _input_specs(tuple(given), user, [name for name, _ in slots])
     spec: dict[str, Any] = {name: None for name in bound.arguments}
     for (name, j), s in zip(slots, per_input):
         spec[name] = s if j is None else (*spec[name], s) if spec[name] else (s,)
@@ -275,7 +295,10 @@ def _check_batch_dynamic(gm: fx.GraphModule, model: nn.Module, default: bool) ->
 
 def _warn_batch_guards(guards: list[str], names: list[str]) -> None:
     """Warn about guards on the batch size beyond a range (``x.size()[0] % 2 == 0``): some slices will fail."""
-    batch = [g for g in guards if any(f"['{name}'].size()[0]" in g for name in names)
+    def same_rows(g: str) -> bool:  # inputs' batch sizes equal (2*x.size()[0] == 2*mask.size()[0]): every slice's
+        return re.fullmatch(r"[\s()\d*B]+==[\s()\d*B]+", re.sub(r"L\['\w+'\]\.size\(\)\[0\]", "B", g)) is not None
+
+    batch = [g for g in guards if any(f"['{name}'].size()[0]" in g for name in names) and not same_rows(g)
              and not re.fullmatch(r"\s*L\['\w+'\]\.size\(\)\[0\]\s*(<=|>=|<|>|==)\s*L?[\w'\[\]().]*\s*", g)]
     if batch:
         warnings.warn(f"torch.export assumed {'; '.join(batch)} about the batch size: micro-batch slices that "

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-import torch
 import torch.fx as fx
 from torch import nn
 
+from .boundary import is_size
 from .export_graph import check_cuts, localise_sizes
 from .export_trace import trace_graph
 from .fx_trace import LeafSpec
@@ -37,12 +38,19 @@ class Arity:
         raise ValueError(f"{what}: the model takes {want} inputs {self.names}, got {given}{why}")
 
 
+def _checks_only(u: fx.Node) -> bool:
+    """A use that only checks an input (fx's ``_assert_is_none``, torch.export's ``_guards_fn`` of every input),
+    not one that computes with it."""
+    return getattr(u.target, "__name__", None) == "_assert_is_none" or (u.op == "call_module"
+                                                                         and u.target == "_guards_fn")
+
+
 def arity(gm: fx.GraphModule) -> Arity:
     """The inputs a call of traced ``gm`` must give. A placeholder defaulting to None is used as a tensor unless
-    its only users are fx's ``_assert_is_none`` (what ``concrete_args={'mask': None}`` leaves)."""
+    its only users check it (what ``concrete_args={'mask': None}`` leaves, under torch.fx and torch.export)."""
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     traced_none = [n.name for n in nodes if n.args and n.args[0] is None
-                   and any(getattr(u.target, "__name__", None) != "_assert_is_none" for u in n.users)]
+                   and any(not _checks_only(u) for u in n.users)]
     need = max((i + 1 for i, n in enumerate(nodes) if not n.args or n.name in traced_none), default=0)
     return Arity([n.name for n in nodes], need, traced_none)
 
@@ -65,8 +73,8 @@ def _owner(node: fx.Node, units: set[str]) -> str | None:
 
 
 def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), *,
-                 method: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None,
-                 layers: Sequence[str] | None = None) -> LayerGraph:
+                 tracer: str = "auto", example_inputs: Any = None, dynamic_shapes: Any = None,
+                 layers: Sequence[str] | None = None, method: str | None = None) -> LayerGraph:
     """Trace ``model`` and group its nodes into layers: by default each block of its stacks of repeated blocks
     (``transformer.h.0``, ``bert.encoder.layer.0``, ``model.layers.0``) and, at each depth on the way down to
     them, the modules beside them (embeddings, final norm, head); see :func:`~dapple.profiler.units.layering`.
@@ -76,20 +84,27 @@ def trace_layers(model: nn.Module, concrete_args: dict[str, Any] | None = None, 
         concrete_args: Python-level arguments fixed for the tracer (``{"mask": None}``); ``use_cache=False`` is
             added for a ``forward`` that takes ``use_cache`` (training never wants a cache).
         leaf_modules: module classes or qualified names torch.fx keeps as opaque calls.
-        method: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
+        tracer: ``"fx"`` (torch.fx; ``concrete_args``/``leaf_modules`` apply), ``"export"`` (torch.export with
             ``example_inputs``, dim 0 dynamic, other dims per ``dynamic_shapes`` or dynamic where export allows;
             see :mod:`dapple.profiler.export_trace`), or ``"auto"``: fx, and export when fx fails and example
-            inputs are given.
-        example_inputs: the model's positional inputs (a tensor or tuple of tensors), for torch.export.
+            inputs are given (the same name as :func:`dapple.profile`'s and :func:`dapple.pipeline`'s).
+        example_inputs: the model's inputs: a tensor or tuple of tensors (positional), or tensors by name (a dict,
+            a ``BatchEncoding``: passed to ``forward`` by keyword, the traced model's only inputs), for torch.export
+            and, by name, for torch.fx too.
         dynamic_shapes: torch.export's per-input dynamic dims (dim 0 is always dynamic).
         layers: module paths that each become a layer, instead of the default rule (operations of no listed
             module join a neighbouring layer).
+        method: the former name of ``tracer`` (deprecated).
 
     Returns:
         The :class:`LayerGraph`. Raises :class:`~dapple.profiler.TraceError` if the model cannot be traced.
     """
+    if method is not None:
+        warnings.warn("trace_layers(method=...) is deprecated: pass tracer=... (the name dapple.profile and "
+                      "dapple.pipeline use)", DeprecationWarning, stacklevel=2)
+        tracer = method
     rule = layering(model, layers)  # a bad path fails before tracing
-    gm = trace_graph(model, method=method, concrete_args=concrete_args, leaf_modules=leaf_modules,
+    gm = trace_graph(model, method=tracer, concrete_args=concrete_args, leaf_modules=leaf_modules,
                      example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
     lg = group_layers(gm, rule.units)
     lg.layering = rule
@@ -147,7 +162,7 @@ def _shape_only(nodes: list[fx.Node]) -> set[fx.Node]:
     in-place op, no module holding buffers: a BatchNorm would count its batches twice; no random numbers)."""
     out: set[fx.Node] = set()
     for n in nodes:
-        if n.op == "get_attr" or _is_size(n):
+        if n.op == "get_attr" or is_size(n):
             out.add(n)
         elif n.op not in ("placeholder", "output") and all(a in out for a in n.all_input_nodes) \
                 and not _has_effects(n):
@@ -160,17 +175,6 @@ def _disposable(n: fx.Node) -> bool:
     name = str(getattr(n.target, "__name__", n.target))
     return n.op == "call_function" and (name.startswith("_assert_tensor_metadata")
                                         or not any(w in name for w in ("assert", "check", "constrain")))
-
-
-def _is_size(n: fx.Node) -> bool:
-    """A size query: ``aten.sym_size``, ``x.size(d)``, ``x.dim()``, ``x.shape``."""
-    if n.op == "call_method":
-        return n.target in ("size", "dim")
-    if n.op != "call_function":
-        return False
-    if n.target is getattr:
-        return len(n.args) > 1 and n.args[1] in ("shape", "ndim", "dtype", "device")
-    return n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default)
 
 
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal")  # a copy would draw other numbers

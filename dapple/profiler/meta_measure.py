@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from ..core.meta import InitFn, default_init, materialise, release, replace
+from .boundary import shape_of
 from .layer_graph import LayerGraph
 from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time_weight_shares
 from .record import LayerModule, fresh, layer_module
@@ -26,6 +27,7 @@ class Measured(NamedTuple):
 
     layers: list[list[LayerMeasurement]]  # per batch size, per layer
     boundary: list[list[int]]  # per batch size, per layer: bytes a cut after the layer carries
+    crossing: list[list[dict]]  # per batch size, per layer but the last: the shape of each value a cut there carries
     calls: list[LayerTimer]  # per batch size: the empty layer (Profile.call_ms)
     steps: list[float]  # per batch size: a whole step's median seconds (check_step; else empty)
     reused: dict[str, str] | None = None  # layer -> the identical earlier layer whose times it took (meta models)
@@ -76,7 +78,7 @@ def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ..
     last_read = {a: k for k, lm in enumerate(layers) for a in lm.inputs}
     values: list[dict[fx.Node, Any]] = [{n: x for n, x in zip(_placeholders(lg.gm), xs)} for xs in inputs]
     calls = [call_timer(dev, dtype, set()) for _ in inputs]
-    out = Measured([[] for _ in inputs], [[] for _ in inputs], calls, [], {})
+    out = Measured([[] for _ in inputs], [[] for _ in inputs], [[] for _ in inputs], calls, [], {})
     timed: dict[tuple, tuple[str, list[LayerMeasurement]]] = {}
     for k, lm in enumerate(layers):
         done, moved = _make_real(model, lm, holders, dev, init, lg.names[k])
@@ -98,6 +100,8 @@ def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ..
                 if not lm.is_last:
                     v.update(_outputs(lm, v))
                 out.boundary[b].append(sum(tensor_bytes(v[n]) for n in lg.crossing(k)))
+                if not lm.is_last:
+                    out.crossing[b].append({n.name: shape_of(v[n]) for n in lg.crossing(k) if n in v})
                 for n in [n for n in v if last_read.get(n, -1) <= k and n not in lg.crossing(k)]:
                     del v[n]  # read by no later layer
             del timers

@@ -17,6 +17,7 @@ from ..core.meta import InitFn, check_init_fn
 from ..core.plan import Plan
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
+from ..profiler.trace_options import traced_as
 from .agreement import agree, describe
 from .batch_check import BatchCheck
 from .batchnorm import stage_stats_sizes, stats_slot
@@ -40,7 +41,7 @@ from .step import StepRunner
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder, write_trace
 from .validate import check_plan, layout_mismatch
 
-Batch = Union[torch.Tensor, Sequence[Optional[torch.Tensor]], None]  # train_step's inputs or targets
+Batch = Union[torch.Tensor, Sequence[Optional[torch.Tensor]], Mapping[str, torch.Tensor], None]  # inputs, targets
 
 
 class Pipeline:
@@ -55,8 +56,8 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0,
-                 *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
-                 backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
+                 *, concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec | None = None,
+                 backend: str | None = None, tracer: str | None = None, example_inputs: Any = None,
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
                  layers: Sequence[str] | None = None, check_inputs: bool = True,
                  mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
@@ -80,9 +81,10 @@ class Pipeline:
         mismatch = layout_mismatch(plan, int(local) if local and local.isdigit() else None)
         if mismatch and self.ctx.rank == 0:
             warnings.warn(f"dapple.pipeline: {mismatch}", stacklevel=3)
-        lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, method=tracer,
-                          example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
-                          layers=layer_paths(model, plan, layers))
+        # traced as the plan's profile was (plan.tracing), but for what the caller gives
+        traced = traced_as(plan.tracing, model, tracer=tracer, concrete_args=concrete_args, leaf_modules=leaf_modules,
+                           example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
+        lg = trace_layers(model, **traced, layers=layer_paths(model, plan, layers))
         plan.check_layers(lg.names)
         self.plan, self.loss_fn = plan, loss_fn
         graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
@@ -115,12 +117,13 @@ class Pipeline:
         self._batch_check = BatchCheck(self.data, plan, inputs.arity, self.ctx.device, self.timeout)
         self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
         places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
-        shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places)  # keeps a meta copy only
+        cuts = [(lg.names[s.layers[1] - 1], lg.names[s.layers[1]]) for s in plan.stages[:-1]]  # for errors
+        shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places, cuts)  # keeps a meta copy only
         self.step = 0
         self._failed: str | None = None
         # every rank was given the same plan, model and options: one small AllReduce, before any group or transfer
         agree(describe(plan, model, lg.names, inputs.names, precision.name, flags, loss_fn,
-                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs, "tracer": tracer,
+                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs, "tracer": traced["tracer"],
                         "reduce_dtype": wire, "compile": None if self._compiler is None else self._compiler.describe()}),
               self.ctx.rank, self.ctx.world_size, self.ctx.device, self.timeout)
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
@@ -179,8 +182,10 @@ class Pipeline:
         over micro-batches, summed over replicas and over stages sharing a tied parameter.
 
         Args:
-            inputs: the model's positional inputs (a tensor or a sequence of tensors), the global batch or this
-                rank's rows in dim 0; None where the rank does not read them.
+            inputs: the model's positional inputs (a tensor or a sequence of tensors), or its inputs by name (a
+                dict or ``BatchEncoding`` of ``forward``'s arguments, passed by keyword: trace the model with them
+                so, e.g. a plan from ``dapple.profile(model, {"input_ids": ..., "attention_mask": ...})``); each
+                the global batch or this rank's rows in dim 0; None (or left out) where the rank does not read it.
             targets: the loss's targets (a tensor or a sequence of tensors), the same rows; None where the rank
                 does not compute the loss.
             batch_size: the global batch's rows, if given (what :func:`pipeline_loader` yields third): must be
@@ -248,8 +253,9 @@ class Pipeline:
         validation loss: no dropout, BatchNorm's running statistics). No gradient, no step counted.
 
         Args:
-            inputs: the model's positional inputs, a batch of any multiple of ``plan.micro_batch_size`` rows in
-                dim 0 (identical on every rank), or, with ``batch_size``, this rank's rows of it
+            inputs: the model's inputs (positional, or by name as for :meth:`train_step`), a batch of any multiple
+                of ``plan.micro_batch_size`` rows in dim 0 (identical on every rank), or, with ``batch_size``, this
+                rank's rows of it
                 (``rows(batch_size)``) and None where it does not read them, as for :meth:`train_step`.
             targets: the loss's targets, the same rows; None where the rank does not compute the loss.
             batch_size: the batch's rows (:func:`pipeline_loader` yields it third: ``eval_step(*batch)``); without
@@ -395,8 +401,8 @@ def _checked_options(loss_fn: Any, timeout: Any, trace: Any, deferred_batch_norm
 
 
 def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor], timeout: float = 60.0, *,
-             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (),
-             backend: str | None = None, tracer: str = "auto", example_inputs: Any = None,
+             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec | None = None,
+             backend: str | None = None, tracer: str | None = None, example_inputs: Any = None,
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
              layers: Sequence[str] | None = None, check_inputs: bool = True, mixed_precision: str | None = None,
              recompute: bool | Sequence[bool] | None = None, reduce_dtype: str | None = None,
@@ -419,9 +425,12 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             model returns (a tensor, tuple, dict or ``ModelOutput``), for those rows.
         timeout: seconds that bound every receive and collective: a dead or stuck peer makes the others raise
             :class:`PipelineError` naming rank, stage, peer and micro-batch.
-        concrete_args, leaf_modules, tracer, example_inputs, dynamic_shapes: go to the tracer exactly as for
-            :func:`dapple.profile` (use the same values, so the layers match the plan's); a model torch.fx cannot
-            trace is traced with torch.export when ``example_inputs`` are given.
+        concrete_args, leaf_modules, tracer, example_inputs, dynamic_shapes: go to the tracer as for
+            :func:`dapple.profile`. By default they are those the plan's profile was traced with
+            (``plan.tracing``: the tracer it used, its concrete_args and leaf modules, and example inputs of its
+            shapes and dtypes, by name where it took them so), so a plan made by :func:`dapple.plan` needs none of
+            them; each one given takes precedence. A plan without ``tracing``: ``tracer="auto"`` (torch.fx, and
+            torch.export from ``example_inputs`` where fx fails).
         backend: ``"nccl"``, ``"gloo"`` or None (NCCL where CUDA is available, else gloo); must match a default
             group the caller made.
         trace: record a timeline of every step (the last 16 are kept; ``pipe.save_trace(path)`` on every rank

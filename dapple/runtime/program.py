@@ -77,6 +77,15 @@ class BoundaryLayout:
 
     values: tuple[int, ...]  # per cut: number of boundary values
     grads: tuple[tuple[int, ...], ...]  # per cut: indices of values whose gradient is sent back
+    whole: tuple[tuple[int, ...], ...] = ()  # per cut: indices of values sent whole (shapes.Spec.whole); () none
+
+    def carried(self, c: int, first: bool, grads: bool = False) -> list[int]:
+        """The values (or, with ``grads``, the gradients) a route across cut ``c`` carries: a whole value only on the
+        ``first`` route into each receiver (from the sender holding its first row), which sums the gradients of
+        the receivers it serves."""
+        values = self.grads[c] if grads else range(self.values[c])
+        whole = self.whole[c] if self.whole else ()
+        return [v for v in values if first or v not in whole]
 
 
 def cut_routes(plan: Plan, c: int) -> Iterator[tuple[Route, int, int]]:
@@ -86,37 +95,43 @@ def cut_routes(plan: Plan, c: int) -> Iterator[tuple[Route, int, int]]:
         yield r, src_ranks[r.src], dst_ranks[r.dst]
 
 
+def first_routes(plan: Plan, c: int) -> set[Route]:
+    """The first route into each receiver of cut ``c`` (from the sender holding its first row): the ones that carry
+    values sent whole (:attr:`BoundaryLayout.whole`)."""
+    firsts: dict[int, Route] = {}
+    for r, _, _ in cut_routes(plan, c):
+        firsts.setdefault(r.dst, r)  # routes come by sender, then receiver: a receiver's lowest rows first
+    return set(firsts.values())
+
+
 def op_transfers(plan: Plan, layout: BoundaryLayout, rank: int, op: Op) -> tuple[list[Transfer], list[Transfer]]:
     """(receives, sends) of ``rank`` for one op, in posting order: by route (sender, then receiver), then value.
 
-    A weight-gradient op (W) moves nothing: its B already sent the input gradients."""
+    F receives activations from the previous stage and sends its own on (split-concat, paper V-B2); B receives
+    the gradients of what it sent and sends those of what it received, back along the same routes. A
+    weight-gradient op (W) moves nothing: its B already sent the input gradients."""
     if op.kind == "W":
         return [], []
     s = plan.stage_of_device(rank)
     me = plan.stages[s].devices.index(rank)
-    j = op.micro_batch
-    recvs: list[Transfer] = []
-    sends: list[Transfer] = []
-    if op.kind == "F":
-        if s > 0:  # activations from the previous stage (split-concat, paper V-B2)
-            for r, src, dst in cut_routes(plan, s - 1):
-                if r.dst == me:
-                    recvs += [Transfer("act", s - 1, j, v, src, dst, r.start, r.end)
-                              for v in range(layout.values[s - 1])]
-        if s < plan.num_stages - 1:
-            for r, src, dst in cut_routes(plan, s):
-                if r.src == me:
-                    sends += [Transfer("act", s, j, v, src, dst, r.start, r.end) for v in range(layout.values[s])]
-    else:
-        if s < plan.num_stages - 1:  # gradients of what this stage sent, back along the same routes
-            for r, src, dst in cut_routes(plan, s):
-                if r.src == me:
-                    recvs += [Transfer("grad", s, j, v, dst, src, r.start, r.end) for v in layout.grads[s]]
-        if s > 0:
-            for r, src, dst in cut_routes(plan, s - 1):
-                if r.dst == me:
-                    sends += [Transfer("grad", s - 1, j, v, dst, src, r.start, r.end) for v in layout.grads[s - 1]]
-    return recvs, sends
+    grads = op.kind != "F"
+    before = _cut_transfers(plan, layout, s - 1, op.micro_batch, me, grads, False) if s > 0 else []
+    after = _cut_transfers(plan, layout, s, op.micro_batch, me, grads, True) if s < plan.num_stages - 1 else []
+    return (after, before) if grads else (before, after)
+
+
+def _cut_transfers(plan: Plan, layout: BoundaryLayout, c: int, j: int, me: int, grads: bool, sender: bool
+                   ) -> list[Transfer]:
+    """Micro-batch ``j``'s activations (or, with ``grads``, gradients) across cut ``c`` on the routes of replica
+    ``me``, the sending stage's replica if ``sender`` else the receiving one's."""
+    firsts = first_routes(plan, c)
+    out = []
+    for r, src, dst in cut_routes(plan, c):
+        if (r.src if sender else r.dst) == me:
+            ends = (dst, src) if grads else (src, dst)
+            out += [Transfer("grad" if grads else "act", c, j, v, *ends, r.start, r.end)
+                    for v in layout.carried(c, r in firsts, grads)]
+    return out
 
 
 def rank_program(plan: Plan, layout: BoundaryLayout, rank: int, lookahead: int = LOOKAHEAD) -> list[Instr]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
+from ..profiler.by_name import by_position, keyword_tensors
 from ..profiler.layers import Arity
 from .data import RankData
 
@@ -49,19 +50,27 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
     Args:
         data: what this rank reads.
         arity: how many inputs the model takes.
-        inputs: a tensor, a sequence of tensors (None where this rank does not read that input) or None.
+        inputs: a tensor, a sequence of tensors (None where this rank does not read that input), tensors by
+            ``forward``'s argument names (a dict, a ``BatchEncoding``: those the rank does not read may be left
+            out), or None.
         targets: a tensor, a sequence of tensors, or None where this rank does not compute the loss.
         batch_size: the batch's global rows (default: the plan's global batch, or with ``any_rows`` the rows of
             the tensors given, read as the whole batch); a training batch's must be the plan's.
         any_rows: an evaluation batch: any positive multiple of the micro-batch size.
         ids: the dataset row of each batch row (global batch) or of each of this rank's rows (own rows), or None.
     """
+    labels = None
+    if isinstance(inputs, Mapping):  # by name: in the traced model's order, None for one not given here
+        labels = [f"inputs[{name!r}]" for name in data.input_names]
+        inputs = by_position(inputs, data.input_names, "inputs") if keyword_tensors(inputs, "inputs", True) \
+            else None
     xs, ys = _entries(inputs, "inputs", True), _entries(targets, "targets", False)
     if xs is not None and (len(xs) > len(arity.names) or any(data.reads[len(xs):arity.need])):
         arity.check(len(xs), "inputs")  # too many, or fewer than this rank's stage needs: a ValueError
-    defaulted = _check_reads(data, xs, ys)
-    held = [(f"{what}[{i}]", t) for what, ts in (("inputs", xs or ()), ("targets", ys or ()))
-            for i, t in enumerate(ts) if t is not None]
+    defaulted = _check_reads(data, xs, ys, labels is not None)
+    labels = labels or [f"inputs[{i}]" for i in range(len(xs or ()))]
+    held = [(labels[i] if what == "inputs" else f"targets[{i}]", t)
+            for what, ts in (("inputs", xs or ()), ("targets", ys or ())) for i, t in enumerate(ts) if t is not None]
     if batch_size is not None:
         data.micro_batches(batch_size)  # ValueError unless a positive multiple of the micro-batch size
         if not any_rows and batch_size != data.global_batch_size:
@@ -70,7 +79,7 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
     known = batch_size if batch_size is not None else None if any_rows else data.global_batch_size
     rows = known if known is not None or not held else _rows_of(*held[0], data.micro_batch_size)
     shape = _Layout(data, rows, known is not None)
-    return RankBatch(None if xs is None else tuple(None if t is None else shape.held(t, f"inputs[{i}]")
+    return RankBatch(None if xs is None else tuple(None if t is None else shape.held(t, labels[i])
                                                    for i, t in enumerate(xs)),
                      defaulted, None if ys is None else tuple(shape.held(t, f"targets[{i}]")
                                                               for i, t in enumerate(ys)), rows, _ids(ids, shape))
@@ -88,13 +97,14 @@ def _entries(x: Any, what: str, nones: bool) -> tuple[torch.Tensor | None, ...] 
     return xs
 
 
-def _check_reads(data: RankData, xs: tuple | None, ys: tuple | None) -> tuple[int, ...]:
+def _check_reads(data: RankData, xs: tuple | None, ys: tuple | None, by_name: bool = False) -> tuple[int, ...]:
     """ValueError where this rank reads an input or the targets it was not given; the inputs it leaves to their
-    defaults (positions past the end of a shorter tuple)."""
+    defaults (positions past the end of a shorter tuple, or of the names given)."""
     where = f"rank {data.rank} (stage {data.stage})"
     for i, (name, reads) in enumerate(zip(data.input_names, data.reads)):
         if reads and (xs is None or (i < len(xs) and xs[i] is None)):
-            given = "inputs is None" if xs is None else f"inputs[{i}] is None"
+            given = (f"inputs has no {name!r}" if by_name else "inputs is None" if xs is None else
+                     f"inputs[{i}] is None")
             raise ValueError(f"{given}, but {where} reads input {i} ({name!r}): pass the global batch or this "
                              f"rank's rows of it (pipe.rows())")
     if data.targets and ys is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -150,6 +150,11 @@ class RankCollate:
         if not items:
             return LoadedBatch(None, None, self.batch_size, ids)
         pairs = [self.split(item) for item in items]
+        if isinstance(pairs[0][0], Mapping):  # inputs by name: those this rank reads ({} where none)
+            reads = {name for name, r in zip(self.data.input_names, self.data.reads) if r}
+            xs = {k: self.collate([x[k] for x, _ in pairs]) for k in pairs[0][0] if k in reads}
+            ys = self.collate([y for _, y in pairs]) if self.data.targets else None
+            return LoadedBatch(xs or None, ys, self.batch_size, ids)
         single = not isinstance(pairs[0][0], (tuple, list))
         inputs = [(x,) if single else tuple(x) for x, _ in pairs]
         xs = tuple(self.collate([x[i] for x in inputs]) if i < len(self.data.reads) and self.data.reads[i] else None
@@ -170,8 +175,9 @@ def pipeline_loader(dataset: Dataset, source: Any, batch_size: int | None = None
     processes. The loader's ``dataset`` is ``IndexedDataset(dataset)``.
 
     Args:
-        dataset: a map-style ``torch.utils.data.Dataset`` whose items are ``(inputs, targets)`` (each a tensor or
-            a tuple of tensors), or anything ``split`` turns into that pair.
+        dataset: a map-style ``torch.utils.data.Dataset`` whose items are ``(inputs, targets)`` (inputs a tensor, a
+            tuple of tensors or a dict of them by ``forward``'s argument names; targets a tensor or tuple), or
+            anything ``split`` turns into that pair.
         source: a :class:`dapple.Pipeline` or a :class:`RankData`.
         batch_size, shuffle, seed: as for :class:`DistributedPipelineSampler` (call ``loader.batch_sampler
             .set_epoch(epoch)`` each epoch when shuffling).

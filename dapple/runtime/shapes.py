@@ -11,15 +11,22 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..core.dist import first_line
+from ..profiler.boundary import WHOLE, data_dependent, shape_of, value_kind, why_not
 from ..profiler.export_graph import retarget_devices
 
 
 class Spec(NamedTuple):
-    """A boundary tensor of one slice: its shape (rows first), dtype, and whether a gradient flows back."""
+    """A boundary tensor of one slice: its shape (rows first), dtype, whether a gradient flows back, and whether it
+    is whole: without batch rows (a position bias made from parameters and sizes), the same tensor for any rows,
+    sent whole to every replica of the next stage."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    whole: bool = False
+
+
+PROBE = (2, 3)  # slice rows at which every boundary value's shape is seen, to tell batch rows from a whole tensor
 
 
 InputKey = tuple  # per model input: (shape without the batch dimension, dtype)
@@ -115,7 +122,9 @@ class BoundaryShapes:
     """
 
     def __init__(self, gm: fx.GraphModule, input_names: Sequence[str], boundary: Sequence[Sequence[str]],
-                 places: dict[str, tuple[str, int]] | None = None):
+                 places: dict[str, tuple[str, int]] | None = None, cuts: Sequence[tuple[str, str]] | None = None):
+        self.dependent = data_dependent(gm)  # a whole value made from the batch's values cannot be sent whole
+        self.cuts = list(cuts or [])  # per cut: the layers before and after it, for errors
         self.gm = meta_copy(gm)
         if "dapple_trace" in gm.meta:  # torch.export graphs: factory ops and .to() carry the traced device
             self.gm.meta["dapple_trace"] = dict(gm.meta["dapple_trace"])
@@ -124,14 +133,49 @@ class BoundaryShapes:
         self.boundary = [list(b) for b in boundary]  # per cut: value names
         self.places = places or {}  # node name -> (layer name, stage), for errors
         self._cache: dict[tuple[InputKey, int], list[list[Spec]]] = {}
+        self._whole: dict[InputKey, list[list[bool]]] = {}
 
     def specs(self, key: InputKey, rows: int) -> list[list[Spec]]:
-        """Per cut, per boundary value: its Spec for a slice of ``rows`` rows."""
+        """Per cut, per boundary value: its Spec for a slice of ``rows`` rows.
+
+        Raises:
+            ValueError: a value that is neither batch rows (dim 0) nor the same tensor for any rows, or one without
+                batch rows computed from the batch's values, crosses a cut (naming the layers on both sides).
+        """
         if (key, rows) not in self._cache:
-            self._cache[(key, rows)] = self._propagate(key, rows)
+            values = self._propagate(key, rows)
+            whole = self.whole(key)
+            self._cache[(key, rows)] = [[self._spec(v, name, c, rows, whole[c][i]) for i, (name, v) in
+                                         enumerate(zip(names, cut))] for c, (names, cut) in
+                                        enumerate(zip(self.boundary, values))]
         return self._cache[(key, rows)]
 
-    def _propagate(self, key: InputKey, rows: int) -> list[list[Spec]]:
+    def whole(self, key: InputKey) -> list[list[bool]]:
+        """Per cut, per boundary value: whether it is sent whole (seen at :data:`PROBE` rows: no batch rows, the same
+        shape); ValueError if a value can be neither split by rows nor sent whole."""
+        if key not in self._whole:
+            seen = {rows: self._propagate(key, rows) for rows in PROBE}
+            flags = []
+            for c, names in enumerate(self.boundary):
+                shapes = [{rows: shape_of(seen[rows][c][i]) for rows in PROBE} for i in range(len(names))]
+                for name, s in zip(names, shapes):
+                    if why := why_not(name, s, self.dependent):
+                        raise self._uncut(c, name, why)
+                flags.append([value_kind(s) == WHOLE for s in shapes])
+            self._whole[key] = flags
+        return self._whole[key]
+
+    def _uncut(self, c: int, name: str, why: str) -> ValueError:
+        layer = self.places.get(name, (None,))[0]
+        where = (f", between layers {self.cuts[c][0]!r} and {self.cuts[c][1]!r}" if c < len(self.cuts) else
+                 f", after layer {layer!r} that makes it" if layer is not None else "")
+        return ValueError(f"value {name!r} crosses the cut after stage {c}{where}, and cannot be sent: {why}. "
+                          f"dapple splits micro-batches along dimension 0 among a stage's replicas, and sends a tensor "
+                          f"without batch rows whole to each. What to do: cut elsewhere (dapple.plan never cuts where "
+                          f"the model's profile marks a boundary uncuttable), or keep the batch first in what the "
+                          f"layer returns")
+
+    def _propagate(self, key: InputKey, rows: int) -> list[list[Any]]:
         run = _Propagation(self.gm, {v for cut in self.boundary for v in cut})
         metas = [torch.empty((rows, *shape), dtype=dtype, device="meta") for shape, dtype in key]
         # enable_grad: requires_grad tells which values carry a gradient back. Identity saved-tensor hooks
@@ -141,8 +185,7 @@ class BoundaryShapes:
                 run.run(*metas)
         except _Failed as f:
             raise self._error(f, key, rows) from f.error
-        return [[self._spec(run.values[name], name, c, rows) for name in names]
-                for c, names in enumerate(self.boundary)]
+        return [[run.values[name] for name in names] for names in self.boundary]
 
     def _error(self, f: _Failed, key: InputKey, rows: int) -> ShapeError:
         layer, stage = self.places.get(f.node.name, ("?", "?"))
@@ -154,14 +197,16 @@ class BoundaryShapes:
                           f"{type(f.error).__name__}: {first_line(f.error)}")
 
     @staticmethod
-    def _spec(v: Any, name: str, c: int, rows: int) -> Spec:
+    def _spec(v: Any, name: str, c: int, rows: int, whole: bool = False) -> Spec:
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"value {name!r} crosses the cut after stage {c} but is a {type(v).__name__}, "
                             f"not a tensor; only tensors can be sent between stages (move the cut, or "
                             f"compute it in the stage that uses it)")
+        grad = bool(v.requires_grad and (v.is_floating_point() or v.is_complex()))
+        if whole:
+            return Spec(tuple(v.shape), v.dtype, grad, True)
         if v.dim() == 0 or v.shape[0] != rows:
             raise ValueError(f"value {name!r} crosses the cut after stage {c} with shape {tuple(v.shape)} "
                              f"for a slice of {rows} rows; dapple splits micro-batches along dimension 0, "
                              f"so every tensor crossing a cut must have the batch rows first")
-        grad = bool(v.requires_grad and (v.is_floating_point() or v.is_complex()))
         return Spec(tuple(v.shape), v.dtype, grad)

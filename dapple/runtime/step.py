@@ -29,6 +29,7 @@ from .program import (
     Transfer,
     forward_program,
     op_receives,
+    op_transfers,
     rank_program,
     receive_lookahead,
 )
@@ -85,6 +86,7 @@ class StepRunner:
         # in an unknown state; True once they all completed (an error after that, e.g. a wrong loss, is the user's)
         self.settled = True
         self._programs: dict[tuple, tuple[list[Instr], dict[Op, list[Transfer]]]] = {}
+        self._back: dict[BoundaryLayout, set[int]] = {}  # _gradients_back, per layout
 
     def run(self, batch: StepBatch, step: int, rec: Recorder | None) -> float:
         """Run step ``step`` on the global batch (this rank's inputs and targets in ``batch``), recording into
@@ -144,12 +146,13 @@ class StepRunner:
                 spec = self._spec(key, t)
                 self.p2p.post_recv(t, torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device))
             elif ins.action == "send":
-                lo = t.start - self.rows[0]  # rows of this rank's slice that the route covers
+                spec = self._spec(key, t)
+                lo = t.start - self.rows[0]  # rows of this rank's slice that the route covers (all: a whole value)
                 # detached: a send in flight until the step's end must not keep the graph (a split backward
                 # retains it, so its saved tensors would live on)
-                piece = outbox[t.value][lo:lo + t.rows].detach()
+                piece = (outbox[t.value] if spec.whole else outbox[t.value][lo:lo + t.rows]).detach()
                 with record_function(f"send {t.kind} {t.micro_batch} to {t.dst}"):  # (torch.profiler, Nsight)
-                    self.p2p.send(t, self._checked(piece, self._spec(key, t), t))
+                    self.p2p.send(t, self._checked(piece, spec, t))
             else:
                 j, kind = ins.op.micro_batch, ins.op.kind
                 count = len(self.graph.recv if kind == "F" else self.graph.send)
@@ -290,10 +293,10 @@ class StepRunner:
         with self._noted(j, lambda: f"in the backward of layers {self.layers}"):
             if prepared is not None:
                 roots, plan = prepared
-                got, pending[j] = run_backward_input(plan, self._root_grads(roots, pieces))
+                got, pending[j] = run_backward_input(plan, self._root_grads(roots, pieces, layout))
                 found = {id(x): g for x, g in zip(plan.inputs, got)}
             elif roots := self._root_values(m, layout):
-                torch.autograd.backward([r for _, r in roots], self._root_grads(roots, pieces))
+                torch.autograd.backward([r for _, r in roots], self._root_grads(roots, pieces, layout))
         if self.stage == 0:
             return []
         out: list[torch.Tensor | None] = []
@@ -321,20 +324,30 @@ class StepRunner:
             if not m.loss.requires_grad:
                 return []
             return [(None, m.loss * self.scaler.scale if self.scaler.enabled else m.loss)]
-        return [(v, m.sent[v]) for v in layout.grads[self.stage] if m.sent[v].requires_grad]
+        back = self._gradients_back(layout)  # (a value sent whole comes back only from the receivers it went to)
+        return [(v, m.sent[v]) for v in layout.grads[self.stage] if m.sent[v].requires_grad and v in back]
 
-    @staticmethod
-    def _root_grads(roots: list[tuple[int | None, torch.Tensor]], pieces: list[list[torch.Tensor]]
-                    ) -> list[torch.Tensor | None]:
+    def _gradients_back(self, layout: BoundaryLayout) -> set[int]:
+        """The values whose gradients come back to this replica in a backward (per layout, made once)."""
+        if layout not in self._back:
+            self._back[layout] = {t.value for t in op_transfers(self.plan, layout, self.ctx.rank, Op("B", 0))[0]}
+        return self._back[layout]
+
+    def _root_grads(self, roots: list[tuple[int | None, torch.Tensor]], pieces: list[list[torch.Tensor]],
+                    layout: BoundaryLayout) -> list[torch.Tensor | None]:
         """The roots' gradients: None for the loss (one), else the pieces that came back (split-concat: along
-        the routes the values went), concatenated."""
+        the routes the values went), concatenated; a value sent whole gets the sum of its receivers' gradients."""
         out: list[torch.Tensor | None] = []
+        whole = layout.whole[self.stage] if self.stage < len(layout.whole) else ()  # (last stage: the loss)
         for v, root in roots:
             if v is None:
                 out.append(None)
+            elif len(pieces[v]) == 1:
+                out.append(pieces[v][0].to(root.dtype))
+            elif v in whole:  # each receiver's rows' share of its gradient
+                out.append(torch.stack([g.to(root.dtype) for g in pieces[v]]).sum(0))
             else:
-                g = pieces[v][0] if len(pieces[v]) == 1 else torch.cat(pieces[v])
-                out.append(g.to(root.dtype))
+                out.append(torch.cat(pieces[v]).to(root.dtype))
         return out
 
     def _backward_weight(self, j: int, pending: dict[int, WeightWork]) -> None:
@@ -383,7 +396,8 @@ class StepRunner:
     def _boundary_layout(self, key: InputKey) -> BoundaryLayout:
         specs = self.shapes.specs(key, self.plan.micro_batch_size)
         return BoundaryLayout(values=tuple(len(c) for c in specs),
-                              grads=tuple(tuple(v for v, sp in enumerate(c) if sp.requires_grad) for c in specs))
+                              grads=tuple(tuple(v for v, sp in enumerate(c) if sp.requires_grad) for c in specs),
+                              whole=tuple(tuple(v for v, sp in enumerate(c) if sp.whole) for c in specs))
 
     def _program(self, layout: BoundaryLayout, forwards: int | None = None
                  ) -> tuple[list[Instr], dict[Op, list[Transfer]]]:

@@ -72,7 +72,7 @@ def test_bad_plan_file_names_file(tmp_path):
     (lambda d: d.update(schedul="gpipe"), "unknown field 'schedul' (did you mean 'schedule'?)"),
     (lambda d: d.update(note="x"), "p.yaml: unknown field 'note'; known: dapple_plan, global_batch_size, "
                                    "micro_batch_size, schedule, warmup_policy, stages, layer_names, estimate, meta, "
-                                   "mixed_precision, reduce_dtype, shard_optimizer; "
+                                   "mixed_precision, reduce_dtype, shard_optimizer, tracing; "
                                    "free-form values go under 'meta'"),
     (lambda d: d["stages"][1].update(warmpu=4), "p.yaml.stages[1]: unknown field 'warmpu' (did you mean 'warmup'?)"),
     (lambda d: d["estimate"].update(latency=1.0), "p.yaml.estimate: unknown field 'latency' (did you mean "),

@@ -44,6 +44,50 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+def t5() -> nn.Module:
+    """Its relative position bias (1, heads, T, T), made in encoder.block.0 from a parameter, is read by
+    encoder.block.1: a cut between them sends it whole."""
+    import transformers
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=1,
+                                num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def bloom() -> nn.Module:
+    """forward(input_ids, past_key_values, attention_mask, ...): a padding mask can only be given by name."""
+    import transformers
+    cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=2, hidden_dropout=0.0,
+                                   attention_dropout=0.0)
+    return transformers.BloomForCausalLM(cfg)
+
+
+def seq2seq_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the decoder's logits (B, T, V) against labels (B, T)."""
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def padded_lm_loss(out: Any, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on ``out.logits`` over each row's unpadded positions (mask 1), averaged over the
+    rows: the mean over the rows given, as a pipeline's loss must be (a mean over all unpadded tokens would weigh
+    a slice's rows by its own token count)."""
+    keep = mask[:, 1:].to(out.logits.dtype)  # (B, T - 1)
+    per_token = F.cross_entropy(out.logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")  # (B, T - 1)
+    return ((per_token * keep).sum(1) / keep.sum(1)).mean()
+
+
+def by_name(rows: int, length: int, gen: torch.Generator, decoder: bool = False
+            ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """Inputs by name: token ids and an attention mask whose odd rows end in padding (and decoder ids); targets:
+    the decoder ids, or the ids and the mask."""
+    ids = torch.randint(0, VOCAB, (rows, length), generator=gen)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[1::2, length - 2:] = 0
+    if decoder:
+        dec = torch.randint(0, VOCAB, (rows, length - 2), generator=gen)
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec}, (dec,)
+    return {"input_ids": ids, "attention_mask": mask}, (ids, mask)
+
+
 class ConvBlock(nn.Module):
     def __init__(self, c: int):
         super().__init__()

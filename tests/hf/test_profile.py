@@ -56,5 +56,5 @@ def test_layers_by_the_default_rule(name):
     block that uses it computes again: it is no layer. tests/hf/test_hf.py pipelines each model by these layers."""
     case = CASES[name]
     example = case.batch(2, 8, torch.Generator().manual_seed(0))[0]
-    lg = trace_layers(case.make(), example_inputs=example, method=case.tracer, leaf_modules=case.leaf_modules)
+    lg = trace_layers(case.make(), example_inputs=example, tracer=case.tracer, leaf_modules=case.leaf_modules)
     assert lg.names == list(case.layers)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import itertools
+import re
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 import dapple
 from dapple.models import GPT, EmulatedNet, ResNet, lm_loss, random_tokens
 from dapple.profiler import TraceError
+from tests.conftest import EXPORT_OK
 from tests.profiler.test_layers import Masked
 
 FAST = dict(repeats=1, warmup=0, device="cpu")
@@ -214,6 +217,58 @@ def test_a_mask_traced_as_a_tensor_is_asked_for_before_any_work():
         dapple.profile(Masked(), torch.randn(4, 4), **FAST)
     prof = dapple.profile(Masked(), torch.randn(4, 4), concrete_args={"mask": None}, **FAST)
     assert prof.layer_names == ["a", "b"]
+
+
+class MaskedBlock(nn.Module):
+    """Attention with optional ``attn_mask=None`` and ``is_causal=False``; with ``fx_ok=False`` its no-mask branch
+    loops over a size, which torch.fx cannot trace (torch.export can)."""
+
+    def __init__(self, d: int, fx_ok: bool):
+        super().__init__()
+        self.qkv, self.fx_ok = nn.Linear(d, 3 * d), fx_ok
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        if attn_mask is None and not self.fx_ok:
+            attn_mask = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+            for i in range(x.shape[1]):
+                attn_mask[i, i + 1:] = float("-inf")
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+
+
+class MaskedNet(nn.Module):
+    """(B, T, 4) -> (B, T, 2); layers embed, blocks.0, blocks.1, head."""
+
+    def __init__(self, fx_ok: bool):
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.blocks = nn.ModuleList([MaskedBlock(8, fx_ok) for _ in range(2)])
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h, attn_mask, is_causal)
+        return self.head(h)
+
+
+@pytest.mark.filterwarnings("ignore:torch.export traced MaskedNet for these fixed sizes")  # the loop's size
+@pytest.mark.parametrize("fx_ok, tracer", [(True, "fx"), (True, "auto"), (False, "auto"), (False, "export")])
+def test_following_the_advice_on_an_optional_mask_gives_a_working_call(fx_ok, tracer):
+    """The error's concrete_args, passed as written, profile the model: under fx, and where fx fails under the
+    export it falls back to (whose guards read every input: no use of the None mask)."""
+    if tracer != "fx" and not EXPORT_OK:
+        pytest.skip("needs torch.export")
+    x, y = torch.randn(4, 6, 4), torch.randn(4, 6, 2)
+    args = dict(loss_fn=F.mse_loss, targets=y, tracer=tracer, **FAST)
+    if tracer != "export":  # fx traces the mask as a tensor; export takes the default
+        with pytest.raises(ValueError, match=r"concrete_args=\{'attn_mask': None\}") as info:
+            dapple.profile(MaskedNet(fx_ok), x, **args)
+        advice = ast.literal_eval(re.search(r"concrete_args=(\{.*\})", str(info.value)).group(1))
+    else:
+        advice = {"attn_mask": None}
+    prof = dapple.profile(MaskedNet(fx_ok), x, concrete_args=advice, **args)
+    assert prof.layer_names == ["embed", "blocks.0", "blocks.1", "head"]
+    assert prof.meta["tracer"] == ("fx" if fx_ok else "export")
 
 
 class TwoInputs(nn.Module):

@@ -36,7 +36,7 @@ def model():
 @pytest.fixture(scope="module")
 def traced(model):
     # a view as example (as random token batches are): export would guard on its base; dapple traces a copy
-    return trace_layers(model, method="export", example_inputs=tokens(4, 13)[:, :-1])
+    return trace_layers(model, tracer="export", example_inputs=tokens(4, 13)[:, :-1])
 
 
 def _check_monotone(lg):
@@ -46,9 +46,10 @@ def _check_monotone(lg):
 
 def test_fx_fails_on_the_assert_and_auto_says_what_to_pass(model):
     with pytest.raises(TraceError, match=r"could not trace NanoGPT(.|\n)*assert t <= BLOCK"):
-        trace_layers(model, method="fx")
-    with pytest.raises(TraceError, match=r"assert t <= BLOCK(.|\n)*pass example_inputs="):
-        trace_layers(model)  # auto without example inputs: the fx error, plus how to get the export path
+        trace_layers(model, tracer="fx")
+    with pytest.raises(TraceError, match=r"^torch.fx could not trace NanoGPT; torch.export may: pass example_inputs="
+                                         r".* with tracer='auto' or 'export'(.|\n)*assert t <= BLOCK"):
+        trace_layers(model)  # auto without example inputs: how to get the export path first, then the fx error
 
 
 def test_export_and_auto_give_the_layers_fx_gives_without_the_assert(model, traced):
@@ -119,7 +120,7 @@ def test_meta_device_propagation_for_any_rows(traced):
 def test_buffer_slicing_attention_fx_cannot_trace_exports_too():
     m = NanoGPT(flash=False, check=False).double()
     with pytest.raises(TraceError, match=r"self.bias\[:, :, :T, :T\]"):
-        trace_layers(m, method="fx", concrete_args={"targets": None})
+        trace_layers(m, tracer="fx", concrete_args={"targets": None})
     lg = trace_layers(m, example_inputs=tokens(2, 6), concrete_args={"targets": None})  # fx fails: auto exports
     assert lg.names == NAMES and lg.inputs == ["idx", "targets"]
     assert [n.args for n in lg.gm.graph.nodes if n.op == "placeholder"] == [(), (None,)]  # a default, as in fx
@@ -129,7 +130,7 @@ def test_buffer_slicing_attention_fx_cannot_trace_exports_too():
 
 def test_dropout_draws_the_same_masks_and_export_leaves_the_model_as_it_was():
     m = NanoGPT(dropout=0.2).double().eval()
-    lg = trace_layers(m, method="export", example_inputs=tokens(2, 6))
+    lg = trace_layers(m, tracer="export", example_inputs=tokens(2, 6))
     assert not m.training  # exported in training mode, flags restored
     x = tokens(3, 10)
     torch.manual_seed(5)
@@ -151,7 +152,7 @@ class ConvBN(nn.Module):
 def test_batchnorm_updates_the_models_running_statistics_like_eager():
     m = ConvBN().double()
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    lg = trace_layers(m, method="export", example_inputs=torch.randn(4, 3, 8, 8, dtype=torch.float64),
+    lg = trace_layers(m, tracer="export", example_inputs=torch.randn(4, 3, 8, 8, dtype=torch.float64),
                       dynamic_shapes=[{2: torch.export.Dim.AUTO, 3: torch.export.Dim.AUTO}])
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())  # export itself changes nothing
     assert lg.names == ["conv", "bn", "act", "fc"]
@@ -208,17 +209,17 @@ class FixedBatch(BatchParity):
 
 def test_batch_branch_warns_and_fixed_batch_is_refused():
     with pytest.warns(UserWarning, match=r"size\(\)\[0\] % 2\) == 0 about the batch size"):
-        lg = trace_layers(BatchParity(), method="export", example_inputs=torch.randn(4, 4),
+        lg = trace_layers(BatchParity(), tracer="export", example_inputs=torch.randn(4, 4),
                           dynamic_shapes=[{1: None}])
     lg.gm(torch.randn(6, 4))
     with pytest.raises(AssertionError, match="Guard failed"):
         lg.gm(torch.randn(3, 4))
     with pytest.raises(TraceError, match=r"could not trace FixedBatch(.|\n)*batch dimension \(dim 0\)"):
-        trace_layers(FixedBatch(), method="export", example_inputs=torch.randn(8, 4))
+        trace_layers(FixedBatch(), tracer="export", example_inputs=torch.randn(8, 4))
     with pytest.raises(ValueError, match="leaf_modules apply to torch.fx only"):
-        trace_layers(BatchParity(), method="export", example_inputs=torch.randn(4, 4), leaf_modules=[nn.Linear])
+        trace_layers(BatchParity(), tracer="export", example_inputs=torch.randn(4, 4), leaf_modules=[nn.Linear])
     with pytest.raises(ValueError, match="tracer: expected one of"):
-        trace_layers(BatchParity(), method="dynamo")
+        trace_layers(BatchParity(), tracer="dynamo")
 
 
 def test_profile_with_trace_export():

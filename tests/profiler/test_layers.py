@@ -220,8 +220,8 @@ def test_blocks_at_any_depth_are_layers_and_a_table_from_sizes_is_computed_where
 def test_fx_and_export_give_the_same_layers_at_any_depth():
     m = Wrapped().double()
     x = torch.randn(2, 5, 3, dtype=torch.float64)
-    lg = trace_layers(m, method="export", example_inputs=x, dynamic_shapes=[{1: torch.export.Dim.AUTO}])
-    assert lg.names == trace_layers(m, method="fx").names == WRAPPED
+    lg = trace_layers(m, tracer="export", example_inputs=x, dynamic_shapes=[{1: torch.export.Dim.AUTO}])
+    assert lg.names == trace_layers(m, tracer="fx").names == WRAPPED
     _check_monotone(lg)
     for k in range(lg.num_layers - 1):
         assert [tuple(n.meta["val"].shape)[2:] for n in lg.crossing(k)] == [(4,)], k  # (B, T, 4) only
@@ -261,3 +261,9 @@ def test_layers_given_by_path_override_the_rule_and_unlisted_operations_join_a_n
 def test_bad_layer_paths_are_named(layers, error):
     with pytest.raises((TypeError, ValueError), match=error):
         trace_layers(Wrapped(), layers=layers)
+
+
+def test_method_is_the_deprecated_name_of_tracer():
+    with pytest.warns(DeprecationWarning, match=r"trace_layers\(method=...\) is deprecated: pass tracer="):
+        lg = trace_layers(Masked(), concrete_args={"mask": None}, method="fx")
+    assert lg.names == ["a", "b"] and lg.gm.meta["dapple_trace"]["method"] == "fx"

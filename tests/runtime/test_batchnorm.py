@@ -134,7 +134,7 @@ def _export_worker() -> str:
     model = _model()
     model.bn1.momentum = 0.1  # export cannot trace momentum=None's float(num_batches_tracked)
     x = torch.randn(4, 2, 4, 4, dtype=torch.float64)
-    names = trace_layers(model, method="export", example_inputs=(x,)).names
+    names = trace_layers(model, tracer="export", example_inputs=(x,)).names
     plan = Plan(4, 4, [Stage((0, len(names)), [0])], layer_names=names)
     with pytest.raises(ValueError, match="tracer='fx'") as e:
         dapple.pipeline(model, plan, F.cross_entropy, tracer="export", example_inputs=(x,), deferred_batch_norm=True)

@@ -101,6 +101,17 @@ def test_collate_keeps_only_the_tensors_a_rank_reads():
         RankCollate(rank_data(PLAN, 0))([(1, 2, 3)])
 
 
+def test_collate_keeps_the_inputs_by_name_a_rank_reads():
+    items = [({"ids": torch.full((2,), i), "mask": torch.ones(2)}, torch.tensor(i)) for i in range(3)]
+    names = dict(input_stages=((0,), (2,)), input_names=("ids", "mask"))  # ids on stage 0, mask on stage 2
+    x, y, _, _ = RankCollate(rank_data(PLAN, 0, **names))(items)
+    assert list(x) == ["ids"] and x["ids"][:, 0].tolist() == [0, 1, 2] and y is None
+    x, y, _, _ = RankCollate(rank_data(PLAN, 3, **names))(items)
+    assert list(x) == ["mask"] and x["mask"].shape == (3, 2) and y.tolist() == [0, 1, 2]
+    x, y, _, _ = RankCollate(rank_data(PLAN, 2, input_stages=((0,), (0,)), input_names=("ids", "mask")))(items)
+    assert x is None and y is None  # a middle stage reads nothing
+
+
 def test_a_loader_reads_only_this_ranks_rows():
     reads: list[int] = []
 
@@ -133,6 +144,22 @@ def test_a_rank_may_pass_its_own_rows_the_global_batch_or_none():
     # an evaluation: without batch_size a tensor is the whole batch; with it, 1 row per micro-batch is this rank's
     assert rank_batch(data, ARITY, (torch.zeros(3, 4), None), None, any_rows=True).rows == 3
     assert rank_batch(data, ARITY, (torch.zeros(3, 4), None), None, 9, any_rows=True).inputs[0].compact
+
+
+def test_inputs_by_name_are_the_traced_models_inputs_in_order():
+    data = rank_data(PLAN, 1, TWO_INPUTS, ["x", "z"])  # reads x (its own rows: 3)
+    got = rank_batch(data, ARITY, {"x": torch.zeros(3, 4)}, None)
+    assert got.inputs[0].compact and len(got.inputs) == 1
+    got = rank_batch(data, ARITY, {"z": torch.zeros(9, 4), "x": torch.zeros(9, 4)}, None)
+    assert [h.tensor.shape for h in got.inputs] == [(9, 4), (9, 4)]
+    assert rank_batch(rank_data(PLAN, 2, TWO_INPUTS, ["x", "z"]), ARITY, {}, None).inputs is None  # reads none
+    with pytest.raises(ValueError, match=r"inputs\['x'\] has shape \(5, 4\); expected the global batch of 9 rows"):
+        rank_batch(data, ARITY, {"x": torch.zeros(5, 4)}, None)
+    with pytest.raises(ValueError, match=r"inputs has no 'x', but rank 1 \(stage 0\) reads input 0 \('x'\)"):
+        rank_batch(data, ARITY, {"z": torch.zeros(9, 4)}, None)
+    with pytest.raises(ValueError, match=r"inputs: \['mask'\] are not inputs of the traced model, which takes "
+                                         r"\['x', 'z'\]"):
+        rank_batch(data, ARITY, {"x": torch.zeros(9, 4), "mask": torch.zeros(9, 4)}, None)
 
 
 def test_wrong_per_rank_shapes_name_both_layouts():

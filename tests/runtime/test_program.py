@@ -43,7 +43,8 @@ def plans(draw):
                 stages=[Stage((i, i + 1), d, w) for i, (d, w) in enumerate(zip(devices, warmup))])
     values = tuple(draw(st.integers(1, 3)) for _ in range(num_stages - 1))
     grads = tuple(tuple(v for v in range(n) if draw(st.booleans())) for n in values)
-    return plan, BoundaryLayout(values=values, grads=grads)
+    whole = tuple(tuple(v for v in range(n) if draw(st.booleans())) for n in values)  # sent whole (no batch rows)
+    return plan, BoundaryLayout(values=values, grads=grads, whole=whole)
 
 
 @settings(max_examples=300, deadline=None)
@@ -62,14 +63,25 @@ def test_programs_match_pairwise_and_never_deadlock(case, lookahead):
                 t = i.transfer
                 op = ("F" if t.kind == "act" else "B", t.micro_batch)
                 assert k < comp_pos[op]
-    # every micro-batch's rows cross each cut exactly once, per value (split-concat covers the slice)
-    rows = Counter()
+    # every micro-batch's rows cross each cut exactly once, per value (split-concat covers the slice); a value sent
+    # whole reaches each receiver once, its gradient goes back on the same route
+    rows, whole, back = Counter(), Counter(), Counter()
     for prog in programs.values():
         for i in prog:
-            if i.action == "send" and i.transfer.kind == "act":
-                rows[(i.transfer.cut, i.transfer.micro_batch, i.transfer.value)] += i.transfer.rows
+            t = i.transfer
+            if i.action != "send":
+                continue
+            if t.value in layout.whole[t.cut]:
+                (whole if t.kind == "act" else back)[(t.cut, t.micro_batch, t.value, t.dst if t.kind == "act"
+                                                      else t.src)] += 1
+            elif t.kind == "act":
+                rows[(t.cut, t.micro_batch, t.value)] += t.rows
     assert set(rows.values()) <= {plan.micro_batch_size}
-    assert len(rows) == sum(layout.values) * plan.num_micro_batches
+    split = sum(n - len(w) for n, w in zip(layout.values, layout.whole))
+    assert len(rows) == split * plan.num_micro_batches
+    receivers = sum(len(w) * plan.stages[c + 1].replicas for c, w in enumerate(layout.whole))
+    assert set(whole.values()) <= {1} and len(whole) == receivers * plan.num_micro_batches
+    assert set(back) == {k for k in whole if k[2] in layout.grads[k[0]]} and set(back.values()) <= {1}
 
 
 @settings(max_examples=100, deadline=None)

@@ -10,6 +10,7 @@ from dapple.models import GPT
 from dapple.profiler import trace_layers
 from dapple.runtime.shapes import BoundaryShapes, ShapeError, Spec, input_key
 from dapple.runtime.stages import split_stages
+from tests.cut_models import BiasNet, FlatNet
 
 
 def _shapes(model, cuts):
@@ -49,8 +50,9 @@ class Frozen(nn.Module):
 
 def test_boundary_must_be_batch_first():
     shapes = _shapes(Transposed(), [(0, 1), (1, 2)])
-    with pytest.raises(ValueError, match=r"'transpose' crosses the cut after stage 0 with shape \(5, 3, 4\) "
-                                         r"for a slice of 3 rows"):
+    with pytest.raises(ValueError, match=r"'transpose' crosses the cut after stage 0, and cannot be sent: its shape "
+                                         r"is \(5, 2, 4\) for 2 rows and \(5, 3, 4\) for 3 rows: the batch rows are "
+                                         r"not in dimension 0"):
         shapes.specs(input_key([torch.zeros(8, 5, 4)]), 3)
 
 
@@ -97,3 +99,26 @@ def test_a_failure_names_the_layer_the_stage_and_the_input_shapes():
                                          r"for a slice of 3 rows of inputs input \(3, 5, 4\) float32: "
                                          r"ValueError: picky about \(3, 5, 4\)$"):
         shapes.specs(input_key([torch.zeros(8, 5, 4)]), 3)
+
+
+def test_a_bias_without_batch_rows_is_sent_whole():
+    lg = trace_layers(BiasNet().double())
+    stages = split_stages(lg, [(0, 2), (2, 3), (3, 5)])  # the bias crosses both cuts (relayed by blocks.1)
+    shapes = BoundaryShapes(lg.gm, ["x"], [s.send for s in stages[:-1]])
+    key = input_key([torch.zeros(8, 6, 4, dtype=torch.float64)])
+    for rows in (1, 3):
+        got = {name: spec for cut, s in zip(shapes.specs(key, rows), stages) for name, spec in zip(s.send, cut)}
+        assert got["unsqueeze"] == Spec((1, 6, 6), torch.float64, True, whole=True)  # the same for any rows
+        assert got["add_1"] == Spec((rows, 6, 8), torch.float64, True)
+    assert shapes.whole(key) == [[v == "unsqueeze" for v in s.send] for s in stages[:-1]]
+
+
+def test_a_value_no_cut_may_carry_names_the_layers_on_both_sides():
+    lg = trace_layers(FlatNet())
+    stages = split_stages(lg, [(0, 2), (2, 4)])
+    shapes = BoundaryShapes(lg.gm, ["x"], [s.send for s in stages[:-1]], cuts=[("flat", "unflat")])
+    with pytest.raises(ValueError, match=r"^value 'tanh' crosses the cut after stage 0, between layers 'flat' and "
+                                         r"'unflat', and cannot be sent: its shape is \(12, 8\) for 2 rows and "
+                                         r"\(18, 8\) for 3 rows: the batch rows are not in dimension 0\. .* What to "
+                                         r"do: cut elsewhere"):
+        shapes.specs(input_key([torch.zeros(8, 6, 4)]), 4)

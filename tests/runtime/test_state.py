@@ -41,7 +41,7 @@ class Positions(nn.Module):
 
 
 def _one_stage(model, gbs=8, mbs=4, tracer="auto", **kw):
-    names = trace_layers(model, method=tracer, **kw).names
+    names = trace_layers(model, tracer=tracer, **kw).names
     plan = Plan(gbs, mbs, [Stage((0, len(names)), [0])], layer_names=names)
     return dapple.pipeline(model, plan, F.cross_entropy, tracer=tracer, **kw)
 

@@ -319,7 +319,7 @@ def case_nanogpt_export(stages, gbs, mbs, seqs=(8, 12)) -> list[dict]:
     torch.manual_seed(0)
     model = NanoGPT(n_layer=2, flash=False).double()
     example = torch.randint(0, VOCAB, (2, seqs[0]))
-    names = trace_layers(model, method="export", example_inputs=example).names
+    names = trace_layers(model, tracer="export", example_inputs=example).names
     plan = Plan(global_batch_size=gbs, micro_batch_size=mbs, stages=[Stage(*st) for st in stages], layer_names=names)
     pipe = dapple.pipeline(model, plan, lm_loss, timeout=30, tracer="export", example_inputs=example)
     out = []

@@ -13,6 +13,7 @@ from ...core.cluster import Cluster
 from ...core.plan import Plan, Stage
 from ...core.profile import Profile
 from ..checks import instance
+from ..profiled import profiled
 from .pipedream_dp import SOURCE, analyze_partitioning, compute_partitioning, dp_time
 from .pipedream_graph import Graph, State, build_states
 
@@ -88,6 +89,7 @@ class _Tables(NamedTuple):
     out_acts: list[float]  # bytes leaving each state
 
 
+@profiled()  # never cuts where the profile forbids it; carries its tracing
 def pipedream_plan(prof: Profile, cluster: Cluster, global_batch_size: int, micro_batch_size: int | None = None,
                    activation_transfer: bool = True, *, levels: Sequence[tuple[int, float]] | None = None,
                    minibatch_size: int | None = None, activation_compression_ratio: float = 1.0,

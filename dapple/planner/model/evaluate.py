@@ -9,6 +9,7 @@ from ...core.checks import flag, positive_int
 from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
 from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, stage_holds, validate_warmup, warmup_counts
 from ..checks import profile_and_cluster
+from ..cuts import check_cuts
 from ..simulator.latency import simulated_latency
 from .cost import CostModel, Span, layout_of
 from .memory import (RECOMPUTE_MODES, StageBytes, activation_scale, check_stage_memory, recompute_mode,
@@ -172,7 +173,9 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     """Latency of one iteration of ``stages``, with per-stage costs in ``details``.
 
     ``evaluate(profile, cluster, plan)`` reproduces ``plan.estimate``: for a Plan the defaults are its own batch
-    sizes, schedule, policy, and the latency model and overlap it was planned with (``plan.meta``).
+    sizes, schedule, policy, and the latency model and overlap it was planned with (``plan.meta``). Otherwise the
+    defaults are :func:`dapple.plan`'s (the refined model, AllReduce overlapped), so the same stages get the same
+    time from either call; ``model="paper", overlap=False`` is the paper's formula 2.
 
     Args:
         profile, cluster: the model's profile and the cluster it runs on.
@@ -183,9 +186,10 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
             :mod:`dapple.planner.simulator.latency`; the paper's formula 2 knows only 1F1B).
         warmup_policy: "A" (default) or "B", for K_i when the stages give none.
         optimizer_factor: static bytes per parameter byte.
-        model: "paper" (default: formula 2 with the pivot of Algorithm 1) or "refined"
-            (:mod:`dapple.planner.model.refined`).
-        overlap: AllReduce overlapped with the last backward (default False).
+        model: "refined" (default: :mod:`dapple.planner.model.refined`, as :func:`dapple.plan`) or "paper"
+            (formula 2 with the pivot of Algorithm 1).
+        overlap: AllReduce overlapped with the last backward, bucket by bucket (default True, as
+            :func:`dapple.plan` and the runtime).
         recompute: None: as the stages say (``Stage.recompute``; tuples: no); False or True: every stage;
             "auto": as :func:`auto_recompute` says (K_i from the policy then, or M each for gpipe).
         mixed_precision: "bf16" or "fp16" (activations in half the bytes), "fp32" (full precision), or None: a
@@ -206,6 +210,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
                    mixed_precision)
     b = opt.micro_batch_size
     sts = stage_list(stages, profile.num_layers, cluster, b)
+    check_cuts(profile, sts, "evaluate")
     M = opt.global_batch_size // b
     given = _given_warmup(sts, M, opt.schedule)
     recompute_mode(recompute, (None,) + RECOMPUTE_MODES)
@@ -281,7 +286,9 @@ def _options(profile: "Profile", stages: object, g: int | None, b: int | None, s
         policy = policy or stages.warmup_policy
         model = model or stages.meta.get("latency_model")
         overlap = stages.meta.get("overlap") if overlap is None else overlap
-    schedule, policy, model = schedule or "dapple", policy or "A", model or "paper"
+    # plan()'s defaults: the refined model with the AllReduce overlapped, as the runtime runs every plan
+    schedule, policy, model = schedule or "dapple", policy or "A", model or "refined"
+    overlap = True if overlap is None else overlap
     positive_int("global_batch_size", g)
     positive_int("micro_batch_size", b)
     if g % b:  # type: ignore[operator]

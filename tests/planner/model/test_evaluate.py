@@ -21,7 +21,7 @@ def _setup():
 def test_two_stage_plan_by_hand():
     prof, c = _setup()
     # stage 0: layers 0-1 on devices 0, 1 (server 0), 4 rows each; stage 1: layers 2-3 on device 2 (server 1)
-    est = evaluate(prof, c, [(0, 2, [0, 1]), (2, 4, [2])], 32, 8)
+    est = evaluate(prof, c, [(0, 2, [0, 1]), (2, 4, [2])], 32, 8, model="paper", overlap=False)
     F0, B0 = 3.0 * 4, 6.0 * 4
     F1, B1 = 7.0 * 8, 14.0 * 8
     comm = 2 * 4e6 / 1e9 * 1e3  # two halves of 4e6 B queue on server 0's uplink: 8 ms
@@ -45,6 +45,20 @@ def test_stage_forms_and_plans_are_accepted():
     assert a.latency_ms == b.latency_ms == evaluate(prof, c, plan).latency_ms
     r = evaluate(prof, c, plan, model="refined")
     assert r.details["model"] == "refined" and r.latency_ms > 0
+
+
+def test_stages_get_the_time_plan_gives_them():
+    """evaluate's defaults are plan()'s: the refined model with the AllReduce overlapped, whichever call prices
+    the stages; the paper's formula 2 is asked for by name."""
+    prof, c = _setup()
+    plan = make_plan(prof, c, 32, 8, verify=0)
+    est = evaluate(prof, c, [(*s.layers, s.devices) for s in plan.stages], 32, 8, warmup_policy=plan.warmup_policy)
+    assert est.latency_ms == plan.estimate.latency_ms
+    assert (est.details["model"], est.details["overlap"]) == ("refined", True)
+    hand = Plan(32, 8, plan.stages)  # a Plan made by hand: no planning meta, the same defaults
+    assert evaluate(prof, c, hand).latency_ms == plan.estimate.latency_ms
+    paper = evaluate(prof, c, plan.stages, 32, 8, model="paper", overlap=False)
+    assert (paper.details["model"], paper.details["overlap"]) == ("paper", False)
 
 
 @pytest.mark.parametrize("stages, kw, message", [
@@ -87,7 +101,8 @@ def test_print_plan_shows_costs_and_estimate():
                 estimate=evaluate(prof, c, stages, 32, 8), meta={"model": "linear"})
     text = str(plan)
     for piece in ("[0, 2) layer0 .. layer1", "0-1 (x2)", "K_i", "F ms", "AR ms", "send ms", "mem GB",
-                  "warmup Tw", "steady Ts", "ending Te", "pivot stage Q = 1", "bubble fraction", "paper model"):
+                  "warmup Tw", "steady Ts", "ending Te", "pivot stage Q = 1", "bubble fraction", "refined model",
+                  "AllReduce overlapped"):
         assert piece in text, piece
 
 
