@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 from ...core.schedule import warmup_counts
 from ..model.cost import CostModel, ServerLayout, Span
 from ..model.evaluate import PipelineCosts, pipeline_costs
+from ..model.memory import NoFitError
 
 if TYPE_CHECKING:
     from ...core.cluster import Cluster
@@ -73,7 +74,7 @@ def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
                 spans = tuple(Span(bounds[i], bounds[i + 1], lays[i]) for i in range(S))
                 try:
                     pc, D = pipeline_costs(cm, spans, M, "A", endings=endings)
-                except ValueError:  # does not fit in memory
+                except NoFitError:
                     continue
                 yield Candidate(spans, pc, D)
 

@@ -7,12 +7,26 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.checks import positive_int
 from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
-from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, stage_holds, validate_warmup, warmup_counts
+from ...core.schedule import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    WARMUP_POLICIES,
+    stage_holds,
+    validate_warmup,
+    warmup_counts,
+)
 from ..checks import profile_and_cluster
 from ..simulator.latency import simulated_latency
 from .cost import CostModel, Span, layout_of
-from .memory import (RECOMPUTE_MODES, StageBytes, activation_scale, check_stage_memory, recompute_mode,
-                     split_backward_unfit)
+from .memory import (
+    RECOMPUTE_MODES,
+    NoFitError,
+    StageBytes,
+    activation_scale,
+    check_stage_memory,
+    recompute_mode,
+    split_backward_unfit,
+)
 from .pivot import Latency, paper_latency
 from .refined import refined_latency
 from .transfers import add_users, feeds, queues
@@ -101,7 +115,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
         M: micro-batches per iteration.
         policy: warmup policy "A" or "B" for K_i when ``warmup`` is None.
         warmup: K_i per stage, or None.
-        check: raise ValueError, naming the stage, when a stage does not fit in device memory.
+        check: raise NoFitError, naming the stage, when a stage does not fit in device memory.
         endings: price E, the overlapped AllReduce's ending of each stage (False: E = B, for a caller that
             prices no overlap).
         recompute: per stage, whether it recomputes; None: as ``cm.recompute`` says.
@@ -191,7 +205,8 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
             Plan's own ``mixed_precision`` (otherwise full precision).
 
     Raises:
-        ValueError: bad input, or a plan that does not fit in device memory (naming the stage).
+        ValueError: bad input; NoFitError (a ValueError): a plan that does not fit in device memory (naming the
+            stage).
     """
     profile_and_cluster("evaluate", profile, cluster)
     opt = _options(profile, stages, global_batch_size, micro_batch_size, schedule, warmup_policy, model, overlap,
@@ -217,7 +232,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k, r) for s, k, r in zip(sts, pc.K, rc)],
                       schedule=opt.schedule, mixed_precision=opt.mixed_precision)
         if why := split_backward_unfit(cm, played.stages, M, cluster.device_memory):
-            raise ValueError(f"schedule={opt.schedule!r}: the plan does not fit: {why}")
+            raise NoFitError(f"schedule={opt.schedule!r}: the plan does not fit: {why}")
         if opt.model == "refined":  # the closed form is 1F1B's: simulate the split
             lat = simulated_latency(played, profile, cluster, opt.overlap)
     return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule)

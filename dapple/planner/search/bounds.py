@@ -6,11 +6,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .. import tuning
+
 if TYPE_CHECKING:
     from ..model.cost import CostModel
 
 INF = float("inf")
-ROW_WISE_DEVICES = 256  # devices from which rest_bound takes one replica count at a time (_rest_row)
 
 
 def efficient_replicas(micro: int, most: int) -> list[int]:
@@ -91,14 +92,14 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: boo
     + one saved slice exceed device memory are excluded, and with ``cut`` (refined model) stages
     whose M T + least AllReduce reaches it (their own chain does: the bound then holds for every plan below
     ``cut``). Computed with numpy over all (c, r, R) at once per j: about 10 N vector operations (fewer and
-    larger than per (j, r), as :func:`period_sums` does); from ROW_WISE_DEVICES devices on, per (j, r)
+    larger than per (j, r), as :func:`period_sums` does); from SearchTuning.row_wise_devices devices on, per (j, r)
     (:func:`_rest_row`), which is faster there.
     """
     N, G = cm.num_layers, devices
     Q = np.full((N + 1, G + 2), INF)  # column G + 1: INF, what a stage of r replicas leaves for R < r
     Q[N, : G + 1] = 0.0
     first = _FirstStages(cm, M, G, cut, overlap)
-    row_wise = G >= ROW_WISE_DEVICES
+    row_wise = G >= tuning.TUNING.row_wise_devices
     if not row_wise:
         left = np.arange(G + 1)[None, :] - first.r[:, None]  # (reps, G + 1): R - r, the devices left for the rest
         left[left < 0] = G + 1
@@ -128,7 +129,7 @@ def _rest_row(Q: np.ndarray, j: int, first: "_FirstStages", T: np.ndarray, ok: n
     """Row ``Q[j]`` of :func:`rest_bound` one replica count r at a time: Q[c, R - r] for R = r..G is a slice of Q
     (no gather) and r's own allowed ends are all it looks at. The same numbers; faster than all counts at once on
     many devices (every slice size of a large micro-batch is a replica count of its own, most allowed only short
-    stages), slower on few (ROW_WISE_DEVICES)."""
+    stages), slower on few (SearchTuning.row_wise_devices)."""
     G = Q.shape[1] - 2  # (column G + 1: rest_bound's INF column)
     row = Q[j, : G + 1]
     for i, r in enumerate(first.reps):

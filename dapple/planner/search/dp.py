@@ -6,13 +6,13 @@ import bisect
 import time
 from typing import TYPE_CHECKING
 
+from .. import tuning
 from ..model.cost import CostModel
 from .bounds import least_work
 from .exact import exact_search
 from .memo import Memo, gc_paused
-from .pruning import BUCKETS_AFTER, TIGHTEN_AFTER, Pruner
-from .records import (INF, Best, BoundOutcome, Found, Incumbent, Outcome, Prefix, RefineOutcome, RunOutcome,
-                      SearchConfig, SearchResult, SeedOutcome)
+from .pruning import Pruner
+from .records import INF, Best, Found, Incumbent, Prefix, Progress, SearchConfig, SearchResult
 from .seeds import Seeder
 from .stage_costs import StageCosts
 from .transitions import Expander
@@ -23,16 +23,12 @@ if TYPE_CHECKING:
 
 __all__ = ["DPSearch", "INF", "SearchConfig", "SearchResult", "can_occupy", "dp_search", "most_stages"]
 
-# memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both
-# are recomputed on use): each takes a few kB, and a search over many servers makes them faster than it reuses them
-COMM_CACHE_LIMIT = 30_000
-
 
 class DPSearch:
     """Formulas 4-5 for one micro-batch size (see :func:`dp_search`): the incumbent, the stage costs, the bounds,
     the memo, the seeds and the transitions it is built from, and the DP over them.
 
-    Its steps, each returning a typed outcome (what a forked worker sends back, :meth:`adopt`): :meth:`seed`,
+    Its steps, each returning its :class:`Progress` (what a forked worker sends back, :meth:`adopt`): :meth:`seed`,
     :meth:`refine_seeds`, :meth:`bound_tables`, :meth:`run`. ``deadline``: a time.perf_counter() value at which
     run() stops with the best plan so far (None: none)."""
 
@@ -86,26 +82,26 @@ class DPSearch:
                             self.states, self.transitions)
 
     # ---- its steps ---------------------------------------------------------------------------------------
-    def seed(self) -> SeedOutcome:
+    def seed(self) -> Progress:
         """The even-split seed plans (Seeder.seed): the best is the incumbent."""
         self.seeder.seed()
-        return SeedOutcome(self.best, self.seeder.kept, self.seeder.priced)
+        return self.progress()
 
-    def refine_seeds(self) -> RefineOutcome:
+    def refine_seeds(self) -> Progress:
         """Local search over the cuts of the best seeds (Seeder.refine_seeds)."""
         self.seeder.refine_seeds()
-        return RefineOutcome(self.best, self.seeder.kept)
+        return self.progress()
 
-    def bound_tables(self) -> BoundOutcome:
+    def bound_tables(self) -> Progress:
         """The rest bounds' tables for plans below the cut as it is now, and the root bound (Pruner.bound_tables)."""
         self.pruner.bound_tables()
-        return BoundOutcome(self.best, self.root_bound)
+        return self.progress()
 
-    def run(self) -> RunOutcome:
+    def run(self) -> Progress:
         """The DP (anytime: it stops at ``deadline`` with the best plan so far, ``complete`` False)."""
         with gc_paused():
             self._run()
-        return RunOutcome(self.best, self.states, self.transitions, self.complete, self.root_bound)
+        return self.progress()
 
     def certify(self, cut: float) -> bool:
         """Every plan of this size below ``cut`` (any split, replicas in any order on any servers) enumerated where
@@ -122,18 +118,18 @@ class DPSearch:
         self.certified = True
         return True
 
-    def adopt(self, outcome: Outcome) -> None:
-        """Stand as if a step whose ``outcome`` a forked worker sent back had run here (what later steps and
-        the caller read of it)."""
-        self.set_best(*outcome.best)
-        if isinstance(outcome, (SeedOutcome, RefineOutcome)):
-            self.seeder.kept = outcome.seeds
-        if isinstance(outcome, SeedOutcome):
-            self.seeder.priced = outcome.priced
-        if isinstance(outcome, (BoundOutcome, RunOutcome)):
-            self.pruner.root_bound = outcome.root_bound
-        if isinstance(outcome, RunOutcome):
-            self.states, self.expander.count, self.complete = outcome.states, outcome.transitions, outcome.complete
+    def progress(self) -> Progress:
+        """What the steps so far have made of this search."""
+        return Progress(self.best, tuple(self.seeder.kept), self.seeder.priced, self.pruner.root_bound, self.states,
+                        self.transitions, self.complete)
+
+    def adopt(self, progress: Progress) -> None:
+        """Stand as the search whose :meth:`progress` a forked worker sent back (its tables stay in the worker)."""
+        self.set_best(*progress.best)
+        self.seeder.kept, self.seeder.priced = list(progress.seeds), progress.priced
+        self.pruner.root_bound, self.states, self.expander.count = progress.root_bound, progress.states, \
+            progress.transitions
+        self.complete = progress.complete
 
     # ---- the DP ------------------------------------------------------------------------------------------
     def _late(self) -> bool:
@@ -150,8 +146,9 @@ class DPSearch:
         states: list[dict] = [dict() for _ in range(self.N + 1)]
         self._one_stage()
         root = Prefix(free=tuple([self.dps] * self.ns), latency=INF)
-        tighten_at, buckets_at = self.states + TIGHTEN_AFTER, self.states + BUCKETS_AFTER
-        pruner, incumbent, cm = self.pruner, self.incumbent, self.cm
+        tune = tuning.TUNING
+        tighten_at, buckets_at = self.states + tune.tighten_after, self.states + tune.buckets_after
+        pruner, incumbent, cm, cache_limit = self.pruner, self.incumbent, self.cm, tune.comm_cache_limit
         for j in range(self.N):
             for pre in ([root] if j == 0 else Memo.frontier(states[j])):
                 self.states += 1
@@ -161,7 +158,7 @@ class DPSearch:
                     pruner.tighten(buckets=True)  # and this large, for their stage-count buckets
                 if self._late():
                     return
-                if cm.cached_pairs() > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
+                if cm.cached_pairs() > cache_limit:  # memoised placements and transfer tables: start afresh
                     self.memo.forget()
                     cm.forget_comm()
                 if not self._pruned(pre, j) and not self._expand_state(states, pre, j):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 import numpy as np
 
 from ...core.schedule import warmup_counts
+from .. import tuning
 from ..model.cost import Span
 from ..model.evaluate import pipeline_costs
 from ..model.memory import slices_that_fit
@@ -18,12 +19,6 @@ from .records import INF, SearchConfig
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
-
-# plans of one micro-batch size (plan_count) above which it is not enumerated:
-# the DP's space (Fresh/Append/Scatter, two replica orders, one prefix per state) is then all it searched
-EXACT_PLANS = 200_000
-# plans of all micro-batch sizes together up to which plan() has the simulator judge every one (every_plan)
-JUDGE_EVERY = 400
 
 
 class Exact(NamedTuple):
@@ -280,7 +275,7 @@ class Walk:
             self.kept.append(least)
 
 
-def exact_search(cm: "CostModel", M: int, config: SearchConfig, cut: float = INF, limit: int = EXACT_PLANS,
+def exact_search(cm: "CostModel", M: int, config: SearchConfig, cut: float = INF, limit: int | None = None,
                  deadline: float | None = None) -> Exact | None:
     """The best plan of one micro-batch size below ``cut`` over every stage split x every assignment of all
     devices (each stage's replicas in every order, as server layouts), by enumeration: splits whose floor
@@ -292,7 +287,8 @@ def exact_search(cm: "CostModel", M: int, config: SearchConfig, cut: float = INF
         M: micro-batches per iteration.
         config: the model, overlap, warmup policy and max_stages searched (SearchConfig).
         cut: only plans below this are of interest.
-        limit: enumerate only instances of at most this many plans (:func:`plan_count`).
+        limit: enumerate only instances of at most this many plans (:func:`plan_count`; None:
+            SearchTuning.exact_plans; above it the DP's space is all that was searched).
         deadline: a time.perf_counter() value past which it gives up (returns None).
 
     Returns:
@@ -300,6 +296,7 @@ def exact_search(cm: "CostModel", M: int, config: SearchConfig, cut: float = INF
         ``deadline``.
     """
     cl = cm.cluster
+    limit = tuning.TUNING.exact_plans if limit is None else limit
     if plan_count(cm.num_layers, cl.servers, cl.devices_per_server, cm.micro, config.max_stages) > limit:
         return None
     todo = splits(cm, M, config, cut)

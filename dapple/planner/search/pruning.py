@@ -9,18 +9,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import tuning
 from .bounds import period_bound, period_cells, rest_bound, stage_u
 from .records import Incumbent, Prefix, SearchConfig
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
-
-TIGHTEN_AFTER = 100  # states expanded before the search tightens its bounds (small searches do not need to)
-BUCKETS_AFTER = 2000  # states expanded before it tightens them again with stage-count buckets (bounds.period_bound)
-PERIOD_THRESHOLDS = 32  # bounds.period_bound's thresholds: it gives up at most (M - 1) x their spacing
-PERIOD_WORK = 10 ** 8  # at most this many array elements for its tables
-PERIOD_COUNTS = 16  # bounds.period_bound's stage-count buckets of the rest (1, 2, ..., at least this many stages)
-PERIOD_MIN_M = 16  # fewer micro-batches: (M - 1) max(F, B) adds too little to pay for the tables
 
 
 def prefix_lead(pre: Prefix, M: int) -> tuple[float, float]:
@@ -123,23 +117,24 @@ class Pruner:
         self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G])
 
     def tighten(self, buckets: bool = False) -> None:
-        """Once the search is large (TIGHTEN_AFTER states): the rest bounds again, now for plans below the cut
-        only (bounds.rest_bound's ``cut``: no stage whose own chain reaches it), and the period bound's tables
-        (bounds.period_bound); with ``buckets`` (a larger search: BUCKETS_AFTER states) per count of the rest's
-        stages too."""
+        """Once the search is large (SearchTuning.tighten_after states): the rest bounds again, now for plans below
+        the cut only (bounds.rest_bound's ``cut``: no stage whose own chain reaches it), and the period bound's tables
+        (bounds.period_bound); with ``buckets`` (a larger search: SearchTuning.buckets_after states) per count of the
+        rest's stages too."""
         cut = self.incumbent.cut
         if not self.refined or cut == INF:
             return
         self.rest_tables(cut)
         M = self.M
         lo, hi = self.rho[self.N] / self.G / 2, cut / (M - 1) if M > 3 else 0.0  # beyond hi: L >= cut
-        # the tables' numpy work: period_cells elements per threshold and stage-count bucket; within PERIOD_WORK,
-        # up to PERIOD_COUNTS buckets (at most M / 4: K <= 2 x stages - 1 nears M only past M / 2 stages) and
-        # PERIOD_THRESHOLDS thresholds, fewer buckets first
-        pairs = PERIOD_WORK // max(1, period_cells(self.cm, M, self.G, cut, self.overlap))
-        C = max(1, min(PERIOD_COUNTS, M // 4, pairs // 24)) if buckets else 1
-        K = min(PERIOD_THRESHOLDS, pairs // C)
-        if hi > lo and K >= 4 and M >= PERIOD_MIN_M:
+        # the tables' numpy work: period_cells elements per threshold and stage-count bucket; within period_work,
+        # up to period_counts buckets (at most M / 4: K <= 2 x stages - 1 nears M only past M / 2 stages) and
+        # period_thresholds thresholds, fewer buckets first
+        tune = tuning.TUNING
+        pairs = tune.period_work // max(1, period_cells(self.cm, M, self.G, cut, self.overlap))
+        C = max(1, min(tune.period_counts, M // 4, pairs // 24)) if buckets else 1
+        K = min(tune.period_thresholds, pairs // C)
+        if hi > lo and K >= 4 and M >= tune.period_min_m:
             self.pv = period_bound(self.cm, M, self.G, lo, hi, K, cut, self.overlap, C)
             self.counts = C
             # the new stage's share of min(F, B) in its U (bounds.stage_u) per bucket of the rest after it

@@ -197,36 +197,14 @@ class Prefix:
         return tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
 
 
-class SeedOutcome(NamedTuple):
-    """What DPSearch.seed() leaves: the incumbent, the seeds kept for refine_seeds(), how many were priced."""
+class Progress(NamedTuple):
+    """What a search's steps (DPSearch.seed, refine_seeds, bound_tables, run) have made of it, as a value: what a
+    forked worker sends back and the search in the parent takes in (DPSearch.adopt)."""
 
     best: Best
-    seeds: list
-    priced: int
-
-
-class RefineOutcome(NamedTuple):
-    """What DPSearch.refine_seeds() leaves: the incumbent (the kept seeds are used up)."""
-
-    best: Best
-    seeds: list
-
-
-class BoundOutcome(NamedTuple):
-    """What DPSearch.bound_tables() leaves: the incumbent and the root bound."""
-
-    best: Best
-    root_bound: float
-
-
-class RunOutcome(NamedTuple):
-    """What DPSearch.run() leaves: the incumbent, the work done, whether it finished and its root bound."""
-
-    best: Best
-    states: int
-    transitions: int
-    complete: bool
-    root_bound: float
-
-
-Outcome = SeedOutcome | RefineOutcome | BoundOutcome | RunOutcome
+    seeds: tuple = ()  # the seed plans kept for refine_seeds(), (L, spans)
+    priced: int = 0  # seed plans seed() priced
+    root_bound: float = 0.0
+    states: int = 0
+    transitions: int = 0
+    complete: bool = True

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..model.cost import ServerLayout
 from ..model.evaluate import pipeline_costs
-from ..model.memory import slices_that_fit
+from ..model.memory import NoFitError, slices_that_fit
 from ..model.pivot import paper_latency
 from ..model.refined import refined_chains
 from .records import INF, Incumbent, Job, Prefix, SearchConfig, StageLists, Tail
@@ -80,7 +80,7 @@ class StageCosts:
             return None
         try:
             pc, D = pipeline_costs(self.cm, spans, self.M, "A", endings=self.overlap)
-        except ValueError:
+        except NoFitError:
             return None
         return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, pc.link_period, W=pc.window, drain=pc.drain_period,
                             queue=pc.queue, feed=pc.feed)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dapple.core.schedule import warmup_counts
-from dapple.planner.search import bounds
+from dapple.planner import tuning
 from dapple.planner.baselines.exhaustive import every_plan, exhaustive_search
 from dapple.planner.model.cost import CostModel
 from dapple.planner.search.bounds import allreduce_floor, efficient_replicas, rest_bound
@@ -105,7 +105,7 @@ def _rest_bound_by_loops(cm, M, G, fill, allreduce, cut, overlap):
 def test_rest_bound_equals_its_definition(allreduce, overlap, row_wise, monkeypatch):
     """The table, computed over every replica count at once (or one at a time, as on many devices), equals the
     DP of its docstring as loops."""
-    monkeypatch.setattr(bounds, "ROW_WISE_DEVICES", 0 if row_wise else 10 ** 9)
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(row_wise_devices=0 if row_wise else 10 ** 9))
     rng = random.Random(7)
     for k in range(6):
         prof = random_profile(rng, rng.randint(2, 6))
@@ -117,7 +117,7 @@ def test_rest_bound_equals_its_definition(allreduce, overlap, row_wise, monkeypa
             assert np.allclose(q, np.array(ref), rtol=1e-12, atol=0), (k, cut)
 
 def test_rest_bound_row_wise_gives_the_same_table(monkeypatch):
-    """Both ways of computing the table (all replica counts at once; one at a time from ROW_WISE_DEVICES devices
+    """Both ways of computing the table (all replica counts at once; one at a time from row_wise_devices devices
     on) give the same numbers, bit for bit, on a case with many replica counts and a cut."""
     rng = random.Random(11)
     prof = random_profile(rng, 12)
@@ -126,7 +126,7 @@ def test_rest_bound_row_wise_gives_the_same_table(monkeypatch):
         for cut in (float("inf"), 2000.0):  # 2000: no plan on 4 devices or fewer (Q[0][5] ~ 1900 ms)
             tables = []
             for devices in (10 ** 9, 0):
-                monkeypatch.setattr(bounds, "ROW_WISE_DEVICES", devices)
+                monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(row_wise_devices=devices))
                 tables.append(rest_bound(cm, 8, 16, fill=True, allreduce=allreduce, cut=cut))
             assert np.isfinite(tables[0][0, 16])
             assert np.array_equal(tables[0], tables[1]), (allreduce, cut)
@@ -205,7 +205,7 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
     """After tighten(): for every plan below the cut and every split into stages so far + the rest, the round
     trip so far + the period bound of the rest (with the plan's own periods and stage count, the most the
     search can know) is at most L, and so are the rest bounds Q and Qar restricted to stages below the cut."""
-    monkeypatch.setattr("dapple.planner.search.pruning.PERIOD_MIN_M", 4)  # the bound holds from M = 4 on
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(period_min_m=4))  # the bound holds from M = 4 on
     checked = excluded = 0
     counts = set()
     cases = small_instances(5, 100, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(32, 64),
