@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from ...core.schedule import policy_warmup
 from .. import tuning
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ def stage_u(M: int, stages: int | None) -> float:
     and M, and its chain and the last stage's ``lead`` give L >= round trip + (M - 1) max + (M - K) min."""
     if M <= 1 or stages is None:
         return 0.0
-    k = min(M, 2 * stages - 1)
+    k = min(M, policy_warmup("B", stages))
     return (M - k) / (M - 1)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...core.schedule import most_warmup, most_warmups
 from .. import tuning
 from .bounds import period_bound, period_cells, rest_bound, stage_u
 from .records import Incumbent, Prefix, SearchConfig
@@ -26,7 +27,7 @@ def prefix_lead(pre: Prefix, M: int) -> tuple[float, float]:
     S = pre.depth + 2
     lead = own = 0.0
     for j in range(pre.depth):
-        k = min(M, max(1, pre.D[j]), 2 * (S - j) - 1)
+        k = most_warmup(S - j, pre.D[j], M)
         f, b = pre.F[2 * j], pre.B[2 * j]
         lead = max(lead, (M - 1) * f + (M - k) * b)
         own = max(own, (M - k) * f + (M - 1) * b)
@@ -50,18 +51,12 @@ def prefix_u_table(pre: Prefix, M: int) -> list:
     a = 2 * (pre.depth - 1)
     f, b = pre.F[a], pre.B[a]
     hi, lo = (f, b) if f > b else (b, f)
-    cap = pre.D[-1] if pre.D[-1] > 1 else 1
-    if cap > M:
-        cap = M
-    m1 = M - 1
-    # the last stage, b = depth - 1: K = min(2 more + 1, cap), constant from more = cap // 2 on
+    d, m1 = pre.D[-1], M - 1
+    cap = most_warmup(M, d, M)  # min(D, M): K of the last stage, b = depth - 1, with M or more stages from it
     last = len(up) - 1
-    n = max(last, cap // 2 + 1)
+    n = max(last, cap // 2 + 1)  # (K is cap from more = cap // 2 on)
     us = []
-    for more in range(n):
-        k = 2 * more + 1
-        if k > cap:
-            k = cap
+    for more, k in enumerate(most_warmups(n, d, M)):  # (more + 1 stages from the last one)
         x = hi + (M - k) / m1 * lo
         y = up[more + 1 if more + 1 < last else last]
         us.append(x if x > y else y)

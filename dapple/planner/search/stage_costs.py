@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from ...core.schedule import warmup_counts
 from ..model.cost import ServerLayout
 from ..model.evaluate import pipeline_costs
 from ..model.memory import NoFitError, slices_that_fit
@@ -13,23 +14,6 @@ from .records import INF, Incumbent, Job, Prefix, SearchConfig, StageLists, Tail
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
-
-
-def warmups(policies: Sequence[str], D: Sequence[int], M: int) -> list[list[int]]:
-    """K per stage for each warmup policy (core.schedule.warmup_counts, inlined: the search prices many plans):
-    K_i = min(S - i (A) or 2(S - i) - 1 (B), D_i, M, K_{i-1}), at least 1."""
-    S = len(D)
-    Ks = []
-    for pol in policies:
-        K, prev = [], M
-        for i in range(S):
-            k = S - i if pol == "A" else 2 * (S - i) - 1
-            d = D[i] if D[i] > 1 else 1
-            k = min(k, d, prev)
-            K.append(k if k > 1 else 1)
-            prev = K[-1]
-        Ks.append(K)
-    return Ks
 
 
 class StageCosts:
@@ -50,7 +34,7 @@ class StageCosts:
         if not self.refined:
             return paper_latency(F, B, AR, M).total, self.policy or "A"
         pols = (self.policy,) if self.policy else ("A", "B")
-        Ks = warmups(pols, D, M)
+        Ks = [warmup_counts(len(D), M, pol, max_in_flight=D) for pol in pols]
         if len(Ks) == 2 and Ks[0] == Ks[1]:
             Ks.pop()
         # the second policy matters only if it is faster: its chains stop once one reaches the first's L
