@@ -11,11 +11,26 @@ from ..core.plan import Plan, Stage
 from ..core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
 from . import tuning
 from .checks import profile_and_cluster
-from .judge import AUTO, Candidate, Verdict, choose, devices_of, every_candidate, settle_schedule
+from .judge import (
+    AUTO,
+    Candidate,
+    Verdict,
+    choose,
+    devices_of,
+    every_candidate,
+    settle_schedule,
+)
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
 from .model.memory import NoFitError, activation_scale, recompute_mode
-from .search.dp import INF, DPSearch, SearchConfig, SearchResult, can_occupy, most_stages
+from .search.dp import (
+    INF,
+    DPSearch,
+    SearchConfig,
+    SearchResult,
+    can_occupy,
+    most_stages,
+)
 from .search.memo import gc_paused
 from .search.records import Progress
 from .simulator.events import simulate

@@ -160,6 +160,13 @@ def search_part(d: Digest, quick: bool) -> None:
         undo()
 
 
+def _keywords(bar: float, overlap: bool, counts: int) -> dict:
+    """period_bound's options by name (its threshold was named ``cut`` before the restructure)."""
+    import inspect
+    name = "bar" if "bar" in inspect.signature(period_bound).parameters else "cut"
+    return {name: bar, "overlap": overlap, "counts": counts}
+
+
 def tables_part(d: Digest, quick: bool) -> None:
     rng = random.Random(3)
     for k in range(3 if quick else 8):
@@ -169,10 +176,10 @@ def tables_part(d: Digest, quick: bool) -> None:
         for cut in (float("inf"), 300.0):
             for ov in (False, True):
                 for ar in (False, True):
-                    q = rest_bound(cm, 16, c.num_devices, fill=True, allreduce=ar, cut=cut, overlap=ov)
+                    q = rest_bound(cm, 16, c.num_devices, True, ar, cut, ov)
                     d.add("rest", k, cut, ov, ar, q.tobytes())
         if c.num_devices >= 4:
-            taus, rows = period_bound(cm, 16, c.num_devices, 1.0, 30.0, 8, 500.0, True, 3)
+            taus, rows = period_bound(cm, 16, c.num_devices, 1.0, 30.0, 8, **_keywords(500.0, True, 3))
             d.add("period", k, taus, rows.V.tobytes(), rows.S.tobytes())
 
 

@@ -38,13 +38,13 @@ def test_workers_copy_back_what_the_seeds_and_the_search_found():
     """Each size's seeds, then its best plan, counts, completeness and root bound, as the same steps in-process."""
     prof, c = random_profile(random.Random(3), 10), cluster(6, 2, inter=3e8)
     here, there = searches(prof, c, 48, [2, 4, 8]), searches(prof, c, 48, [2, 4, 8], workers=2)
-    seeded = [(dp.best, dp.cut, dp.seeder.kept, dp.seeder.priced) for dp in here]
-    assert [(dp.best, dp.cut, dp.seeder.kept, dp.seeder.priced) for dp in there] == seeded
+    seeded = [(dp.best, dp.bar, dp.seeder.kept, dp.seeder.priced) for dp in here]
+    assert [(dp.best, dp.bar, dp.seeder.kept, dp.seeder.priced) for dp in there] == seeded
     assert all(dp.seeder.priced > 0 and dp.best[1] is not None for dp in here)
     in_workers(here, 1, DPSearch.run)
     in_workers(there, 2, DPSearch.run)
-    got = [(dp.best, dp.cut, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in there]
-    assert got == [(dp.best, dp.cut, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in here]
+    got = [(dp.best, dp.bar, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in there]
+    assert got == [(dp.best, dp.bar, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in here]
     assert sum(dp.states for dp in here) > 3  # the searches did work (not only their roots)
     assert [dp.best for dp in here] != [s[0] for s in seeded]  # and found better plans than the seeds
 

@@ -61,8 +61,8 @@ class PipelineCosts:
         if model == "paper":
             return paper_latency(self.F, self.B, self.AR, self.M)
         return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
-                               self.link_period, self.chain, self.window, self.drain_period, self.queue,
-                               self.feed)
+                               link_period=self.link_period, chain=self.chain, window=self.window,
+                               drain_period=self.drain_period, queue=self.queue, feed=self.feed)
 
 
 class PricedStages(NamedTuple):

@@ -14,7 +14,7 @@ from .. import tuning
 from ..model.cost import Span
 from ..model.evaluate import pipeline_costs
 from ..model.memory import slices_that_fit
-from .bounds import allreduce_floor
+from .bound_tables import allreduce_floor
 from .records import INF, SearchConfig
 
 if TYPE_CHECKING:

@@ -33,6 +33,10 @@ class Memo:
         self.listed.clear()
         self._placements.clear()
 
+    def known(self, free: tuple, prev: ServerLayout | None, m: int) -> list | None:
+        """:meth:`options` if they were listed before, else None (not listing them)."""
+        return self.listed.get((free, prev, m))
+
     def options(self, free: tuple, prev: ServerLayout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas after a stage on ``prev`` (memoised), their
         communication costs unfilled (Option.comms: they depend on the previous stage's layout itself)."""

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from .. import tuning
 from ..model.cost import ServerLayout
+from .pricing import StageCosts
 from .records import Incumbent
-from .stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
