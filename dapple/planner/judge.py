@@ -11,7 +11,7 @@ from . import tuning
 from .model.cost import CostModel, ServerLayout
 from .model.evaluate import PipelineCosts, pipeline_costs
 from .model.memory import NoFitError, split_backward_unfit
-from .search.exact import every_plan, plan_count
+from .search.exact import plan_count, priced_plans
 from .simulator.events import simulate
 from .simulator.floor import latency_floor
 from .workers import forked_map
@@ -346,5 +346,5 @@ def every_candidate(searches: Sequence) -> list[Candidate] | None:
            for s in searches) > tuning.TUNING.judge_every:
         return None
     every = [Candidate(lat, s.b, spans, ("enumerated",) * len(spans))
-             for s in searches for lat, spans, _ in every_plan(s.cm, s.M, s.config)]
+             for s in searches for lat, spans, _ in priced_plans(s.cm, s.M, s.config)]
     return sorted(every, key=lambda c: (c.latency, -c.micro_batch_size))

@@ -117,8 +117,10 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
     """:func:`plan` with ``recompute`` settled: the DP's search of every micro-batch size (it models dapple's
     1F1B), then the final choice among its candidates, simulated under ``schedule`` ("auto": dapple and zb-h1)."""
     t0 = time.perf_counter()
-    search, time_limit = _checked(profile, cluster, global_batch_size, model, schedule, warmup_policy,
-                                  optimizer_factor, beam, max_stages, search, time_limit, gap, verify, overlap)
+    search, time_limit = _checked(profile, cluster, global_batch_size, model=model, schedule=schedule,
+                                  warmup_policy=warmup_policy, optimizer_factor=optimizer_factor, beam=beam,
+                                  max_stages=max_stages, search=search, time_limit=time_limit, gap=gap, verify=verify,
+                                  overlap=overlap)
     sizes = _micro_batch_sizes(global_batch_size, micro_batch_size, micro_batch_sizes)
     config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy if model == "refined" else None,
                           optimizer_factor=optimizer_factor, beam=beam, max_stages=max_stages,
@@ -154,7 +156,8 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
                    overlap=overlap, mixed_precision=mixed_precision)
-    meta = _meta(profile, cluster, config, searches, searched, picked, search, time_limit, gap, workers)
+    meta = _meta(profile, cluster, config, searches, searched, picked, search=search, time_limit=time_limit,
+                 gap=gap, workers=workers)
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=global_batch_size, micro_batch_size=picked.chosen.micro_batch_size, stages=stages,
                 schedule=schedule, warmup_policy=picked.chosen.warmup_policy, layer_names=list(profile.layer_names),
@@ -240,9 +243,9 @@ def _check_activations(recompute: object, mixed_precision: object) -> object:
     return recompute
 
 
-def _checked(profile: "Profile", cluster: "Cluster", g: int, model: str, schedule: str, warmup_policy: str | None,
-             optimizer_factor: float, beam: int, max_stages: int | None, search: str, time_limit: float | str | None,
-             gap: float, verify: int, overlap: bool) -> tuple[str, float | None]:
+def _checked(profile: "Profile", cluster: "Cluster", g: int, *, model: str, schedule: str,
+             warmup_policy: str | None, optimizer_factor: float, beam: int, max_stages: int | None, search: str,
+             time_limit: float | str | None, gap: float, verify: int, overlap: bool) -> tuple[str, float | None]:
     """plan()'s arguments checked (a clear error naming a bad value); returns the search and time limit that
     "auto" stands for."""
     profile_and_cluster("plan", profile, cluster)
@@ -407,7 +410,7 @@ def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Verdict, opt
 
 
 def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches: list[DPSearch],
-          searched: _Searched, picked: Verdict, search: str, time_limit: float | None, gap: float,
+          searched: _Searched, picked: Verdict, *, search: str, time_limit: float | None, gap: float,
           workers: int) -> dict:
     """The Plan's meta: what was searched and how, what the search proves, what the simulator said."""
     found = searched.found

@@ -183,6 +183,13 @@ def tables_part(d: Digest, quick: bool) -> None:
             d.add("period", k, taus, rows.V.tobytes(), rows.S.tobytes())
 
 
+def _exact_facts(ex) -> tuple | None:
+    """(L, spans, warmup policy) of exact_search's answer (a Best of a Found after the restructure)."""
+    if ex is None or not hasattr(ex, "found"):
+        return None if ex is None else tuple(ex)[:3]
+    return (ex.latency, ex.found.spans, ex.found.warmup_policy) if ex.found else (ex.latency, (), "A")
+
+
 def exact_part(d: Digest, quick: bool) -> None:
     rng = random.Random(5)
     for _ in range(3 if quick else 8):
@@ -192,7 +199,7 @@ def exact_part(d: Digest, quick: bool) -> None:
         for model, overlap in (("paper", False), ("refined", True)):
             cm, cfg = CostModel(prof, c, 4), SearchConfig(model=model, overlap=overlap)
             ex = exact_search(cm, 8, cfg)
-            d.add("exact", None if ex is None else tuple(ex)[:3])
+            d.add("exact", _exact_facts(ex))
             if c.num_devices <= 4:
                 d.add("every", [tuple(x) for x in listed_plans(cm, 8, cfg)])
 

@@ -73,7 +73,7 @@ class PricedStages(NamedTuple):
 
 
 class _Options(NamedTuple):
-    """evaluate()'s settings once a Plan's own have filled the gaps."""
+    """evaluate()'s settings (as given, or once a Plan's own and the defaults have filled the gaps)."""
 
     global_batch_size: int
     micro_batch_size: int
@@ -105,7 +105,7 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
 
 
 def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "A",
-                   warmup: Sequence[int] | None = None, check: bool = True, endings: bool = True,
+                   warmup: Sequence[int] | None = None, *, check: bool = True, endings: bool = True,
                    recompute: Sequence[bool] | None = None) -> PricedStages:
     """Interleaved costs of stages ``spans`` and D per stage (paper V-C).
 
@@ -151,7 +151,12 @@ def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
             users = add_users(users, cl.servers, 2 * i + 1)
             AR.append(0.0)
             E.append(cl.busiest)
-    K = _warmup(cm, spans, M, policy, warmup, D, RC, check)
+    if warmup is None:  # the policy's K_i within D
+        K = warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
+    else:
+        K = [int(k) for k in warmup]
+        if check:
+            _check_warmup(cm, spans, K, D, RC)
     period, drain = cm.link_periods(spans)
     queue.append(False)  # the last stage: no gradients from below
     return PricedStages(PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F)),
@@ -163,19 +168,13 @@ def _check_memory(i: int, need: StageBytes, mem: float, recompute: bool, warmup:
     check_stage_memory(i, need.static, need.per_slice, mem, warmup, need.once if recompute else None)
 
 
-def _warmup(cm: CostModel, spans: Sequence[Span], M: int, policy: str, warmup: Sequence[int] | None,
-            D: list[int], recompute: list[bool], check: bool) -> list[int]:
-    """K_i: the policy's within D, or ``warmup`` (checked against device memory with ``check``, the stages
-    recomputing as ``recompute`` says)."""
-    if warmup is None:
-        return warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
-    K = [int(k) for k in warmup]
-    if check:
-        for i, (a, c, lay) in enumerate(spans):
-            if K[i] > D[i]:
-                _check_memory(i, cm.stage_bytes(a, c, len(lay), recompute[i]), cm.cluster.device_memory,
-                              recompute[i], K[i])
-    return K
+def _check_warmup(cm: CostModel, spans: Sequence[Span], K: list[int], D: list[int], recompute: list[bool]) -> None:
+    """NoFitError naming the first stage whose given K_i is more than its D slices fit (recomputing as
+    ``recompute`` says)."""
+    for i, (a, c, lay) in enumerate(spans):
+        if K[i] > D[i]:
+            _check_memory(i, cm.stage_bytes(a, c, len(lay), recompute[i]), cm.cluster.device_memory, recompute[i],
+                          K[i])
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
@@ -209,8 +208,8 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
             stage).
     """
     profile_and_cluster("evaluate", profile, cluster)
-    opt = _options(profile, stages, global_batch_size, micro_batch_size, schedule, warmup_policy, model, overlap,
-                   mixed_precision)
+    opt = _options(profile, stages, _Options(global_batch_size, micro_batch_size, schedule, warmup_policy, model,
+                                             overlap, mixed_precision))
     b = opt.micro_batch_size
     sts = stage_list(stages, profile.num_layers, cluster, b)
     M = opt.global_batch_size // b
@@ -271,9 +270,10 @@ def auto_recompute(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
     return hold if lat[1] < lat[0] else need
 
 
-def _options(profile: "Profile", stages: object, g: int | None, b: int | None, schedule: str | None,
-             policy: str | None, model: str | None, overlap: bool | None, mixed_precision: str | None) -> _Options:
-    """evaluate()'s settings: a Plan's own where not given, then the defaults; ValueError naming a bad one."""
+def _options(profile: "Profile", stages: object, given: _Options) -> _Options:
+    """evaluate()'s settings (``given``: as passed, None where not): a Plan's own where not given, then the
+    defaults; ValueError naming a bad one."""
+    g, b, schedule, policy, model, overlap, mixed_precision = given
     if isinstance(stages, Plan):
         mixed_precision = stages.precision(mixed_precision)
     elif mixed_precision is not None:
@@ -319,7 +319,7 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
     """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot."""
     # a split backward holds each micro-batch until its W: stage i holds stage_holds' count, not K_i
     held = stage_holds(pc.K, pc.M) if schedule in SPLIT_BACKWARD else list(pc.K)
-    per = [_stage_details(cm, pc, i, span, D[i], overlap, i + 1 < len(spans), held[i])
+    per = [_stage_details(cm, pc, i, span, D[i], overlap=overlap, held=held[i])
            for i, span in enumerate(spans)]
     busy = 0.0
     for i, (_, _, lay) in enumerate(spans):
@@ -339,8 +339,8 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
                     ending_ms=round(lat.ending, r), pivot_stage=q // 2, details=details)
 
 
-def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int, overlap: bool,
-                   sends: bool, held: int) -> dict:
+def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int, *, overlap: bool,
+                   held: int) -> dict:
     """``details["stages"][i]``: stage i's costs, rounded as Estimate.to_dict writes them (``memory_gb`` with
     ``held`` micro-batches' activations: K_i, or more under a split backward)."""
     a, c, lay = span
@@ -354,7 +354,7 @@ def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int,
         out["recompute"] = True
     if overlap and len(lay) > 1:
         out["overlapped_ending_ms"] = round(pc.E[2 * i], 6)
-    if sends:
+    if 2 * i + 1 < len(pc.F):  # it sends to a next stage
         out["send_forward_ms"] = round(pc.F[2 * i + 1], 6)
         out["send_backward_ms"] = round(pc.B[2 * i + 1], 6)
     return out

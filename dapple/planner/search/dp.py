@@ -125,7 +125,7 @@ class DPSearch:
         if ex is None:
             return False
         if ex.latency < self.incumbent.latency:
-            self.set_best(ex.latency, Found(ex.spans, ("enumerated",) * len(ex.spans), ex.warmup_policy))
+            self.set_best(*ex)
         self.certified = True
         return True
 
