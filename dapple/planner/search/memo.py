@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Sequence
 
 from ..model.cost import ServerLayout
-from .placement import placements
+from .placement import arrange, placements
 from .records import Option
 
 
@@ -70,7 +70,7 @@ class Memo:
             # servers that keep the most free devices first (the larger first slices meet the next stage's there)
             ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
             rank = {s: r for r, s in enumerate(ahead)}
-            like = _arrange(take, first_servers)
+            like = arrange(take, first_servers)
             for new in dict.fromkeys((like, tuple(sorted(like, key=rank.get)))):
                 out.append(self._option(name, new, free2))
         return out
@@ -81,7 +81,7 @@ class Memo:
         wide = n_rest > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
         # the rest's layout only as far as a stage can use it (b replicas): on many servers a whole tail per
         # placement filled gigabytes (a wide rest is never recorded as a plan's last stage)
-        tail = _arrange(free2, new, self.b)
+        tail = arrange(free2, new, self.b)
         canon = self._canon.get((free2, new))
         if canon is None:
             state_key, perm = _canonical(free2, new)
@@ -89,21 +89,6 @@ class Memo:
             canon = self._canon[(free2, new)] = (kid, perm)
         kid, perm = canon
         return (name, new, free2, n_rest, tail, wide, kid, perm, len(set(new)) > 1)
-
-
-def _arrange(take: Sequence[int], prev: ServerLayout | None, limit: int | None = None) -> ServerLayout:
-    """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
-    (split-concat then pairs replicas on the same server where it can); with ``limit``, only the first ones."""
-    first: dict = {}
-    for k, s in enumerate(prev or ()):
-        first.setdefault(s, k)
-    servers = sorted((s for s in range(len(take)) if take[s] > 0), key=lambda s: (first.get(s, 1 << 30), s))
-    out: list = []
-    for s in servers:
-        out += [s] * take[s]
-        if limit is not None and len(out) >= limit:
-            return tuple(out[:limit])
-    return tuple(out)
 
 
 def _canonical(free: Sequence[int], last: ServerLayout) -> tuple[bytes, list[int]]:

@@ -61,12 +61,14 @@ class StageCosts:
             pre.latency = self.plan_latency(pre.costs)[0]
         return pre.latency
 
-    def evaluate_spans(self, spans: Sequence[tuple[int, int, ServerLayout]]) -> tuple[float, str] | None:
-        """Latency of complete stages with the same model as the search (None if a stage does not fit)."""
+    def evaluate_spans(self, spans: Sequence[tuple[int, int, ServerLayout]], *,
+                       check: bool = True) -> tuple[float, str] | None:
+        """(L, warmup policy) of complete stages with the same model as the search (None if a stage does not fit in
+        memory; ``check`` False: priced anyway, K_i at least 1) or has more replicas than micro-batch rows)."""
         if any(len(lay) > self.b for _, _, lay in spans):
             return None
         try:
-            pc, D = pipeline_costs(self.cm, spans, self.M, "A", endings=self.overlap)
+            pc, D = pipeline_costs(self.cm, spans, self.M, "A", check=check, endings=self.overlap)
         except NoFitError:
             return None
         return self.latency(pc.F, pc.B, pc.AR, pc.E, pc.chain, D, link_period=pc.link_period, window=pc.window,
@@ -85,10 +87,10 @@ class StageCosts:
         hit = row[a]
         if hit is None:
             cm = self.cm
-            f, bb = cm.compute(a, self.N, len(lay))
+            f, b = cm.compute(a, self.N, len(lay))
             d = cm.fits(a, self.N, len(lay))
-            e = cm.overlapped_ending(a, self.N, lay) if self.overlap else bb
-            hit = row[a] = Tail(f, bb, cm.allreduce(a, self.N, lay), e, d)
+            e = cm.overlapped_ending(a, self.N, lay) if self.overlap else b
+            hit = row[a] = Tail(f, b, cm.allreduce(a, self.N, lay), e, d)
         return hit
 
     def stage_costs(self, j: int, m: int, multi: bool) -> StageLists:
