@@ -149,3 +149,29 @@ def test_an_explicit_zero_bubble_plan_that_does_not_fit_is_refused():
     assert "no lower bound is claimed" in str(zb)
     with pytest.raises(ValueError, match=r"schedule='zb-h1': the plan found does not fit: stage 3 would hold 4"):
         dapple.plan(prof, c, 64, 8, overlap=True, schedule="zb-h1", verify=0)  # the DP's own plan, unjudged
+
+
+def test_the_judge_leaves_out_a_candidate_that_does_not_fit_and_raises_any_other_error(monkeypatch):
+    """choose() prices each candidate and leaves out one that does not fit (NoFitError: no trial of it is listed);
+    any other error is raised, not taken for "does not fit"."""
+    from dapple.planner import judge
+    from dapple.planner.model.memory import NoFitError
+
+    prof, c = linear_profile([1.0] * 4, boundary=1e3), cluster(1, 2)
+    first, second = ((0, 2, (0,)), (2, 4, (0,))), ((0, 1, (0,)), (1, 4, (0,)))
+    cands = [judge.Candidate(100.0, 8, first, ("fresh", "rest")), judge.Candidate(101.0, 8, second, ("even",) * 2)]
+    kw = dict(model="refined", overlap=False, schedule="dapple", warmup_policy=None, optimizer_factor=4.0, verify=2)
+    assert judge.choose(prof, c, 64, cands, **kw).listed == 4  # two candidates x policies A and B
+    real = judge.pipeline_costs
+
+    def second_fails(error):
+        def priced(cm, spans, *a, **k):
+            if tuple(spans) == second:
+                raise error
+            return real(cm, spans, *a, **k)
+        return priced
+    monkeypatch.setattr(judge, "pipeline_costs", second_fails(NoFitError("stage 1 does not fit")))
+    assert judge.choose(prof, c, 64, cands, **kw).listed == 2
+    monkeypatch.setattr(judge, "pipeline_costs", second_fails(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        judge.choose(prof, c, 64, cands, **kw)
