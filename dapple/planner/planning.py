@@ -372,8 +372,8 @@ def _certify(searches: list[DPSearch], searched: _Searched, gap: float) -> None:
     the lower bound the model's optimum); a plan the DP missed becomes its size's best."""
     for s in searches:
         before = s.best.latency
-        cut = (searched.found.latency if searched.found is not None else INF) / (1 + gap)
-        if not s.certify(cut) or s.best.latency >= before:
+        bar = (searched.found.latency if searched.found is not None else INF) / (1 + gap)
+        if not s.certify(bar) or s.best.latency >= before:
             continue
         res = s.result()
         searched.bests = [c for c in searched.bests if c.micro_batch_size != s.b] + [
@@ -474,7 +474,7 @@ def lower_bound(searches: Sequence[DPSearch], best: float, gap: float = 0.0) -> 
     """A lower bound on the modelled L of every plan, after the searches (one per micro-batch size; the others fit
     no device) ran: a size whose every plan below ``best`` / (1 + ``gap``) was enumerated (DPSearch.certify)
     has none below that; any other contributes its root bound (DPSearch.root_bound: the rest bounds at the root,
-    over the stages below the cut the search started with, and once it tightened them the same below its cut
+    over the stages below the bar the search started with, and once it tightened them the same below its bar
     then and the period bound), whatever its search found: the DP keeps one prefix per state and tries only
     Fresh/Append/Scatter placements in two replica orders, so a finished search proves no more than that."""
     return min([best / (1 + gap)] + [s.root_bound for s in searches if not s.certified])

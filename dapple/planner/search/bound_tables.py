@@ -76,25 +76,12 @@ def _ring_floor(rings: list, reps: np.ndarray, params: np.ndarray) -> np.ndarray
 
 def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: bool = False,
                bar: float = INF, overlap: bool = False) -> np.ndarray:
-    """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every
-    split into stages of at most ``cm.micro`` replicas (a stage of r replicas takes T = F + B of its slice of
-    ceil(micro / r) rows, communication taken as 0).
-
-    Both latency models satisfy L >= M (F_s + B_s) for every stage s; the refined model also L >= (the
-    first micro-batch's forwards before s) + M (F_s + B_s) + max(the last gradient's backwards before s,
-    AR_s) (``refined.refined_chains``: a stage's chain ends with the longer of its AllReduce and the way
-    down). Without ``allreduce`` the bound takes the backwards (``fill``: T of every earlier stage, AllReduce
-    0); with it the AllReduce (at least :func:`allreduce_floor`; F of every earlier stage, no backwards):
-    two valid bounds, whose larger one the search uses. ``overlap`` (the AllReduce overlaps the last
-    backward): a stage's chain ends E_s - B_s after its last backward, and E_s >= AR_s
-    (``CostModel.overlapped_ending``), so max(AR_s - B_s, 0) takes AR_s's place. The min over splits of the
-    max over stages is a DP from the last layer backwards: Q[j, R] = min over the first stage [j, c) on r
-    replicas of max(M T + AR, offset + Q[c, R - r]), Q[N, .] = 0. Stages whose parameters x optimizer factor
-    + one saved slice exceed device memory are excluded, and with ``bar`` (refined model) stages
-    whose M T + least AllReduce reaches it (their own chain does: the bound then holds for every plan below
-    ``bar``). Computed with numpy over all (c, r, R) at once per j: about 10 N vector operations (fewer and
-    larger than per (j, r), as :func:`period_sums` does); from SearchTuning.row_wise_devices devices on, per (j, r)
-    (:func:`_rest_row`), which is faster there.
+    """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every split
+    into stages of at most ``cm.micro`` replicas, since every stage's own chain is part of L (docs/planner.md,
+    "The bounds": the proof, and ``fill``, ``allreduce``, ``overlap``). Stages that do not fit in memory are left
+    out, and with ``bar`` those whose own chain reaches it (the bound holds for every plan below ``bar``). Numpy
+    over all (c, r, R) at once per j, or per replica count from SearchTuning.row_wise_devices devices on
+    (:func:`_rest_row`, faster there).
     """
     N, G = cm.num_layers, devices
     Q = np.full((N + 1, G + 2), INF)  # column G + 1: INF, what a stage of r replicas leaves for R < r
@@ -206,18 +193,12 @@ def period_cells(cm: "CostModel", M: int, devices: int, bar: float = INF, overla
 def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, thresholds: int,
                  *, bar: float = INF, overlap: bool = False, counts: int = 1) -> tuple[list, "PeriodRows"]:
     """Tables for a lower bound on L - (one micro-batch's round trip so far) of any split of layers [j, N) into
-    c + 1 stages (c = counts - 1: at least counts) on at most R devices that follows stages whose largest U is
-    t_c (refined model, M > 3; U as in :func:`period_sums`, with the stage count of the whole plan).
-
-    In ``refined.refined_chains`` every stage b's chain is at least the round trip of one micro-batch (every
-    stage's and transfer's F on the way up and B on the way down) plus (M - 1) B_b + (M - K_b) F_b: its M
-    backwards after the first gradient reaches it and the forwards its warmup did not hide. The last stage's
-    is at least the round trip plus (M - 1) F_b + (M - K_b) B_b of each stage b above it (forwards reach it no
-    closer than b releases them, ``lead``). So L >= (round trip so far) + sum over the rest's stages of T +
-    (M - 1) max(t, max U). Over thresholds ``taus`` (``thresholds`` of them from ``lo`` to ``hi``, then
-    infinity) a split whose largest U lies in (taus[k-1], taus[k]] adds at least V[k][c][j][R] + (M - 1)
-    max(t_c, taus[k-1]) (:func:`period_sums`); returns (taus, V, S) with S[k] = min over k' >= k of V[k'] +
-    (M - 1) taus[k'-1] (taus[-1] = 0); returns (taus, :class:`PeriodRows`), read by ``Pruner.period_rest``."""
+    c + 1 stages (c = counts - 1: at least counts) on at most R devices after stages whose largest U is t_c
+    (refined model, M > 3), since each stage's M backwards and unhidden forwards follow the round trip
+    (docs/planner.md, "The bounds"). Over ``thresholds`` thresholds from ``lo`` to ``hi`` (then infinity), a split
+    whose largest U lies in (taus[k-1], taus[k]] adds at least V[k][c][j][R] + (M - 1) max(t_c, taus[k-1])
+    (:func:`period_sums`), and S[k] = min over k' >= k of V[k'] + (M - 1) taus[k'-1]; returns (taus,
+    :class:`PeriodRows` of V and S), read by ``Pruner.period_rest``."""
     taus = np.linspace(lo, hi, thresholds)
     V = period_sums(cm, M, devices, np.concatenate([taus, [INF]]), bar=bar, overlap=overlap,
                     counts=counts)  # (K + 1, C, N + 1, G + 1)

@@ -240,21 +240,9 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
               optimizer_factor: float = 4.0, beam: int = 1, incumbent: float = INF,
               seed: bool = True, max_stages: int | None = None, partial_kinds: int | None = None,
               time_limit: float | None = None, gap: float = 0.0) -> SearchResult | None:
-    """Formulas 4-5 for one micro-batch size: T_PL(j', m+m', g+g') = L of (planned stages + a new stage
-    [j, j') on m' devices placed by Fresh/Append/Scatter First + the rest as one stage on the free devices).
-
-    Memoised on (j, free devices per server, where the last stage's replicas sit), up to server symmetry:
-    servers with the same descriptor are interchangeable for every later decision and cost, and the last
-    stage's replica positions decide the split-concat routes to the next stage (the free counts alone do
-    not). Each key keeps the ``beam`` best prefixes (the paper keeps one): exact only if a longer plan's L
-    were a function of the key, which it is not, so this is where the DP is heuristic (brute force on small
-    clusters: tests/planner/search/test_dp.py). Best means the lowest floor, the least L any completion can
-    have by the bounds, then formula 5's L (the prefix + the rest as one stage): the paper ranks by formula 5
-    alone, but with many layers left the rest-as-one-stage dominates it. Replica order inside a stage: two
-    candidates (aligned with the previous stage; fullest remaining servers first).
-
-    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the seed plans
-    with their cuts refined by local search, and every complete plan the DP meets): see bounds.Pruner.
+    """Formulas 4-5 for one micro-batch size (reference.py states them; docs/planner.md, "Inside the search", says
+    how this DP keys, ranks and prunes): the best plan it meets, each state keeping the ``beam`` prefixes with the
+    lowest floor, since with many layers left formula 5's rest-as-one-stage dominates formula 5 itself.
 
     Args:
         profile, cluster, global_batch_size, micro_batch_size: the instance (M = global / micro micro-batches).

@@ -135,12 +135,8 @@ class FloorTerms:
 
 def split_floor(terms: FloorTerms, M: int, bounds: tuple, counts: tuple) -> float:
     """A lower bound on L of every plan with these stages, whatever their servers (INF: a stage does not fit in
-    device memory). Over the interleaved stages (compute, transfers), each at its least: a transfer as if both
-    stages sat on one server (no slower than across servers, :func:`comm_floor`), an AllReduce on its cheapest ring
-    (bounds.allreduce_floor). Formula 2: M (F_s + B_s) of each stage s, a transfer's included. The refined model
-    (bounds.rest_bound, DPSearch's bounds): the first micro-batch's forwards W before s + M (F_s + B_s) + the
-    longer of the last gradient's backwards before s and s's AllReduce (overlapped: what of it outlasts its last
-    backward); a transfer: W + M F + the backwards before it."""
+    device memory): the rest bound's terms (docs/planner.md, "The bounds") with each transfer as if both stages sat
+    on one server (:func:`comm_floor`) and each AllReduce on its cheapest ring, since neither can be cheaper."""
     out = w = bsum = 0.0  # (refined) the first micro-batch's forwards before s; the last one's backwards
     refined = terms.config.refined
     for s, r in enumerate(counts):

@@ -92,11 +92,9 @@ class Memo:
 
 
 def _canonical(free: Sequence[int], last: ServerLayout) -> tuple[bytes, list[int]]:
-    """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it). The
-    paper memoises on the devices used (formula 4's (j, m, g)); up to server symmetry that is the multiset of
-    free counts. The last stage's replica counts per server are added because they decide the split-concat
-    routes to the next stage (where on a server the replicas sit in the stage's order is left out: merging
-    those keeps the DP exact on every brute-force instance, tests/planner/search/test_dp.py)."""
+    """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it): the paper's
+    devices used, up to server symmetry, and the last stage's replicas per server, which decide the routes to the
+    next stage (docs/planner.md, "Formulas 4 and 5")."""
     count: dict = {}
     for x in last:
         count[x] = count.get(x, 0) + 1
