@@ -21,7 +21,7 @@ from .bound_tables import (
     rest_bound,
     stage_u,
 )
-from .records import NewStage, Prefix, StageEnd, Start, Tail
+from .records import Prefix, StageEnd, StageLists, Start, Tail
 
 if TYPE_CHECKING:
     from ..model.transfers import CommLinks
@@ -180,14 +180,15 @@ class Pruner:
             return None
         return lo
 
-    def ends(self, new: NewStage, start: Start, lo: int, ts: list | None = None,
+    def ends(self, new: StageLists, n_rest: int, start: Start, lo: int, ts: list | None = None,
              first: bool = False) -> list[StageEnd]:
-        """The ends j2 >= ``lo`` of a ``new`` stage from ``start`` that pass the bounds, each with the least L of a
-        completion by the rest bounds (raised to the period bound where ``ts``, period_rest's t per bucket of the
-        rest, is given). ``first``: only the first such end."""
+        """The ends j2 >= ``lo`` of a new stage (``new``: its costs per end, StageCosts.stage_costs) from ``start``,
+        ``n_rest`` devices left for the rest, that pass the bounds, each with the least L of a completion by the rest
+        bounds (raised to the period bound where ``ts``, period_rest's t per bucket of the rest, is given).
+        ``first``: only the first such end."""
         N, M, bar, Q, Qar, fill = self.N, self.M, self.incumbent.bar, self.Q, self.Qar, self.fill
-        fs, bs, ars, ds = self.costs.stage_costs(new.j, new.m, new.multi)
-        refined, ar_less, n_rest = self.refined, self.ar_less, new.n_rest
+        fs, bs, ars, ds = new
+        refined, ar_less = self.refined, self.ar_less
         base, W, Bsum = start
         pv = self.pv is not None and ts is not None
         out = []

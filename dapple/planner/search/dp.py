@@ -16,7 +16,6 @@ from .records import (
     Best,
     Found,
     Incumbent,
-    NewStage,
     Prefix,
     Progress,
     SearchConfig,
@@ -196,7 +195,8 @@ class DPSearch:
 
     def _expand_state(self, pre: Prefix, j: int) -> bool:
         """Every new stage [j, j2) on m replicas after ``pre`` whose ends pass the bounds (False: out of time)."""
-        N, pruner, memo, expander, deadline = self.N, self.pruner, self.memo, self.expander, self.deadline
+        N, pruner, memo, expander, costs = self.N, self.pruner, self.memo, self.expander, self.costs
+        deadline = self.deadline
         free, prev = pre.free, pre.last
         R, most, links = sum(free), max(free), max(pre.links.server_max, pre.links.dev)
         bar = self.incumbent.bar  # (the bar when the state is reached: its ends below are read against it)
@@ -216,7 +216,7 @@ class DPSearch:
             if placed is not None:
                 kinds = [multi for multi in kinds if any(option.multi == multi for option in placed)]
             ts = pruner.period_ts(pre, 1, min(R - m, N - j - 1), links) if pruner.has_period_bound else None
-            gate = {multi: pruner.ends(NewStage(j, m, multi, R - m), start, lo, ts, prev is not None)
+            gate = {multi: pruner.ends(costs.stage_costs(j, m, multi), R - m, start, lo, ts, prev is not None)
                     for multi in kinds}
             if not any(gate.values()):
                 continue

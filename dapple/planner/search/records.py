@@ -128,15 +128,6 @@ class StageLists(NamedTuple):
     fits: list  # slices that fit in device memory
 
 
-class NewStage(NamedTuple):
-    """A new stage [j, .) on m replicas (spanning servers or not), with n_rest devices left for the rest after it."""
-
-    j: int
-    m: int
-    multi: bool
-    n_rest: int
-
-
 class Start(NamedTuple):
     """Where a new stage starts in one micro-batch's round trip: the least L the stages before it allow (``base``),
     their forwards (with the transfer into it: when the first micro-batch reaches it) and their backwards (the

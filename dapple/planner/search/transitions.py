@@ -11,7 +11,6 @@ from .pricing import StageCosts
 from .records import (
     Completion,
     Links,
-    NewStage,
     Option,
     PlanCosts,
     Prefix,
@@ -173,8 +172,8 @@ class Expander:
             self._ends(arr, ends, False)  # the gate's ends, with every bound
         elif arr.start.base < self.incumbent.bar:
             # without the period bound: checked below only for the ends that pass the cheaper ones (few do)
-            new = NewStage(j, len(option.new), option.multi, option.n_rest)
-            self._ends(arr, self.pruner.ends(new, arr.start, ends[0].end), self.pruner.has_period_bound)
+            new = self.costs.stage_costs(j, len(option.new), option.multi)
+            self._ends(arr, self.pruner.ends(new, option.n_rest, arr.start, ends[0].end), self.pruner.has_period_bound)
 
     def _period(self, arr: Arrival, low: float, end: StageEnd) -> float:
         """``low`` raised to the period bound of the new stage after the transfer into it (its ts made on first
