@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...core.schedule import most_warmup, most_warmups
+from ...core.schedule import most_warmup, most_warmups, policy_warmup
 from .. import tuning
 from .bound_tables import (
     allreduce_floor,
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from ..model.transfers import CommLinks
     from .pricing import StageCosts
     from .transitions import Arrival
+
+# the most K the stage before the last can have (two stages from it to the last: policy B's 3)
+NEXT_TO_LAST_K = policy_warmup("B", 2)
 
 __all__ = ["Pruner", "allreduce_floor", "efficient_replicas", "least_work", "prefix_lead", "prefix_u_table",
            "rest_bound"]
@@ -246,10 +249,10 @@ class Pruner:
         tail = below if below > own - t_b else own - t_b
         supply = max(pre.fmax, arr.busy, f, busy, t_f)
         pace = max(f + b, t_f + t_b, link_period)
-        up = 3 if M > 3 else M
+        up = NEXT_TO_LAST_K if M > NEXT_TO_LAST_K else M
         arrive = min(min(M - 1, up - 1) * supply + (M - up) * pace, (M - 1) * pace)
         lead, own = pre.lead if pre.lead is not None else prefix_lead(pre, M)
-        k = 3 if M > 3 else M  # the new stage's K at most
+        k = NEXT_TO_LAST_K if M > NEXT_TO_LAST_K else M  # the new stage's K at most
         arrive = max(arrive, lead, (M - 1) * f + (M - k) * b)
         steady = max((M - 1) * (t_f + t_b), arrive + t_f - t_f)  # in refined_chains' order of operations
         trip = arr.start.forward_sum + f + busy + t_f + t_b
@@ -261,7 +264,8 @@ class Pruner:
         """t for :meth:`period_rest` after stages whose largest U is ``u`` and whose links take at least ``links``
         ms per micro-batch (forwards reach the last stage one per link period)."""
         M = self.M
-        x = links * (M - 3) / (M - 1) if M > 3 else 0.0
+        k = NEXT_TO_LAST_K
+        x = links * (M - k) / (M - 1) if M > k else 0.0
         return u if u > x else x
 
     def period_ts(self, pre: Prefix, after: int, most: int, links: float) -> list:
