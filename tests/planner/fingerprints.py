@@ -25,33 +25,14 @@ import dapple  # noqa: E402
 from dapple.core.plan import Plan, Stage  # noqa: E402
 from dapple.core.schedule import warmup_counts  # noqa: E402
 from dapple.planner import evaluate, simulate  # noqa: E402
+from dapple.planner.judge import Candidate, choose  # noqa: E402
 from dapple.planner.model.cost import CostModel  # noqa: E402
 from dapple.planner.model.evaluate import pipeline_costs  # noqa: E402
 from dapple.planner.search import records  # noqa: E402
+from dapple.planner.search.bound_tables import period_bound, rest_bound  # noqa: E402
 from dapple.planner.search.dp import DPSearch, SearchConfig  # noqa: E402
+from dapple.planner.search.exact import exact_search, priced_plans  # noqa: E402
 from tests.planner.helpers import cluster, random_profile, small_instances  # noqa: E402
-
-try:  # (the modules' homes before and after the search's restructure)
-    from dapple.planner.search.bound_tables import period_bound, rest_bound
-except ImportError:
-    from dapple.planner.search.bounds import period_bound, rest_bound
-try:
-    from dapple.planner.search.exact import every_plan as listed_plans
-    from dapple.planner.search.exact import exact_search
-except ImportError:
-    from dapple.planner.search.exact import exact_search
-    from dapple.planner.search.exact import priced_plans as listed_plans
-try:
-    from dapple.planner.judge import choose
-except ImportError:
-    from dapple.planner.search.choice import choose
-try:
-    from dapple.planner.judge import Candidate
-except ImportError:
-    try:
-        from dapple.planner.search.records import Candidate
-    except ImportError:
-        from dapple.planner.search.choice import Candidate
 
 
 class Digest:
@@ -78,21 +59,10 @@ def _plain(x):
     return x
 
 
-def _field(p, *names):
-    for n in names:
-        if hasattr(p, n):
-            return getattr(p, n)
-    raise AttributeError(names)
-
-
 def _prefix_facts(p) -> tuple:
-    """What a prefix says (names of the fields before and after the restructure)."""
-    costs = getattr(p, "costs", None)
-    F = costs.F if costs is not None else p.F
-    B = costs.B if costs is not None else p.B
+    """What a prefix says: its stage, state, bounds, formula 5's L where priced, its stages' F and B."""
     return (p.depth, tuple(p.span) if p.span is not None else None, p.perm, p.free, p.lb, p.floor, p.latency,
-            p.policies, tuple(F), tuple(B), _field(p, "W", "forward_sum"), _field(p, "Bsum", "backward_sum"),
-            p.below, p.fmax)
+            p.policies, tuple(p.costs.F), tuple(p.costs.B), p.forward_sum, p.backward_sum, p.below, p.fmax)
 
 
 def hook_prefixes(digest: Digest):
@@ -160,13 +130,6 @@ def search_part(d: Digest, quick: bool) -> None:
         undo()
 
 
-def _keywords(bar: float, overlap: bool, counts: int) -> dict:
-    """period_bound's options by name (its threshold was named ``cut`` before the restructure)."""
-    import inspect
-    name = "bar" if "bar" in inspect.signature(period_bound).parameters else "cut"
-    return {name: bar, "overlap": overlap, "counts": counts}
-
-
 def tables_part(d: Digest, quick: bool) -> None:
     rng = random.Random(3)
     for k in range(3 if quick else 8):
@@ -179,14 +142,14 @@ def tables_part(d: Digest, quick: bool) -> None:
                     q = rest_bound(cm, 16, c.num_devices, True, ar, cut, ov)
                     d.add("rest", k, cut, ov, ar, q.tobytes())
         if c.num_devices >= 4:
-            taus, rows = period_bound(cm, 16, c.num_devices, 1.0, 30.0, 8, **_keywords(500.0, True, 3))
+            taus, rows = period_bound(cm, 16, c.num_devices, 1.0, 30.0, 8, bar=500.0, overlap=True, counts=3)
             d.add("period", k, taus, rows.V.tobytes(), rows.S.tobytes())
 
 
 def _exact_facts(ex) -> tuple | None:
-    """(L, spans, warmup policy) of exact_search's answer (a Best of a Found after the restructure)."""
-    if ex is None or not hasattr(ex, "found"):
-        return None if ex is None else tuple(ex)[:3]
+    """(L, spans, warmup policy) of exact_search's answer (None: not enumerated)."""
+    if ex is None:
+        return None
     return (ex.latency, ex.found.spans, ex.found.warmup_policy) if ex.found else (ex.latency, (), "A")
 
 
@@ -201,7 +164,7 @@ def exact_part(d: Digest, quick: bool) -> None:
             ex = exact_search(cm, 8, cfg)
             d.add("exact", _exact_facts(ex))
             if c.num_devices <= 4:
-                d.add("every", [tuple(x) for x in listed_plans(cm, 8, cfg)])
+                d.add("every", [tuple(x) for x in priced_plans(cm, 8, cfg)])
 
 
 def choice_part(d: Digest, quick: bool) -> None:
@@ -254,7 +217,7 @@ def plan_part(d: Digest, quick: bool) -> None:
             p = dapple.plan(prof, c, g, **kw)
             d.add("plan", _plan_facts(p))
         except ValueError as e:
-            d.add("plan-error", str(e))  # (its message: the class may become a ValueError's subclass)
+            d.add("plan-error", str(e))  # (by its message: its class is a ValueError's subclass or not)
 
 
 def model_part(d: Digest, quick: bool) -> None:
