@@ -59,15 +59,17 @@ def warmup_counts(num_stages: int, num_micro_batches: int, policy: str = "A",
         limits = list(max_in_flight)
         if len(limits) != num_stages:
             raise ValueError(f"max_in_flight: expected one value per stage ({num_stages}), got {limits}")
-    ks = []
-    for i in range(num_stages):
+    ks, prev = [], num_micro_batches  # (the planner prices many plans: comparisons, not min and max calls)
+    for i, limit in enumerate(limits):
         k = policy_warmup(policy, num_stages - i)
-        if limits[i] is not None:
-            k = min(k, limits[i])
-        k = max(1, min(k, num_micro_batches))
-        if ks:
-            k = min(k, ks[-1])
+        if limit is not None and limit < k:
+            k = limit
+        if prev < k:  # at most M, and never more than the stage before
+            k = prev
+        if k < 1:
+            k = 1
         ks.append(k)
+        prev = k
     return ks
 
 

@@ -99,14 +99,10 @@ class Pruner:
         self.tables_bar: float | None = None  # the bar Q and Qar were made for
         self.Q = self.Qcol = self.Qar = self.Qarcol = None
         self.pv = None
+        self.has_period_bound = False  # whether :meth:`tighten` made the period bound's tables (pv)
         self.counts = 1  # period_bound's stage-count buckets (tighten() sets them)
         self.new_share: list = [0.0]
         self.root_bound = 0.0
-
-    @property
-    def has_period_bound(self) -> bool:
-        """Whether the period bound's tables are made (:meth:`tighten`): then the ends ask for it too."""
-        return self.pv is not None
 
     # ---- the tables ------------------------------------------------------------------------------------------
     def rest_tables(self, bar: float) -> None:
@@ -150,6 +146,7 @@ class Pruner:
         K = min(tune.period_thresholds, pairs // C)
         if hi > lo and K >= 4 and M >= tune.period_min_m:
             self.pv = period_bound(self.cm, M, self.G, lo, hi, K, bar=bar, overlap=self.overlap, counts=C)
+            self.has_period_bound = True
             self.counts = C
             # the new stage's share of min(F, B) in its U (bound_tables.stage_u) per bucket of the rest after it
             self.new_share = [stage_u(M, c + 2 if c < C - 1 else None) for c in range(C)]

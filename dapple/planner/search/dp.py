@@ -200,6 +200,7 @@ class DPSearch:
         free, prev = pre.free, pre.last
         R, most, links = sum(free), max(free), max(pre.links.server_max, pre.links.dev)
         bar = self.incumbent.bar  # (the bar when the state is reached: its ends below are read against it)
+        period = pruner.has_period_bound  # (only tighten() changes it, between states)
         # formula 2 has no fill/drain bound: its stages start at 0
         start = Start(pre.lb, pre.forward_sum, pre.backward_sum) if self.refined else Start(pre.lb, 0.0, 0.0)
         for m in range(1, min(R - 1, self.b) + 1):
@@ -215,7 +216,7 @@ class DPSearch:
             placed = memo.known(free, prev, m)  # listed before: only the kinds its placements have
             if placed is not None:
                 kinds = [multi for multi in kinds if any(option.multi == multi for option in placed)]
-            ts = pruner.period_ts(pre, 1, min(R - m, N - j - 1), links) if pruner.has_period_bound else None
+            ts = pruner.period_ts(pre, 1, min(R - m, N - j - 1), links) if period else None
             gate = {multi: pruner.ends(costs.stage_costs(j, m, multi), R - m, start, lo, ts, prev is not None)
                     for multi in kinds}
             if not any(gate.values()):

@@ -27,11 +27,11 @@ NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before 
 
 
 class Arrival:
-    """A prefix, a placement of the new stage [j, .) after it and the transfer into it: the interleaved costs up
-    to the new stage (``head``), where it starts (``start``), the links' loads with the transfer in (``links``,
-    refined model) and what is priced once asked (the server links' users, the period bound's ts)."""
+    """A prefix, a placement of the new stage [j, .) after it and the transfer into it (``link_in``; None for the
+    first stage): where the new stage starts (``start``), the links' loads with the transfer in (``links``, refined
+    model) and what is priced once asked (the server links' users, the period bound's ts)."""
 
-    __slots__ = ("pre", "j", "option", "skey", "refined", "start", "busy", "chain", "servers", "head", "links",
+    __slots__ = ("pre", "j", "option", "skey", "refined", "start", "link_in", "busy", "chain", "servers", "links",
                  "server_drain", "queue", "n_all", "shared", "period_ts")
 
     def __init__(self, pre: Prefix, j: int, option: Option, M: int, refined: bool, counted: bool):
@@ -44,10 +44,10 @@ class Arrival:
         self.shared, self.period_ts, self.server_drain = False, None, 0.0
         if pair_in is None:  # the first stage: nothing before it
             self.start, self.busy, self.chain, self.servers = Start(pre.lb, 0.0, 0.0), 0.0, None, ()
-            self.head = PlanCosts([], [], [], [], [], pre.costs.D, [], None)
-            self.links = Links(users=None)
+            self.link_in, self.links = None, Links(users=None)
         else:
-            self._across(pair_in(j - 1), pair_in.ports, M)
+            self.link_in = pair_in(j - 1)
+            self._across(self.link_in, pair_in.ports, M)
         self.queue = (*self.links.queue, queues(self.links.hot, pair_out.ports), False) if refined else None
 
     def _across(self, link: "CommLinks", ports_in, M: int) -> None:
@@ -58,9 +58,6 @@ class Arrival:
         self.busy, self.chain, self.servers = busy, chain, link.servers
         queue = was.queue + (queues(was.hot, ports_in),)  # the last stage's, now that its next is known
         base = max(pre.lb, M * 2 * busy if not refined else pre.forward_sum + M * busy + pre.backward_sum)
-        c = pre.costs
-        self.head = PlanCosts(c.F + [busy], c.B + [busy], c.AR + [0.0], c.E + [busy], c.chain + [chain], c.D,
-                              c.window + [link.window], None)
         if not refined:
             self.start = Start(base, 0.0, 0.0)
             self.links = Links(servers=was.servers, last_in=link.receive, queue=queue, hot=link.hot, users=None)
@@ -117,14 +114,20 @@ class Arrival:
                 max(links.dev_drain, out, into, self.server_drain, one))
 
     def completed(self, end: StageEnd, e: float, link: "CommLinks", rest: Tail, periods: tuple) -> PlanCosts:
-        """Formula 5's inputs: the head + the new stage ending at ``end`` (overlapped ending ``e``), completed by the
-        transfer ``link`` into the rest, the rest as one stage and the plan's link ``periods``."""
-        h, f, b = self.head, end.f, end.b
+        """Formula 5's inputs: the prefix's interleaved stages, the transfer in and the new stage ending at ``end``
+        (overlapped ending ``e``), completed by the transfer ``link`` into the rest, the rest as one stage and the
+        plan's link ``periods``."""
+        c, f, b, t = self.pre.costs, end.f, end.b, self.link_in
         t_f, t_b, t_ar, t_e, t_d = rest
-        return PlanCosts(h.F + [f], h.B + [b], h.AR + [end.allreduce], h.E + [e], h.chain + [b], h.D + [end.fits],
-                         h.window + [b], Completion(link.busiest, t_f, t_b, t_ar, t_e, link.chain, link.window, t_d,
-                                                    periods[0], periods[1], self.queue,
-                                                    self.feed_of(link) if self.refined else None))
+        if t is None:
+            F, B, AR, E, C, W = [f], [b], [end.allreduce], [e], [b], [b]
+        else:
+            busy = t.busiest
+            F, B, AR = c.F + [busy, f], c.B + [busy, b], c.AR + [0.0, end.allreduce]
+            E, C, W = c.E + [busy, e], c.chain + [t.chain, b], c.window + [t.window, b]
+        return PlanCosts(F, B, AR, E, C, c.D + [end.fits], W,
+                         Completion(link.busiest, t_f, t_b, t_ar, t_e, link.chain, link.window, t_d, periods[0],
+                                    periods[1], self.queue, self.feed_of(link) if self.refined else None))
 
 
 class Reached:
