@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..model.cost import Span
+from ..model.cost import LinkPeriods, Span
 from ..model.transfers import NO_USERS, add_users, feeds, queues
 from .bounds import Pruner
 from .pricing import StageCosts
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..model.transfers import CommLinks
 
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
+NO_PERIODS = LinkPeriods(0.0, 0.0)  # formula 2's: it has no link periods
 
 
 class Arrival:
@@ -94,7 +95,7 @@ class Arrival:
                 return None
         return feeds(add_users(users, link.servers, self.n_all - 2), self.n_all)
 
-    def link_periods(self, link: "CommLinks") -> tuple[float, float]:
+    def link_periods(self, link: "CommLinks") -> LinkPeriods:
         """CostModel.link_periods of prefix + new + rest, ``link`` the transfer to the rest: (link period, drain
         period)."""
         loads, out, into = self.links.servers, link.send, link.receive
@@ -110,10 +111,10 @@ class Arrival:
             if d > one:
                 one = d
         links = self.links
-        return (max(links.dev, out + links.last_in, into, links.server_max, two),
-                max(links.dev_drain, out, into, self.server_drain, one))
+        return LinkPeriods(max(links.dev, out + links.last_in, into, links.server_max, two),
+                           max(links.dev_drain, out, into, self.server_drain, one))
 
-    def completed(self, end: StageEnd, e: float, link: "CommLinks", rest: Tail, periods: tuple) -> PlanCosts:
+    def completed(self, end: StageEnd, e: float, link: "CommLinks", rest: Tail, periods: LinkPeriods) -> PlanCosts:
         """Formula 5's inputs: the prefix's interleaved stages, the transfer in and the new stage ending at ``end``
         (overlapped ending ``e``), completed by the transfer ``link`` into the rest, the rest as one stage and the
         plan's link ``periods``."""
@@ -126,8 +127,8 @@ class Arrival:
             F, B, AR = c.F + [busy, f], c.B + [busy, b], c.AR + [0.0, end.allreduce]
             E, C, W = c.E + [busy, e], c.chain + [t.chain, b], c.window + [t.window, b]
         return PlanCosts(F, B, AR, E, C, c.D + [end.fits], W,
-                         Completion(link.busiest, t_f, t_b, t_ar, t_e, link.chain, link.window, t_d, periods[0],
-                                    periods[1], self.queue, self.feed_of(link) if self.refined else None))
+                         Completion(link.busiest, t_f, t_b, t_ar, t_e, link.chain, link.window, t_d, periods.period,
+                                    periods.drain, self.queue, self.feed_of(link) if self.refined else None))
 
 
 class Reached:
@@ -216,7 +217,7 @@ class Expander:
             if not full or floor <= bucket[-1].floor:  # (ties: by latency, in _keeps)
                 reached = Reached(end, lb, rest_floor, link, rest, bucket, full)
                 reached.e = None if self.overlap else b
-                reached.periods = None if refined else (0.0, 0.0)
+                reached.periods = None if refined else NO_PERIODS
                 self._transition(arr, reached, True)
             else:  # its prefix would not enter: it matters only as a complete plan that beats the best
                 quick = quick_floor(end, link, rest, start)  # (most stop here)
@@ -229,11 +230,11 @@ class Expander:
         that can neither beat the best nor enter the bucket."""
         inc, end = self.incumbent, r.end
         r.e = None if self.overlap else end.b
-        r.periods = None if self.refined else (0.0, 0.0)
+        r.periods = None if self.refined else NO_PERIODS
         if self.refined:  # the rest's own chain (refined_chains with K = 1)
             r.e = self.cm.overlapped_ending(arr.j, end.end, arr.option.new) if r.e is None else r.e
             r.periods = arr.link_periods(r.link)
-            quick = self.pruner.rest_chain(arr, end, r.link, r.rest, r.e, r.periods[0])
+            quick = self.pruner.rest_chain(arr, end, r.link, r.rest, r.e, r.periods.period)
         if quick >= inc.bar:
             return
         if deferred:
@@ -278,7 +279,7 @@ class Expander:
         if r.low is None:
             r.low, r.tight = self.pruner.quick_floor(r.end, r.link, r.rest, arr.start), not self.refined
         if not r.tight and r.low < limit:
-            r.low = self.pruner.rest_chain(arr, r.end, r.link, r.rest, r.e, r.periods[0])
+            r.low = self.pruner.rest_chain(arr, r.end, r.link, r.rest, r.e, r.periods.period)
             r.tight = True
 
     def _keeps(self, held: Prefix, planned: PlanCosts, lat: float | None, arr: Arrival,
