@@ -183,9 +183,9 @@ class Pruner:
     def ends(self, new: StageLists, n_rest: int, start: Start, lo: int, ts: list | None = None,
              first: bool = False) -> list[StageEnd]:
         """The ends j2 >= ``lo`` of a new stage (``new``: its costs per end, StageCosts.stage_costs) from ``start``,
-        ``n_rest`` devices left for the rest, that pass the bounds, each with the least L of a completion by the rest
-        bounds (raised to the period bound where ``ts``, period_rest's t per bucket of the rest, is given).
-        ``first``: only the first such end."""
+        ``n_rest`` devices left for the rest, that pass the bounds, each with the least L of the stages up to it and
+        of a completion by the rest bounds (raised to the period bound where ``ts``, period_rest's t per bucket of the
+        rest, is given). ``first``: only the first such end."""
         N, M, bar, Q, Qar, fill = self.N, self.M, self.incumbent.bar, self.Q, self.Qar, self.fill
         fs, bs, ars, ds = new
         refined, ar_less = self.refined, self.ar_less
@@ -194,7 +194,8 @@ class Pruner:
         out = []
         for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the bar
             f, b, ar = fs[j2], bs[j2], ars[j2]
-            if max(base, W + M * (f + b) + (max(Bsum, ar - ar_less * b) if refined else Bsum)) >= bar:
+            lb = max(base, W + M * (f + b) + (max(Bsum, ar - ar_less * b) if refined else Bsum))
+            if lb >= bar:
                 break  # a longer new stage is only slower
             fits = ds[j2]
             if fits < 1:
@@ -207,7 +208,7 @@ class Pruner:
                 low = self.with_period(low, j2, f, b, n_rest, ts, start)
                 if low >= bar:
                     continue
-            out.append(StageEnd(j2, f, b, ar, fits, low))
+            out.append(StageEnd(j2, f, b, ar, fits, lb, low))
             if first:
                 break
         return out

@@ -139,14 +139,15 @@ class Start(NamedTuple):
 
 
 class StageEnd(NamedTuple):
-    """An end j2 of a new stage [j, j2) that passes the bounds (Pruner.ends): the stage's costs and the least L of a
-    completion by the rest bounds."""
+    """An end j2 of a new stage [j, j2) that passes the bounds (Pruner.ends): the stage's costs, the least L the
+    stages so far with it allow and the least L of a completion by the rest bounds."""
 
     end: int
     f: float
     b: float
     allreduce: float
     fits: int  # slices that fit in device memory
+    lb: float  # from the stages up to it: its start's base, or its own chain from the first micro-batch's arrival
     rest_floor: float
 
 

@@ -191,16 +191,13 @@ class Expander:
     def _ends(self, arr: Arrival, ends: list[StageEnd], deferred: bool) -> None:
         """Each of ``ends`` after the transfer into the new stage: the cheap checks here (most ends stop at them),
         then :meth:`_transition`, through :meth:`_outside` where the prefix would not enter its state."""
-        inc, M, refined, ar_less, beam = self.incumbent, self.M, self.refined, self.pruner.ar_less, self.beam
+        inc, refined, beam = self.incumbent, self.refined, self.beam
         quick_floor, states, skey, start = self.pruner.quick_floor, self.states, arr.skey, arr.start
-        base, W, Bsum = start
         comm_to_rest = arr.option.comms[1]
         tails, tail_layout = self.costs.tails(arr.option.tail), arr.option.tail
         for end in ends:
-            j2, f, b, ar, _, rest_floor = end
-            # the ends' own check again: a plan recorded in this loop may have lowered the bar since
-            lb = max(base, W + M * (f + b) + (max(Bsum, ar - ar_less * b) if refined else Bsum))
-            if lb >= inc.bar:
+            j2, _, b, _, _, lb, rest_floor = end
+            if lb >= inc.bar:  # (Pruner.ends checked it: a plan recorded in this loop may have lowered the bar since)
                 break
             if rest_floor >= inc.bar:  # the rest bounds, from Pruner.ends
                 continue
