@@ -14,7 +14,6 @@ from ...core.schedule import warmup_counts
 from .. import tuning
 from ..model.cost import Span
 from ..model.evaluate import pipeline_costs
-from ..model.memory import slices_that_fit
 from .bound_tables import allreduce_floor
 from .records import INF, Best, Found, SearchConfig
 
@@ -117,7 +116,7 @@ class FloorTerms:
         key = (a, c, r)
         if key not in self.stages:
             cm, config = self.cm, self.config
-            if slices_that_fit(cm.static_bytes(a, c), cm.saved_bytes(a, c, r), cm.cluster.device_memory) < 1:
+            if cm.fits(a, c, r) < 1:  # (a recomputing stage holds its inputs too)
                 self.stages[key] = None
             else:
                 f, b = cm.compute(a, c, r)
