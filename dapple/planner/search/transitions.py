@@ -59,9 +59,10 @@ class Arrival:
         self.busy, self.chain, self.servers = busy, chain, link.servers
         queue = was.queue + (queues(was.hot, ports_in),)  # the last stage's, now that its next is known
         base = max(pre.lb, M * 2 * busy if not refined else pre.forward_sum + M * busy + pre.backward_sum)
+        # Links by position below: a third of the keywords' cost, and an arrival is made per placement tried
         if not refined:
             self.start = Start(base, 0.0, 0.0)
-            self.links = Links(servers=was.servers, last_in=link.receive, queue=queue, hot=link.hot, users=None)
+            self.links = Links(was.servers, 0.0, 0.0, link.receive, 0.0, queue, link.hot, None)
             return
         loads = dict(was.servers)
         for s, tu, td in link.servers:
@@ -69,9 +70,9 @@ class Arrival:
             loads[s] = (u + tu, d + td)
         self.server_drain = max((u if u > d else d for u, d in loads.values()), default=0.0)
         self.start = Start(base, pre.forward_sum + busy, pre.backward_sum + chain)
-        self.links = Links(servers=loads, server_max=max((u + d for u, d in loads.values()), default=0.0),
-                           dev=max(was.dev, link.send + was.last_in), last_in=link.receive,
-                           dev_drain=max(was.dev_drain, link.send, link.receive), queue=queue, hot=link.hot, users=None)
+        self.links = Links(loads, max((u + d for u, d in loads.values()), default=0.0),  # (servers, server_max,)
+                           max(was.dev, link.send + was.last_in), link.receive,  # (dev, last_in,)
+                           max(was.dev_drain, link.send, link.receive), queue, link.hot, None)  # (dev_drain, ...)
 
     def users(self) -> dict:
         """The prefix's and the transfer in's server link users (transfers.add_users; refined model, on first use)."""
