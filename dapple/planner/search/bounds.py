@@ -1,5 +1,4 @@
-"""The search's bounds behind one interface, Pruner: the least L any completion of a prefix can have, so the DP
-drops what cannot beat the bar (docs/planner.md, "The bounds", has the proofs)."""
+"""The search's bounds behind one interface, Pruner: the least L any completion of a prefix can have."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Every plan of a small instance below a bar, enumerated with a lower bound: the proof behind "the model's best";
-its enumerator of device assignments (Layouts) is the exhaustive baseline's too."""
+"""Certificates: every plan of a small instance below a bar, enumerated (the proof behind "the model's best")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The planner's DP as paper section IV-C states it (formulas 4 and 5), with nothing that makes it fast: read this
-first. dp.DPSearch is the same recurrence with bounds (bounds.Pruner), a memo up to server symmetry (memo.py) and
-seed plans (seeds.py); tests/planner/search/test_reference.py checks that the two find the same plans."""
+"""The planner's DP as paper section IV-C states it (formulas 4 and 5), nothing that makes it fast: read it first.
+
+dp.DPSearch is the same recurrence with bounds (bounds.Pruner), a memo up to server symmetry (memo.py) and seed plans
+(seeds.py); tests/planner/search/test_reference.py checks that the two find the same plans.
+"""
 
 from __future__ import annotations
 

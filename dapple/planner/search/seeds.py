@@ -1,5 +1,4 @@
-"""Seed plans for the DP's bound: S stages of about G/S replicas on consecutive devices or scattered over the last
-servers, cut to balance, refined."""
+"""Seed plans for the DP's first bar: even splits on consecutive devices or over the last servers, cuts refined."""
 
 from __future__ import annotations
 
