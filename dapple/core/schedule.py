@@ -22,6 +22,25 @@ class Op(NamedTuple):
         return f"{self.kind}{self.micro_batch}"
 
 
+def policy_warmup(policy: str, stages: int) -> int:
+    """K_i by the warmup policy alone, for a stage with ``stages`` = S - i stages from it to the last (itself
+    included): S - i (policy A) or 2(S - i) - 1 (policy B, never the smaller)."""
+    return stages if policy == "A" else 2 * stages - 1
+
+
+def most_warmup(stages: int, max_in_flight: int, num_micro_batches: int) -> int:
+    """The most K_i can be under either policy (B's), with ``stages`` = S - i stages from stage i to the last, D
+    slices that fit (at least 1) and M micro-batches: what a lower bound on a plan's latency may assume."""
+    d = max_in_flight if max_in_flight > 1 else 1
+    return min(num_micro_batches, d, policy_warmup("B", stages))
+
+
+def most_warmups(count: int, max_in_flight: int, num_micro_batches: int) -> list[int]:
+    """[most_warmup(s, D, M) for s = 1 .. count] (policy B's K_i, written out: the search asks for many)."""
+    cap = min(num_micro_batches, max_in_flight if max_in_flight > 1 else 1)
+    return [2 * s - 1 if 2 * s - 1 < cap else cap for s in range(1, count + 1)]
+
+
 def warmup_counts(num_stages: int, num_micro_batches: int, policy: str = "A",
                   max_in_flight: Sequence[int] | int | None = None) -> list[int]:
     """K_i per stage: policy A K_i = min(S-i, D), policy B K_i = min(2(S-i)-1, D) (paper V-C), within [1, M].
@@ -40,15 +59,17 @@ def warmup_counts(num_stages: int, num_micro_batches: int, policy: str = "A",
         limits = list(max_in_flight)
         if len(limits) != num_stages:
             raise ValueError(f"max_in_flight: expected one value per stage ({num_stages}), got {limits}")
-    ks = []
-    for i in range(num_stages):
-        k = num_stages - i if policy == "A" else 2 * (num_stages - i) - 1
-        if limits[i] is not None:
-            k = min(k, limits[i])
-        k = max(1, min(k, num_micro_batches))
-        if ks:
-            k = min(k, ks[-1])
+    ks, prev = [], num_micro_batches  # (the planner prices many plans: comparisons, not min and max calls)
+    for i, limit in enumerate(limits):
+        k = policy_warmup(policy, num_stages - i)
+        if limit is not None and limit < k:
+            k = limit
+        if prev < k:  # at most M, and never more than the stage before
+            k = prev
+        if k < 1:
+            k = 1
         ks.append(k)
+        prev = k
     return ks
 
 

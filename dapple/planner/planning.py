@@ -4,34 +4,44 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from itertools import takewhile
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
 from ..core.plan import Plan, Stage
 from ..core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
+from . import tuning
 from .checks import profile_and_cluster
 from .profiled import profiled
+from .judge import (
+    AUTO,
+    Candidate,
+    Verdict,
+    choose,
+    devices_of,
+    every_candidate,
+    settle_schedule,
+)
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
-from .model.memory import activation_scale, recompute_mode
-from .schedule_choice import AUTO, settle_schedule
-from .search import choice, forking
-from .search.choice import Candidate, Choice, choose, devices_of
-from .search.dp import INF, DPSearch, SearchConfig, SearchResult, can_occupy, most_stages
-from .search.forking import Step, in_workers, resolve_workers
+from .model.memory import NoFitError, activation_scale, recompute_mode
+from .search.dp import (
+    INF,
+    DPSearch,
+    SearchConfig,
+    SearchResult,
+    can_occupy,
+    most_stages,
+)
 from .search.memo import gc_paused
+from .search.records import Progress
 from .simulator.events import simulate
+from .workers import forked_map, resolve_workers
 
 if TYPE_CHECKING:
     from ..core.cluster import Cluster
     from ..core.profile import Profile
 
 SEARCHES = ("auto", "full", "compact")
-COMPACT_ABOVE = 4  # search="auto": servers above which the compact search is used
-EARLY_BOUNDS = 0.02  # seeds taking this share of time_limit: the sizes that may start late bound themselves first
-REFINE_WITHIN = 0.05  # micro-batch sizes whose best seed plan is within this of the best plan so far get refined seeds
-COMPACT_TIME_LIMIT = 60.0  # time_limit="auto": seconds the compact search may take (the full search: no limit)
 
 
 def divisors(n: int) -> list[int]:
@@ -75,22 +85,22 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         max_stages: the most stages (pipeline depth) a plan may have.
         search: "full" composes Fresh/Append/Scatter freely; "compact" keeps only placements after which all
             partly used servers are alike (large clusters in seconds; docs/planner.md); "auto": full up to
-            COMPACT_ABOVE servers, compact above.
+            SearchTuning.compact_above servers, compact above.
         time_limit: seconds; when they run out the best plan found so far is returned and
             ``meta["search_complete"]`` is False (``meta["latency_lower_bound_ms"]`` says how far from the
-            optimum it can be). "auto": no limit for the full search, COMPACT_TIME_LIMIT for the compact one;
-            None or math.inf: no limit.
+            optimum it can be). "auto": no limit for the full search, SearchTuning.compact_time_limit for the
+            compact one; None or math.inf: no limit.
         gap: a fraction (e.g. 0.01): the search drops whatever cannot beat the best plan found by more than this,
             so the plan is within (1 + gap) of the one the search would find without it, sooner.
         verify: the final choice among the DP's plan, the best plan of each other micro-batch size (full search)
-            and the sizes' seed plans, the first ``verify`` of them modelled within choice.VERIFY_WITHIN of the
-            DP's plan, each with the warmup policies modelled within that of the better one, is made by the event
-            simulator (0: trust the model; skipped above choice.SIMULATE_LIMIT devices x micro-batches); ``meta``
-            records it. Where all sizes have at most exact.JUDGE_EVERY plans together, the simulator judges every
-            plan and policy instead.
+            and the sizes' seed plans, the first ``verify`` of them modelled within SearchTuning.verify_within of
+            the DP's plan, each with the warmup policies modelled within that of the better one, is made by the
+            event simulator (judge.py; 0: trust the model; skipped above SearchTuning.simulate_limit devices x
+            micro-batches); ``meta`` records it. Where all sizes have at most SearchTuning.judge_every plans
+            together, the simulator judges every plan and policy instead.
         workers: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
-            any number); "auto" as docs/planner.md says. A worker that dies or is stuck (forking.WORKER_STUCK)
-            makes plan() raise RuntimeError.
+            any number); "auto" as docs/planner.md says. A worker that dies or is stuck
+            (SearchTuning.worker_stuck) makes plan() raise RuntimeError.
         recompute: False, True (every stage) or "auto": only where memory binds and it is faster (docs/planner.md).
         mixed_precision: "bf16"/"fp16": activations take half the bytes (docs/planner.md); None: full precision.
         shard_optimizer: each stage's optimizer state is sharded over its replicas (ZeRO-1: train with
@@ -101,7 +111,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         The Plan, with its estimate and ``meta`` (what was searched, how, and what it proves).
 
     Raises:
-        ValueError: a bad argument (naming it), or no plan fits in device memory.
+        ValueError: a bad argument (naming it); NoFitError (a ValueError): no plan fits in device memory.
         TypeError: ``profile`` or ``cluster`` is not a loaded Profile / Cluster.
     """
     if schedule in (AUTO, *SPLIT_BACKWARD) or _check_activations(recompute, mixed_precision) == "auto":
@@ -117,8 +127,10 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
     """:func:`plan` with ``recompute`` settled: the DP's search of every micro-batch size (it models dapple's
     1F1B), then the final choice among its candidates, simulated under ``schedule`` ("auto": dapple and zb-h1)."""
     t0 = time.perf_counter()
-    search, time_limit = _checked(profile, cluster, global_batch_size, model, schedule, warmup_policy,
-                                  optimizer_factor, beam, max_stages, search, time_limit, gap, verify, overlap)
+    search, time_limit = _checked(profile, cluster, global_batch_size, model=model, schedule=schedule,
+                                  warmup_policy=warmup_policy, optimizer_factor=optimizer_factor, beam=beam,
+                                  max_stages=max_stages, search=search, time_limit=time_limit, gap=gap, verify=verify,
+                                  overlap=overlap)
     flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
     sizes = _micro_batch_sizes(global_batch_size, micro_batch_size, micro_batch_sizes)
     config = SearchConfig(model=model, overlap=overlap, warmup_policy=warmup_policy if model == "refined" else None,
@@ -133,29 +145,31 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
     deadline = t0 + time_limit if time_limit is not None else None
     # full search: each other size's own best within VERIFY_WITHIN is a candidate too (the compact search of large
     # clusters keeps the tight bound: it would take far longer)
-    widen = 1 + choice.VERIFY_WITHIN if verify and search == "full" else 1.0
-    early = deadline is not None and seeding > EARLY_BOUNDS * time_limit
+    within = tuning.TUNING.verify_within
+    widen = 1 + within if verify and search == "full" else 1.0
+    early = deadline is not None and seeding > tuning.TUNING.early_bounds * time_limit
     searched = _search(searches, workers, deadline, widen, early)
     _certify(searches, searched, gap)
     if searched.found is None:
-        raise ValueError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
+        raise NoFitError(f"no plan of {profile.model} fits on {cluster.name or 'the cluster'} "
                          f"({cluster.num_devices} devices of {cluster.device_memory / 1e9:.3g} GB) with micro-batch "
                          f"sizes {sorted(sizes)}: even the best split exceeds device memory; try a larger cluster or "
                          f"smaller micro-batches{'' if mixed_precision else ', or mixed_precision=bf16'}"
                          f"{'' if shard_optimizer else ', or shard_optimizer=True'}")
     cands = _candidates(searched, seeds)
-    every = choice.every_candidate(searches) if verify else None  # a small instance: the simulator judges every plan
+    every = every_candidate(searches) if verify else None  # a small instance: the simulator judges every plan
     picked = choose(profile, cluster, global_batch_size, cands if every is None else cands[:1] + every, model=model,
                     overlap=overlap, schedule=schedule, warmup_policy=warmup_policy, optimizer_factor=optimizer_factor,
                     verify=verify if every is None else len(every) + 1, deadline=deadline, workers=workers,
-                    spare=spare, within=choice.VERIFY_WITHIN if every is None else INF, recompute=recompute,
+                    spare=spare, within=within if every is None else INF, recompute=recompute,
                     mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
     stages = _stages(profile, cluster, global_batch_size, picked, optimizer_factor, config)
     schedule = picked.chosen.schedule  # "auto": the simulator's choice (dapple where nothing was simulated)
     est = evaluate(profile, cluster, stages, global_batch_size, picked.chosen.micro_batch_size, schedule=schedule,
                    warmup_policy=picked.chosen.warmup_policy, optimizer_factor=optimizer_factor, model=model,
                    overlap=overlap, mixed_precision=mixed_precision, shard_optimizer=shard_optimizer)
-    meta = _meta(profile, cluster, config, searches, searched, picked, search, time_limit, gap, workers)
+    meta = _meta(profile, cluster, config, searches, searched, picked, search=search, time_limit=time_limit,
+                 gap=gap, workers=workers)
     meta["planning_time_s"] = round(time.perf_counter() - t0, 4)
     return Plan(global_batch_size=global_batch_size, micro_batch_size=picked.chosen.micro_batch_size, stages=stages,
                 schedule=schedule, warmup_policy=picked.chosen.warmup_policy, layer_names=list(profile.layer_names),
@@ -165,16 +179,15 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
 def _settled(args: dict) -> Plan:
     """schedule "auto" or a split-backward one (zb-h1): the plan :func:`_planned` finds (``args``: plan()'s
     arguments; its DP models dapple's 1F1B, its simulator judges the candidates under the schedules asked for),
-    its schedule then settled by ``schedule_choice.settle_schedule``: "auto" takes zb-h1 where the simulator finds
+    its schedule then settled by ``judge.settle_schedule``: "auto" takes zb-h1 where the simulator finds
     it faster (only where every stage can hold K_0 micro-batches until their W; ``meta["schedule_choice"]``
-    records it); zb-h1 asked for by name must fit so (ValueError naming the stage). Re-estimated (and
+    records it); zb-h1 asked for by name must fit so (NoFitError naming the stage). Re-estimated (and
     re-simulated if it was) where that changed the schedule. A zb-h1 plan claims no lower bound: the search's
     is one of the 1F1B model (``meta["search_schedule"]``)."""
     p = _planned(**args)
     profile, cluster = args["profile"], args["cluster"]
-    schedule, record = settle_schedule(args["schedule"], profile, cluster, p.stages, p.global_batch_size,
-                                       p.micro_batch_size, bool(p.meta.get("overlap")), args["optimizer_factor"],
-                                       p.mixed_precision, p.shard_optimizer)
+    schedule, record = settle_schedule(args["schedule"], p, profile, cluster, overlap=bool(p.meta.get("overlap")),
+                                       optimizer_factor=args["optimizer_factor"])
     meta = {**p.meta, **({"schedule_choice": record} if record is not None else {})}
     if schedule in SPLIT_BACKWARD:
         meta.pop("latency_lower_bound_ms", None)
@@ -201,12 +214,12 @@ def _where_memory_binds(args: dict) -> Plan:
     for rc in (False, True):
         try:
             found = plan(**{**args, "recompute": rc})
-        except ValueError as e:  # no plan fits that way
+        except NoFitError as e:  # no plan fits that way
             errors.append(e)
             continue
         try:
             found = _reflagged(found, args["profile"], args["cluster"], args["optimizer_factor"])
-        except ValueError:  # a zb-h1 stage whose K_i fits may still need recomputation to hold K_0: keep it
+        except NoFitError:  # a zb-h1 stage whose K_i fits may still need recomputation to hold K_0: keep it
             pass
         plans.append(found)
     if not plans:
@@ -244,9 +257,9 @@ def _check_activations(recompute: object, mixed_precision: object) -> object:
     return recompute
 
 
-def _checked(profile: "Profile", cluster: "Cluster", g: int, model: str, schedule: str, warmup_policy: str | None,
-             optimizer_factor: float, beam: int, max_stages: int | None, search: str, time_limit: float | str | None,
-             gap: float, verify: int, overlap: bool) -> tuple[str, float | None]:
+def _checked(profile: "Profile", cluster: "Cluster", g: int, *, model: str, schedule: str,
+             warmup_policy: str | None, optimizer_factor: float, beam: int, max_stages: int | None, search: str,
+             time_limit: float | str | None, gap: float, verify: int, overlap: bool) -> tuple[str, float | None]:
     """plan()'s arguments checked (a clear error naming a bad value); returns the search and time limit that
     "auto" stands for."""
     profile_and_cluster("plan", profile, cluster)
@@ -267,9 +280,9 @@ def _checked(profile: "Profile", cluster: "Cluster", g: int, model: str, schedul
     if search not in SEARCHES:
         raise ValueError(f"search: expected one of {SEARCHES}, got {search!r}")
     if search == "auto":
-        search = "compact" if cluster.servers > COMPACT_ABOVE else "full"
+        search = "compact" if cluster.servers > tuning.TUNING.compact_above else "full"
     if time_limit == "auto":
-        time_limit = COMPACT_TIME_LIMIT if search == "compact" else None
+        time_limit = tuning.TUNING.compact_time_limit if search == "compact" else None
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
     flag("overlap", overlap, "AllReduce overlapped with the last backward")
@@ -315,9 +328,9 @@ def _seeded(searches: list[DPSearch], workers: int, spare: int) -> tuple[int, fl
     the others' search). Returns the workers from now on (auto, a full search whose seeds took long: so will its
     searches, which then fork too; the plan is the same), the seconds the seeds took, and the seed plans."""
     t_seed = time.perf_counter()
-    in_workers(searches, workers, Step.SEED)
+    in_workers(searches, workers, DPSearch.seed)
     seeding = time.perf_counter() - t_seed
-    if workers < spare and seeding > forking.FORK_WORTH:
+    if workers < spare and seeding > tuning.TUNING.fork_worth:
         workers = spare
     refine_promising(searches, workers)
     seeds = [Candidate(s.best.latency, s.b, s.best.found.spans, s.best.found.policies)
@@ -340,23 +353,23 @@ class _Searched:
 def _search(searches: list[DPSearch], workers: int, deadline: float | None, widen: float,
             early: bool) -> _Searched:
     """The DP of every size in two waves, each searched side by side by the workers: the promising sizes (seeds
-    within REFINE_WITHIN of the best), bounded by the best seed plan x ``widen``; then the rest, bounded by the
-    best plan of the first wave (the sizes of a wave share nothing while they run: the plan does not depend on
-    the workers). ``early``: the sizes that may start after the deadline make their root bounds (for the lower
+    within SearchTuning.refine_within of the best), bounded by the best seed plan x ``widen``; then the rest,
+    bounded by the best plan of the first wave (the sizes of a wave share nothing while they run: the plan does not
+    depend on the workers). ``early``: the sizes that may start after the deadline make their root bounds (for the lower
     bound) first, below the first wave's bound, and then search only if time is left."""
-    lead = searches[0].best.latency
-    waves = [[s for s in searches if s.best.latency <= lead * (1 + REFINE_WITHIN)],
-             [s for s in searches if s.best.latency > lead * (1 + REFINE_WITHIN)]]
+    lead, near = searches[0].best.latency, 1 + tuning.TUNING.refine_within
+    waves = [[s for s in searches if s.best.latency <= lead * near],
+             [s for s in searches if s.best.latency > lead * near]]
     if early:
         late = waves[0][workers:] + waves[1]
         _bound_by(late, searches[0], lead * widen)
-        in_workers(late, workers, Step.BOUND_TABLES)
+        in_workers(late, workers, DPSearch.bound_tables)
     out = _Searched()
     for wave in waves:
         _bound_by(wave, searches[0], (out.found.latency if out.found else lead) * widen)
         for s in wave:
             s.deadline = deadline
-        in_workers(wave, workers, Step.RUN)
+        in_workers(wave, workers, DPSearch.run)
         for s in wave:
             out.complete = out.complete and s.complete
             out.tried.append(s.b)
@@ -373,8 +386,8 @@ def _certify(searches: list[DPSearch], searched: _Searched, gap: float) -> None:
     the lower bound the model's optimum); a plan the DP missed becomes its size's best."""
     for s in searches:
         before = s.best.latency
-        cut = (searched.found.latency if searched.found is not None else INF) / (1 + gap)
-        if not s.certify(cut) or s.best.latency >= before:
+        bar = (searched.found.latency if searched.found is not None else INF) / (1 + gap)
+        if not s.certify(bar) or s.best.latency >= before:
             continue
         res = s.result()
         searched.bests = [c for c in searched.bests if c.micro_batch_size != s.b] + [
@@ -399,10 +412,10 @@ def _candidates(searched: _Searched, seeds: list[Candidate]) -> list[Candidate]:
         others, key=lambda c: (c.latency, c.micro_batch_size))
 
 
-def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Choice, optimizer_factor: float,
+def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Verdict, optimizer_factor: float,
             config: SearchConfig) -> list[Stage]:
     """The chosen plan's stages on concrete devices, with their K_i and recompute flags."""
-    b, spans, _, policy, _ = picked.chosen
+    b, spans, policy = picked.chosen.micro_batch_size, picked.chosen.spans, picked.chosen.warmup_policy
     cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=config.recompute,
                    mixed_precision=config.mixed_precision, shard_optimizer=config.shard_optimizer)
     pc, _ = pipeline_costs(cm, spans, g // b, policy)
@@ -411,7 +424,7 @@ def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Choice, opti
 
 
 def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches: list[DPSearch],
-          searched: _Searched, picked: Choice, search: str, time_limit: float | None, gap: float,
+          searched: _Searched, picked: Verdict, *, search: str, time_limit: float | None, gap: float,
           workers: int) -> dict:
     """The Plan's meta: what was searched and how, what the search proves, what the simulator said."""
     found = searched.found
@@ -435,37 +448,47 @@ def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches
 
 def refine_promising(searches: Sequence[DPSearch], workers: int = 1) -> None:
     """Local search over the cuts of the promising sizes' seeds (DPSearch.refine_seeds), most promising first: a
-    size whose best seed is more than REFINE_WITHIN above the best plan so far (refined seeds included) is not
-    refined. ``workers`` sizes the rule may still take are refined side by side, and the rule keeps the
-    refinements it would have made one at a time (the same bests)."""
+    size whose best seed is more than SearchTuning.refine_within above the best plan so far (refined seeds included)
+    is not refined. ``workers`` sizes the rule may still take are refined side by side, and the rule keeps the
+    refinements it would have made one at a time (the same bests): a later one of a batch that the earlier ones'
+    refinements put out of reach stays as it was (what its worker made is not adopted)."""
     order = sorted(searches, key=lambda s: s.best.latency)
-    best = INF
-
-    def takes(s) -> bool:  # the rule, with the best so far
-        return s.best.latency <= best * (1 + REFINE_WITHIN)
-
-    def keeps(s, outcome=None) -> bool:  # in order: whether the rule takes the refinement (in_workers' outcome)
-        nonlocal best
-        if not takes(s):
-            return False  # (nor any after it: further off, and the best only falls)
-        best = min(best, s.best.latency if outcome is None else outcome.best.latency)
-        return True
-    i = 0
-    while i < len(order) and takes(order[i]):
-        batch = list(takewhile(takes, order[i:i + max(1, workers)]))
-        if len(batch) > 1:
-            in_workers(batch, workers, Step.REFINE_SEEDS, keeps)
-        else:
-            batch[0].refine_seeds()
-            keeps(batch[0])
+    best, i = INF, 0
+    while i < len(order) and _promising(order[i], best):
+        batch = order[i:i + max(1, workers)]
+        batch = batch[:next((k for k, s in enumerate(batch) if not _promising(s, best)), len(batch))]
+        made = forked_map(lambda s: s.refine_seeds(), batch, workers, _doing("refine_seeds", batch))
+        for s, progress in zip(batch, made):
+            if not _promising(s, best):
+                break  # (nor any after it: further off, and the best only falls)
+            s.adopt(progress)
+            best = min(best, s.best.latency)
         i += len(batch)
+
+
+def _promising(search: DPSearch, best: float) -> bool:
+    """refine_promising's rule: the size's best so far is within SearchTuning.refine_within of ``best``."""
+    return search.best.latency <= best * (1 + tuning.TUNING.refine_within)
+
+
+def in_workers(searches: Sequence[DPSearch], workers: int, step: Callable[[DPSearch], Progress]) -> None:
+    """``step`` (a DPSearch method) of every search, ``workers`` side by side, in order (the most promising first);
+    each search adopts what its step made. The searches share nothing while they run (each keeps the incumbent it
+    was given): the plan depends neither on timing nor on the number of workers."""
+    for search, progress in zip(searches, forked_map(step, searches, workers, _doing(step.__name__, searches))):
+        search.adopt(progress)
+
+
+def _doing(step: str, searches: Sequence[DPSearch]) -> str:
+    """What the workers are doing, for their errors."""
+    return f"{step}() of micro-batch sizes {[s.b for s in searches]}"
 
 
 def lower_bound(searches: Sequence[DPSearch], best: float, gap: float = 0.0) -> float:
     """A lower bound on the modelled L of every plan, after the searches (one per micro-batch size; the others fit
     no device) ran: a size whose every plan below ``best`` / (1 + ``gap``) was enumerated (DPSearch.certify)
     has none below that; any other contributes its root bound (DPSearch.root_bound: the rest bounds at the root,
-    over the stages below the cut the search started with, and once it tightened them the same below its cut
+    over the stages below the bar the search started with, and once it tightened them the same below its bar
     then and the period bound), whatever its search found: the DP keeps one prefix per state and tries only
     Fresh/Append/Scatter placements in two replica orders, so a finished search proves no more than that."""
     return min([best / (1 + gap)] + [s.root_bound for s in searches if not s.certified])

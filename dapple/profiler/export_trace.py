@@ -48,7 +48,8 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
         if list(leaf_modules):
             raise ValueError("leaf_modules apply to torch.fx only (torch.export traces through every module); "
                              "drop them or use tracer='fx'")
-        return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args, bound=fixed)
+        return exported_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args,
+                              bound=fixed)
     absent = absent_arguments(model, named, concrete_args) if named is not None else {}
     try:
         gm = symbolic_trace(model, concrete_args={**absent, **(concrete_args or {}), **fixed} or None,
@@ -62,8 +63,8 @@ def trace_graph(model: nn.Module, *, method: str = "auto", concrete_args: dict[s
                              "tracer='auto' or 'export' (a plan made from a profile of the model carries them: then "
                              f"dapple.pipeline needs neither).\n\n{fx_error}") from fx_error
         try:
-            return export_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args,
-                                bound=fixed)
+            return exported_graph(model, example_inputs, dynamic_shapes=dynamic_shapes, kwargs=concrete_args,
+                                  bound=fixed)
         except TraceError as export_error:
             raise TraceError(f"{fx_error}\n\ntorch.export could not trace it either:\n{export_error}"
                              ) from export_error
@@ -83,8 +84,8 @@ def training_args(model: nn.Module, concrete_args: dict[str, Any] | None) -> dic
     return {}
 
 
-def export_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any = None,
-                 kwargs: dict[str, Any] | None = None, bound: dict[str, Any] | None = None) -> fx.GraphModule:
+def exported_graph(model: nn.Module, example_inputs: Any, *, dynamic_shapes: Any = None,
+                   kwargs: dict[str, Any] | None = None, bound: dict[str, Any] | None = None) -> fx.GraphModule:
     """``torch.export.export`` in training mode, batch dim dynamic, unlifted and normalised for dapple.
 
     The graph it returns splits and runs like an fx graph; what differs:
@@ -330,3 +331,6 @@ def _plain(x: Any) -> bool:
     if type(x) is dict:
         return all(_plain(v) for v in x.values())
     return isinstance(x, (fx.Node, type(None), bool, int, float, str))
+
+
+export_graph = exported_graph  # its name before (beside the module export_graph.py): kept importable

@@ -1,4 +1,4 @@
-"""The runtime: fx stage split, split-concat P2P, dapple/gpipe schedules, pipeline engine, local launcher."""
+"""The runtime: fx stage split, split-concat P2P, the dapple, gpipe and zb-h1 schedules, pipeline engine, launcher."""
 
 from .activations import ActivationMeter
 from .checkpoint_async import AsyncSave

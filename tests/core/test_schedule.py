@@ -8,8 +8,11 @@ from hypothesis import strategies as st
 
 from dapple.core.schedule import (
     Op,
+    most_warmup,
+    most_warmups,
     peak_in_flight,
     pipeline_stage_ops,
+    policy_warmup,
     stage_holds,
     stage_ops,
     validate_warmup,
@@ -23,6 +26,16 @@ def test_policies():
     assert warmup_counts(4, 3, "B") == [3, 3, 3, 1]  # never more than M
     assert warmup_counts(3, 8, "B", max_in_flight=2) == [2, 2, 1]  # D caps K_i
     assert warmup_counts(3, 8, "A", max_in_flight=[1, 3, 3]) == [1, 1, 1]  # and K_i never increases
+
+
+@given(st.integers(1, 12), st.integers(-1, 40), st.integers(1, 40))
+def test_the_most_k_any_policy_allows_is_policy_b_within_d_and_m(stages, d, m):
+    """most_warmup (what the planner's bounds assume of a stage with ``stages`` stages from it to the last) is the
+    larger policy's K_i alone, as warmup_counts gives it with D for that stage; most_warmups lists it per count."""
+    assert policy_warmup("A", stages) <= policy_warmup("B", stages)
+    alone = max(warmup_counts(stages, m, pol, max_in_flight=[d] + [1 << 30] * (stages - 1))[0] for pol in "AB")
+    assert most_warmup(stages, d, m) == alone
+    assert most_warmups(stages, d, m) == [most_warmup(s, d, m) for s in range(1, stages + 1)]
 
 
 def test_dapple_order_matches_paper_fig4():

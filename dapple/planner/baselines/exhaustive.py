@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 from ...core.schedule import warmup_counts
 from ..model.cost import CostModel, ServerLayout, Span
 from ..model.evaluate import PipelineCosts, pipeline_costs
+from ..model.memory import NoFitError
+from ..search.exact import Layouts, compositions
 
 if TYPE_CHECKING:
     from ...core.cluster import Cluster
     from ...core.profile import Profile
 
 
-class Candidate(NamedTuple):
+class PricedPlan(NamedTuple):
     """One plan of :func:`every_plan`."""
 
     spans: tuple[Span, ...]  # (layer start, layer end, server layout) per stage
@@ -22,7 +24,7 @@ class Candidate(NamedTuple):
     fits: list[int]  # D per stage: micro-batch slices in flight that fit in memory
 
 
-class Best(NamedTuple):
+class Optimum(NamedTuple):
     """What :func:`exhaustive_search` found."""
 
     latency: float  # ms (inf: no plan fits)
@@ -30,37 +32,17 @@ class Best(NamedTuple):
     warmup_policy: str
 
 
-def server_orders(cluster: "Cluster") -> list[tuple[int, ...]]:
-    """Every distinct sequence of the devices' servers (devices of a server are interchangeable): the orders in
-    which a plan's stages, one after another, can take all devices."""
-    left = [cluster.devices_per_server] * cluster.servers
-    out: list[tuple[int, ...]] = []
-
-    def walk(seq: tuple[int, ...]) -> None:
-        if len(seq) == cluster.num_devices:
-            out.append(seq)
-        for s in range(cluster.servers):
-            if left[s]:
-                left[s] -= 1
-                walk(seq + (s,))
-                left[s] += 1
-    walk(())
-    return out
-
-
 def assignments(cluster: "Cluster", stages: int, max_replicas: int) -> Iterator[tuple[ServerLayout, ...]]:
     """Every way to give ``stages`` stages all devices (each stage a non-empty ordered list of at most
-    ``max_replicas`` devices), as server layouts, without repeats (devices of a server are interchangeable)."""
-    G = cluster.num_devices
-    for order in server_orders(cluster):
-        for cuts in itertools.combinations(range(1, G), stages - 1):
-            bounds = (0,) + cuts + (G,)
-            if all(bounds[i + 1] - bounds[i] <= max_replicas for i in range(stages)):
-                yield tuple(order[bounds[i]:bounds[i + 1]] for i in range(stages))
+    ``max_replicas`` devices), as server layouts, without repeats (devices of a server are interchangeable; every
+    labelling of the servers: search.exact.Layouts, the enumerator the certificates walk once per relabelling)."""
+    layouts = Layouts(cluster.servers)
+    for counts in compositions(cluster.num_devices, stages, max_replicas):
+        yield from layouts.assignments(counts, cluster.devices_per_server, labelled=True)
 
 
 def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
-               max_stages: int | None = None, endings: bool = True) -> Iterator[Candidate]:
+               max_stages: int | None = None, endings: bool = True) -> Iterator[PricedPlan]:
     """Every plan that fits in memory: all layer splits x device assignments that use every device, with at
     most ``max_stages`` stages (``endings``: with each stage's overlapped AllReduce ending priced, see
     pipeline_costs)."""
@@ -73,14 +55,14 @@ def every_plan(profile: "Profile", cluster: "Cluster", M: int, cm: CostModel,
                 spans = tuple(Span(bounds[i], bounds[i + 1], lays[i]) for i in range(S))
                 try:
                     pc, D = pipeline_costs(cm, spans, M, "A", endings=endings)
-                except ValueError:  # does not fit in memory
+                except NoFitError:
                     continue
-                yield Candidate(spans, pc, D)
+                yield PricedPlan(spans, pc, D)
 
 
 def exhaustive_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int, *,
                       model: str = "paper", overlap: bool = False, warmup_policy: str | None = None,
-                      optimizer_factor: float = 4.0, max_stages: int | None = None) -> Best:
+                      optimizer_factor: float = 4.0, max_stages: int | None = None) -> Optimum:
     """The best plan over all layer splits x device assignments that use every device (what the DP
     approximates). Feasible only for a handful of devices and layers.
 
@@ -94,11 +76,11 @@ def exhaustive_search(profile: "Profile", cluster: "Cluster", global_batch_size:
     """
     M = global_batch_size // micro_batch_size
     cm = CostModel(profile, cluster, micro_batch_size, optimizer_factor=optimizer_factor)
-    best = Best(float("inf"), (), "A")
+    best = Optimum(float("inf"), (), "A")
     for spans, pc, D in every_plan(profile, cluster, M, cm, max_stages, endings=overlap):
         for pol in ((warmup_policy,) if warmup_policy else ("A", "B")) if model == "refined" else ("A",):
             pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
             t = pc.latency(model, overlap).total
             if t < best.latency - 1e-9:
-                best = Best(t, spans, pol)
+                best = Optimum(t, spans, pol)
     return best

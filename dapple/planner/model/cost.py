@@ -9,6 +9,7 @@ import numpy as np
 from ...core.buckets import BUCKET_BYTES, bucket
 from ...core.checks import flag, number, positive_int
 from ...core.split_concat import routes
+from .. import tuning
 from .memory import StageBytes, activation_scale, recompute_mode, static_factor
 from .transfers import CommLinks, CommPair, GradientPorts, ServerLoad
 
@@ -17,8 +18,6 @@ if TYPE_CHECKING:
     from ...core.profile import Profile
 
 ServerLayout = tuple[int, ...]  # the server of each replica of a stage, in order: (0, 0, 1) = 2 on server 0, 1 on 1
-
-CACHED_SERVERS = 16  # CostModel.comm_pair caches its per-cut answers for pairs of stages over at most this many servers
 
 
 class Span(NamedTuple):
@@ -69,7 +68,7 @@ class PairCosts:
         self._server = server  # canonical label -> server
         # per-cut answers are cached for pairs over a few servers; over many (128 x 8) the caches of tens of
         # thousands of pairs with an entry per server filled gigabytes: those are rebuilt per ask
-        self._cache: list | None = [None] * num_layers if len(server) <= CACHED_SERVERS else None
+        self._cache: list | None = [None] * num_layers if len(server) <= tuning.TUNING.cached_servers else None
         own, ports_at = canon.ports
         self.ports = GradientPorts(own, frozenset([server[s] for s in ports_at]))
 
@@ -235,7 +234,7 @@ class CostModel:
             if canon is None:
                 canon = self._comm_canon[key] = CommPair(self._micro_routes(len(src), len(dst)), *key,
                                                          self.route_times, self.cluster.link_sharing == "shared",
-                                                         keep=len(label) <= CACHED_SERVERS)
+                                                         keep=len(label) <= tuning.TUNING.cached_servers)
             pair = self._comm[(src, dst)] = PairCosts(canon, list(label), self.num_layers)
         return pair
 

@@ -7,13 +7,27 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.checks import flag, positive_int
 from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
-from ...core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES, stage_holds, validate_warmup, warmup_counts
+from ...core.schedule import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    WARMUP_POLICIES,
+    stage_holds,
+    validate_warmup,
+    warmup_counts,
+)
 from ..checks import profile_and_cluster
 from ..cuts import check_cuts
 from ..simulator.latency import simulated_latency
 from .cost import CostModel, Span, layout_of
-from .memory import (RECOMPUTE_MODES, StageBytes, activation_scale, check_stage_memory, recompute_mode,
-                     split_backward_unfit)
+from .memory import (
+    RECOMPUTE_MODES,
+    NoFitError,
+    StageBytes,
+    activation_scale,
+    check_stage_memory,
+    recompute_mode,
+    split_backward_unfit,
+)
 from .pivot import Latency, paper_latency
 from .refined import refined_latency
 from .transfers import add_users, feeds, queues
@@ -48,8 +62,8 @@ class PipelineCosts:
         if model == "paper":
             return paper_latency(self.F, self.B, self.AR, self.M)
         return refined_latency(self.F, self.B, self.AR, self.E if overlap else None, self.K, self.M,
-                               self.link_period, self.chain, self.window, self.drain_period, self.queue,
-                               self.feed)
+                               link_period=self.link_period, chain=self.chain, window=self.window,
+                               drain_period=self.drain_period, queue=self.queue, feed=self.feed)
 
 
 class PricedStages(NamedTuple):
@@ -60,7 +74,7 @@ class PricedStages(NamedTuple):
 
 
 class _Options(NamedTuple):
-    """evaluate()'s settings once a Plan's own have filled the gaps."""
+    """evaluate()'s settings (as given, or once a Plan's own and the defaults have filled the gaps)."""
 
     global_batch_size: int
     micro_batch_size: int
@@ -92,7 +106,7 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
 
 
 def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "A",
-                   warmup: Sequence[int] | None = None, check: bool = True, endings: bool = True,
+                   warmup: Sequence[int] | None = None, *, check: bool = True, endings: bool = True,
                    recompute: Sequence[bool] | None = None) -> PricedStages:
     """Interleaved costs of stages ``spans`` and D per stage (paper V-C).
 
@@ -102,7 +116,7 @@ def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
         M: micro-batches per iteration.
         policy: warmup policy "A" or "B" for K_i when ``warmup`` is None.
         warmup: K_i per stage, or None.
-        check: raise ValueError, naming the stage, when a stage does not fit in device memory.
+        check: raise NoFitError, naming the stage, when a stage does not fit in device memory.
         endings: price E, the overlapped AllReduce's ending of each stage (False: E = B, for a caller that
             prices no overlap).
         recompute: per stage, whether it recomputes; None: as ``cm.recompute`` says.
@@ -138,7 +152,12 @@ def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
             users = add_users(users, cl.servers, 2 * i + 1)
             AR.append(0.0)
             E.append(cl.busiest)
-    K = _warmup(cm, spans, M, policy, warmup, D, RC, check)
+    if warmup is None:  # the policy's K_i within D
+        K = warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
+    else:
+        K = [int(k) for k in warmup]
+        if check:
+            _check_warmup(cm, spans, K, D, RC)
     period, drain = cm.link_periods(spans)
     queue.append(False)  # the last stage: no gradients from below
     return PricedStages(PipelineCosts(F, B, AR, E, K, M, period, chain, window, drain, queue, feeds(users, len(F)),
@@ -150,19 +169,13 @@ def _check_memory(i: int, need: StageBytes, mem: float, recompute: bool, warmup:
     check_stage_memory(i, need.static, need.per_slice, mem, warmup, need.once if recompute else None)
 
 
-def _warmup(cm: CostModel, spans: Sequence[Span], M: int, policy: str, warmup: Sequence[int] | None,
-            D: list[int], recompute: list[bool], check: bool) -> list[int]:
-    """K_i: the policy's within D, or ``warmup`` (checked against device memory with ``check``, the stages
-    recomputing as ``recompute`` says)."""
-    if warmup is None:
-        return warmup_counts(len(spans), M, policy, max_in_flight=[max(1, d) for d in D])
-    K = [int(k) for k in warmup]
-    if check:
-        for i, (a, c, lay) in enumerate(spans):
-            if K[i] > D[i]:
-                _check_memory(i, cm.stage_bytes(a, c, len(lay), recompute[i]), cm.cluster.device_memory,
-                              recompute[i], K[i])
-    return K
+def _check_warmup(cm: CostModel, spans: Sequence[Span], K: list[int], D: list[int], recompute: list[bool]) -> None:
+    """NoFitError naming the first stage whose given K_i is more than its D slices fit (recomputing as
+    ``recompute`` says)."""
+    for i, (a, c, lay) in enumerate(spans):
+        if K[i] > D[i]:
+            _check_memory(i, cm.stage_bytes(a, c, len(lay), recompute[i]), cm.cluster.device_memory, recompute[i],
+                          K[i])
 
 
 def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
@@ -200,14 +213,15 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
             ``details["stages"][i]["memory_gb"]`` shows it.
 
     Raises:
-        ValueError: bad input, or a plan that does not fit in device memory (naming the stage).
+        ValueError: bad input; NoFitError (a ValueError): a plan that does not fit in device memory (naming the
+            stage).
     """
     profile_and_cluster("evaluate", profile, cluster)
     if shard_optimizer is None:
         shard_optimizer = stages.shard_optimizer if isinstance(stages, Plan) else False
     flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
-    opt = _options(profile, stages, global_batch_size, micro_batch_size, schedule, warmup_policy, model, overlap,
-                   mixed_precision)
+    opt = _options(profile, stages, _Options(global_batch_size, micro_batch_size, schedule, warmup_policy, model,
+                                             overlap, mixed_precision))
     b = opt.micro_batch_size
     sts = stage_list(stages, profile.num_layers, cluster, b)
     check_cuts(profile, sts, "evaluate")
@@ -231,7 +245,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k, r) for s, k, r in zip(sts, pc.K, rc)],
                       schedule=opt.schedule, mixed_precision=opt.mixed_precision, shard_optimizer=shard_optimizer)
         if why := split_backward_unfit(cm, played.stages, M, cluster.device_memory):
-            raise ValueError(f"schedule={opt.schedule!r}: the plan does not fit: {why}")
+            raise NoFitError(f"schedule={opt.schedule!r}: the plan does not fit: {why}")
         if opt.model == "refined":  # the closed form is 1F1B's: simulate the split
             lat = simulated_latency(played, profile, cluster, opt.overlap)
     return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule)
@@ -270,9 +284,10 @@ def auto_recompute(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
     return hold if lat[1] < lat[0] else need
 
 
-def _options(profile: "Profile", stages: object, g: int | None, b: int | None, schedule: str | None,
-             policy: str | None, model: str | None, overlap: bool | None, mixed_precision: str | None) -> _Options:
-    """evaluate()'s settings: a Plan's own where not given, then the defaults; ValueError naming a bad one."""
+def _options(profile: "Profile", stages: object, given: _Options) -> _Options:
+    """evaluate()'s settings (``given``: as passed, None where not): a Plan's own where not given, then the
+    defaults; ValueError naming a bad one."""
+    g, b, schedule, policy, model, overlap, mixed_precision = given
     if isinstance(stages, Plan):
         mixed_precision = stages.precision(mixed_precision)
     elif mixed_precision is not None:
@@ -320,7 +335,7 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
     """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot."""
     # a split backward holds each micro-batch until its W: stage i holds stage_holds' count, not K_i
     held = stage_holds(pc.K, pc.M) if schedule in SPLIT_BACKWARD else list(pc.K)
-    per = [_stage_details(cm, pc, i, span, D[i], overlap, i + 1 < len(spans), held[i])
+    per = [_stage_details(cm, pc, i, span, D[i], overlap=overlap, held=held[i])
            for i, span in enumerate(spans)]
     busy = 0.0
     for i, (_, _, lay) in enumerate(spans):
@@ -341,8 +356,8 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
                     ending_ms=round(lat.ending, r), pivot_stage=q // 2, details=details)
 
 
-def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int, overlap: bool,
-                   sends: bool, held: int) -> dict:
+def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int, *, overlap: bool,
+                   held: int) -> dict:
     """``details["stages"][i]``: stage i's costs, rounded as Estimate.to_dict writes them (``memory_gb`` with
     ``held`` micro-batches' activations: K_i, or more under a split backward)."""
     a, c, lay = span
@@ -356,7 +371,7 @@ def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int,
         out["recompute"] = True
     if overlap and len(lay) > 1:
         out["overlapped_ending_ms"] = round(pc.E[2 * i], 6)
-    if sends:
+    if 2 * i + 1 < len(pc.F):  # it sends to a next stage
         out["send_forward_ms"] = round(pc.F[2 * i + 1], 6)
         out["send_backward_ms"] = round(pc.B[2 * i + 1], 6)
     return out

@@ -19,6 +19,10 @@ WEIGHTS_AND_GRADIENTS = 2.0  # of the optimizer factor, what every replica holds
 RECOMPUTE_MODES = (False, True, "auto")  # dapple.plan's: never, every stage, only where memory binds (planning.py)
 
 
+class NoFitError(ValueError):
+    """A stage, a plan or every plan does not fit in device memory (the message says which and by how much)."""
+
+
 def recompute_mode(recompute: object, modes: tuple = RECOMPUTE_MODES) -> None:
     """ValueError naming ``recompute`` unless it is one of ``modes`` (True and False themselves, not 1 or 0)."""
     if not any(recompute is m if isinstance(m, bool) else recompute == m for m in modes):
@@ -88,7 +92,7 @@ def stage_memory(static_bytes: float, saved_bytes: float, warmup: int) -> float:
 
 def check_stage_memory(stage: int, static_bytes: float, saved_bytes: float, device_memory: float,
                        warmup: int = 1, recomputed: float | None = None) -> None:
-    """Raise ValueError naming the stage and by how much it exceeds device memory with K_i = ``warmup``.
+    """Raise NoFitError naming the stage and by how much it exceeds device memory with K_i = ``warmup``.
 
     Args:
         recomputed: for a recomputing stage, the full activations of the one slice it recomputes (``saved_bytes``
@@ -101,7 +105,7 @@ def check_stage_memory(stage: int, static_bytes: float, saved_bytes: float, devi
     held = (f"{warmup} x {saved_bytes / GB:.3f} GB of saved activations per micro-batch slice" if recomputed is None
             else f"{warmup} x {saved_bytes / GB:.3f} GB of inputs per micro-batch slice + {once / GB:.3f} GB of one "
                  f"recomputed slice's activations")
-    raise ValueError(
+    raise NoFitError(
         f"stage {stage} does not fit in device memory: it needs {need / GB:.3f} GB "
         f"(parameters x optimizer factor {static_bytes / GB:.3f} GB + {held}) but a device has "
         f"{device_memory / GB:.3f} GB: exceeds by {(need - device_memory) / GB:.3f} GB; use more replicas or stages, "

@@ -17,7 +17,7 @@ class ChainResult(NamedTuple):
 
 
 def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
-                    K: Sequence[int], M: int, link_period: float | None = None,
+                    K: Sequence[int], M: int, *, link_period: float | None = None,
                     chain: Sequence[float] | None = None, window: Sequence[float] | None = None,
                     drain_period: float | None = None, queue: Sequence[bool] | None = None,
                     feed: Sequence[float] | None = None) -> Latency:
@@ -70,12 +70,12 @@ def refined_latency(F: Sequence[float], B: Sequence[float], AR: Sequence[float],
     Returns:
         The :class:`Latency` of the longest chain; its ``pivot`` indexes the interleaved stages.
     """
-    return refined_chains(F, B, AR, E, [K], M, link_period, chain, window=window, drain_period=drain_period,
-                          queue=queue, feed=feed)[0].latency
+    return refined_chains(F, B, AR, E, [K], M, link_period=link_period, chain=chain, window=window,
+                          drain_period=drain_period, queue=queue, feed=feed)[0].latency
 
 
 def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
-                   Ks: Sequence[Sequence[int]], M: int, link_period: float | None = None,
+                   Ks: Sequence[Sequence[int]], M: int, *, link_period: float | None = None,
                    chain: Sequence[float] | None = None, limit: float = INF,
                    window: Sequence[float] | None = None, drain_period: float | None = None,
                    queue: Sequence[bool] | None = None, race: bool = False,
@@ -91,7 +91,8 @@ def refined_chains(F: Sequence[float], B: Sequence[float], AR: Sequence[float], 
     Returns:
         One :class:`ChainResult` per warmup choice, in order.
     """
-    model = _Chains(F, B, AR, E, M, link_period, chain, window, drain_period, feed)
+    model = _Chains(F, B, AR, E, M, link_period=link_period, chain=chain, window=window, drain_period=drain_period,
+                    feed=feed)
     out: list[ChainResult] = []
     for K in Ks:
         if race and out and out[-1].total < limit:
@@ -107,7 +108,7 @@ class _Chains:
                  "supplies", "posts")
 
     def __init__(self, F: Sequence[float], B: Sequence[float], AR: Sequence[float], E: Sequence[float] | None,
-                 M: int, link_period: float | None, chain: Sequence[float] | None,
+                 M: int, *, link_period: float | None, chain: Sequence[float] | None,
                  window: Sequence[float] | None, drain_period: float | None, feed: Sequence[float] | None):
         self.F, self.B, self.M, self.S, self.n = F, B, M, len(F), (len(F) + 1) // 2
         self.per_link = link_period is None  # no plan-wide link period: each communication stage's own link

@@ -1,1 +1,1 @@
-"""The planner's search (formulas 4-5): a DP over stage splits, replication and Fresh/Append/Scatter placement."""
+"""The planner's search (formulas 4-5): read reference.py (paper IV-C as it reads), then dp.py (the same DP, fast)."""

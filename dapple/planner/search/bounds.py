@@ -1,289 +1,321 @@
-"""Lower bounds on the latency any completion of a DP prefix can reach: min-max and period bounds of the rest."""
+"""The search's bounds behind one interface, Pruner: the least L any completion of a prefix can have."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import bisect
+from math import inf as INF
+from math import nextafter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...core.schedule import most_warmup, most_warmups, policy_warmup
+from .. import tuning
+from .bound_tables import (
+    allreduce_floor,
+    efficient_replicas,
+    least_work,
+    period_bound,
+    period_cells,
+    rest_bound,
+    stage_u,
+)
+from .records import Prefix, StageEnd, StageLists, Start, Tail
+
 if TYPE_CHECKING:
-    from ..model.cost import CostModel
+    from ..model.transfers import CommLinks
+    from .pricing import StageCosts
+    from .transitions import Arrival
 
-INF = float("inf")
-ROW_WISE_DEVICES = 256  # devices from which rest_bound takes one replica count at a time (_rest_row)
+# the most K the stage before the last can have (two stages from it to the last: policy B's 3)
+NEXT_TO_LAST_K = policy_warmup("B", 2)
 
-
-def efficient_replicas(micro: int, most: int) -> list[int]:
-    """Replica counts r <= ``most`` that are the fewest giving their slice size ceil(micro / r): a stage on
-    more replicas with the same slice size is no faster, so only these matter to a bound."""
-    out, seen = [], set()
-    for r in range(1, min(micro, most) + 1):
-        rows = -(-micro // r)
-        if rows not in seen:
-            seen.add(rows)
-            out.append(r)
-    return out
+__all__ = ["Pruner", "allreduce_floor", "efficient_replicas", "least_work", "prefix_lead", "prefix_u_table",
+           "rest_bound"]
 
 
-def least_work(cm: "CostModel", most: int) -> list[float]:
-    """rho[j]: the least per-micro-batch work (ms x devices) any stage split can give layers [0, j) with at most
-    ``most`` replicas a stage: per layer the least r (F + B) of a slice on r replicas (the fewest replicas of each
-    slice size, :func:`efficient_replicas`: more with the same slice only add work), summed."""
-    per = None  # (N,): per layer, the least so far
-    for r in efficient_replicas(cm.micro, most):
-        f, b, _ = cm.prefix_sums(cm.rows(r))
-        work = r * (np.diff(f) + np.diff(b))  # (N,): F + B of each layer on a slice, x r
-        per = work if per is None else np.minimum(per, work)
-    rho = [0.0]
-    for w in per.tolist():
-        rho.append(rho[-1] + w)
-    return rho
+def prefix_lead(pre: Prefix, M: int) -> tuple[float, float]:
+    """The least ``lead`` and own-chain terms of the prefix's stages in a plan of pre.depth + 2 stages, each with
+    the most K it can have (:meth:`Pruner.rest_chain` reads them; cached on the prefix)."""
+    S = pre.depth + 2
+    F, B, D = pre.costs.F, pre.costs.B, pre.costs.D
+    lead = own = 0.0
+    for j in range(pre.depth):
+        k = most_warmup(S - j, D[j], M)
+        f, b = F[2 * j], B[2 * j]
+        lead = max(lead, (M - 1) * f + (M - k) * b)
+        own = max(own, (M - k) * f + (M - 1) * b)
+    pre.lead = (lead, own)
+    return lead, own
 
 
-def allreduce_floor(cm: "CostModel", replicas: int, params: np.ndarray) -> np.ndarray:
-    """The least ring AllReduce ms of ``params`` bytes (array) over ``replicas`` devices anywhere on the cluster:
-    inside one server or across servers, whichever is cheaper (only across when more than a server's worth)."""
-    return _ring_floor(_rings(cm, [replicas]), np.asarray([replicas]), params)[0]
+def prefix_u_table(pre: Prefix, M: int) -> list:
+    """The largest U = max(F, B) + (M - K) / (M - 1) min(F, B) over the prefix's stages per count of stages after
+    it (the last entry: that many or more), K the most each stage's can be: what the period bound starts from.
+    Built from the parent's table and the last stage; cached on the prefix."""
+    us = pre.u_table
+    if us is not None:
+        return us
+    if pre.parent is None or M <= 1:
+        us = pre.u_table = [0.0]
+        return us
+    up = prefix_u_table(pre.parent, M)  # the parent's more = this prefix's more + 1 (the same S)
+    a = 2 * (pre.depth - 1)
+    f, b = pre.costs.F[a], pre.costs.B[a]
+    hi, lo = (f, b) if f > b else (b, f)
+    d, m1 = pre.costs.D[-1], M - 1
+    cap = most_warmup(M, d, M)  # min(D, M): K of the last stage, b = depth - 1, with M or more stages from it
+    last = len(up) - 1
+    n = max(last, cap // 2 + 1)  # (K is cap from more = cap // 2 on)
+    us = []
+    for more, k in enumerate(most_warmups(n, d, M)):  # (more + 1 stages from the last one)
+        x = hi + (M - k) / m1 * lo
+        y = up[more + 1 if more + 1 < last else last]
+        us.append(x if x > y else y)
+    pre.u_table = us
+    return us
 
 
-def _rings(cm: "CostModel", reps: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
-    """Per option of a ring (within a server, across servers): (share, bandwidth, steps, allowed) over ``reps``
-    (the cost model's ring; 1 where not allowed: across servers only when more than a server's worth, r = 1 has
-    no AllReduce)."""
-    cl = cm.cluster
-    out = []
-    for spans in (False, True):
-        rows = []
-        for r in reps:
-            big = r > cl.devices_per_server
-            allowed = r > 1 and ((big or cl.servers > 1) if spans else not big)
-            rows.append(cm.ring_terms(r, spans) + (True,) if allowed else (1.0, 1.0, 0.0, False))
-        share, bw, steps, allowed = (np.array(x) for x in zip(*rows))
-        out.append((share, bw, steps, allowed.astype(bool)))
-    return out
+class Pruner:
+    """Lower bounds on L of any completion of a prefix, for one cost model, M micro-batches on G devices: the
+    interface the DP prunes through (:meth:`prunes` a state, :meth:`first_end` and :meth:`ends` of a new stage,
+    :meth:`quick_floor` and :meth:`rest_chain` of a plan), over the tables of bound_tables.py.
 
+    Q[j][R]: the least that layers [j, N) on R devices add to L under any split (rest_bound); Qar[j][R]: the same
+    with each stage's least AllReduce and only forwards before it; Qcol[R][j] = -Q[j][R] (and Qarcol), increasing
+    in j, for bisect. ``pv``: the period bound's tables, made by :meth:`tighten`. ``root_bound``: no plan below the
+    bar has L below it."""
 
-def _ring_floor(rings: list, reps: np.ndarray, params: np.ndarray) -> np.ndarray:
-    """(reps, len(params)): the cheaper allowed ring of ``rings`` (:func:`_rings`) per replica count and size."""
-    ar = np.full((len(reps), len(params)), INF)
-    for share, bw, steps, allowed in rings:
-        t = (share[:, None] * params / bw[:, None] + steps[:, None]) * 1e3
-        np.minimum(ar, np.where(allowed[:, None], t, INF), out=ar)
-    return np.where((params > 0) & (reps[:, None] > 1), ar, 0.0)
+    def __init__(self, costs: "StageCosts", devices: int, rho: list):
+        cm = costs.cm
+        self.cm, self.M, self.G, self.N, self.rho = cm, costs.M, devices, cm.num_layers, rho
+        self.refined, self.overlap = costs.refined, costs.overlap
+        self.costs, self.incumbent = costs, costs.incumbent
+        # refined: a stage's chain ends with the longer of the way down and its AllReduce; overlapped, the AllReduce
+        # ends E >= AR after its last backward starts (CostModel.overlapped_ending), so at least AR - B after it ends
+        self.ar_less = 1.0 if self.overlap else 0.0  # x B: what of a stage's AllReduce its last backward may hide
+        self.fill = 1.0 if self.refined else 0.0
+        self.tables_bar: float | None = None  # the bar Q and Qar were made for
+        self.Q = self.Qcol = self.Qar = self.Qarcol = None
+        self.pv = None
+        self.has_period_bound = False  # whether :meth:`tighten` made the period bound's tables (pv)
+        self.counts = 1  # period_bound's stage-count buckets (tighten() sets them)
+        self.new_share: list = [0.0]
+        self.root_bound = 0.0
 
+    # ---- the tables ------------------------------------------------------------------------------------------
+    def rest_tables(self, bar: float) -> None:
+        """Q and Qar for plans below ``bar`` (made again only for a new bar); Qar is left 0 where Q alone puts every
+        plan at or above it (the search ends at its root)."""
+        if self.tables_bar == bar:
+            return  # the same tables
+        self.tables_bar = bar
+        ov = self.overlap
+        q = rest_bound(self.cm, self.M, self.G, fill=self.refined, bar=bar, overlap=ov)
+        self.Q = q.tolist()
+        self.Qcol = (-q.T).tolist()
+        qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, bar=bar, overlap=ov)
+              if self.refined and q[0, self.G] < bar else np.zeros_like(q))
+        self.Qar = qa.tolist()
+        self.Qarcol = (-qa.T).tolist()
 
-def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: bool = False,
-               cut: float = INF, overlap: bool = False) -> np.ndarray:
-    """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every
-    split into stages of at most ``cm.micro`` replicas (a stage of r replicas takes T = F + B of its slice of
-    ceil(micro / r) rows, communication taken as 0).
+    def bound_tables(self) -> None:
+        """The rest bounds' tables for plans below the bar as it is now (not made again by tighten() unless the bar
+        falls) and the root bound."""
+        self.rest_tables(self.incumbent.bar)
+        # no plan below the bar has L below this (after tighten(): below the bar then)
+        self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G])
 
-    Both latency models satisfy L >= M (F_s + B_s) for every stage s; the refined model also L >= (the
-    first micro-batch's forwards before s) + M (F_s + B_s) + max(the last gradient's backwards before s,
-    AR_s) (``refined.refined_chains``: a stage's chain ends with the longer of its AllReduce and the way
-    down). Without ``allreduce`` the bound takes the backwards (``fill``: T of every earlier stage, AllReduce
-    0); with it the AllReduce (at least :func:`allreduce_floor`; F of every earlier stage, no backwards):
-    two valid bounds, whose larger one the search uses. ``overlap`` (the AllReduce overlaps the last
-    backward): a stage's chain ends E_s - B_s after its last backward, and E_s >= AR_s
-    (``CostModel.overlapped_ending``), so max(AR_s - B_s, 0) takes AR_s's place. The min over splits of the
-    max over stages is a DP from the last layer backwards: Q[j, R] = min over the first stage [j, c) on r
-    replicas of max(M T + AR, offset + Q[c, R - r]), Q[N, .] = 0. Stages whose parameters x optimizer factor
-    + one saved slice exceed device memory are excluded, and with ``cut`` (refined model) stages
-    whose M T + least AllReduce reaches it (their own chain does: the bound then holds for every plan below
-    ``cut``). Computed with numpy over all (c, r, R) at once per j: about 10 N vector operations (fewer and
-    larger than per (j, r), as :func:`period_sums` does); from ROW_WISE_DEVICES devices on, per (j, r)
-    (:func:`_rest_row`), which is faster there.
-    """
-    N, G = cm.num_layers, devices
-    Q = np.full((N + 1, G + 2), INF)  # column G + 1: INF, what a stage of r replicas leaves for R < r
-    Q[N, : G + 1] = 0.0
-    first = _FirstStages(cm, M, G, cut, overlap)
-    row_wise = G >= ROW_WISE_DEVICES
-    if not row_wise:
-        left = np.arange(G + 1)[None, :] - first.r[:, None]  # (reps, G + 1): R - r, the devices left for the rest
-        left[left < 0] = G + 1
-    for j in range(N - 1, -1, -1):
-        T, ok, ar, n = first.every(j, allreduce)  # (reps, N - j): stages [j, c) for c = j+1..N
-        if not n:
-            continue
-        if row_wise:
-            _rest_row(Q, j, first, T, ok, ar, M, fill, allreduce)
-            continue
-        T = np.where(ok[:, :n], T[:, :n], INF).T[:, :, None]  # (n, reps, 1): no later end is allowed
-        rest = Q[j + 1:j + 1 + n][:, left]  # (n, reps, G + 1): Q[c, R - r]
-        # cand[c, r, R] = max(M T (+ AR), offset + Q[c, R - r]), min over (c, r)
-        if allreduce:
-            own = M * T + ar[:, :n].T[:, :, None]
-            fpre = first.f2[:, j + 1:j + 1 + n] - first.f2[:, j:j + 1]  # (reps, n): F of every earlier stage
-            cand = np.maximum(own, fpre.T[:, :, None] + rest)
-        else:
-            cand = np.maximum(M * T, T + rest if fill else rest)
-        Q[j, : G + 1] = cand.min(axis=(0, 1))
-    Q = np.ascontiguousarray(Q[:, : G + 1])
-    return Q  # non-increasing in R (Q[N] = 0 lets a split leave devices unused)
+    def tighten(self, buckets: bool = False) -> None:
+        """Once the search is large (SearchTuning.tighten_after states) it pays for tighter tables: the rest bounds
+        for plans below the bar only, and the period bound's; with ``buckets`` (SearchTuning.buckets_after) per
+        count of the rest's stages too."""
+        bar = self.incumbent.bar
+        if not self.refined or bar == INF:
+            return
+        self.rest_tables(bar)
+        M = self.M
+        lo, hi = self.rho[self.N] / self.G / 2, bar / (M - 1) if M > 3 else 0.0  # beyond hi: L >= bar
+        # the tables' numpy work: period_cells elements per threshold and stage-count bucket; within period_work,
+        # up to period_counts buckets (at most M / 4: K <= 2 x stages - 1 nears M only past M / 2 stages) and
+        # period_thresholds thresholds, fewer buckets first
+        tune = tuning.TUNING
+        pairs = tune.period_work // max(1, period_cells(self.cm, M, self.G, bar, self.overlap))
+        C = max(1, min(tune.period_counts, M // 4, pairs // 24)) if buckets else 1
+        K = min(tune.period_thresholds, pairs // C)
+        if hi > lo and K >= 4 and M >= tune.period_min_m:
+            self.pv = period_bound(self.cm, M, self.G, lo, hi, K, bar=bar, overlap=self.overlap, counts=C)
+            self.has_period_bound = True
+            self.counts = C
+            # the new stage's share of min(F, B) in its U (bound_tables.stage_u) per bucket of the rest after it
+            self.new_share = [stage_u(M, c + 2 if c < C - 1 else None) for c in range(C)]
+        self.root_bound = max(self.root_bound, self.Q[0][self.G], self.Qar[0][self.G],
+                              self.period_rest(0, self.G, [0.0] * self.counts) if self.pv is not None else 0.0)
 
+    # ---- a DP state and a new stage after it -----------------------------------------------------------------
+    def prunes(self, pre: Prefix, j: int, R: int) -> bool:
+        """Whether no completion of ``pre`` (layers [0, j) planned, R >= 2 devices free) can beat the bar: the rest's
+        least work over the free devices, the rest bounds, the period bound."""
+        N, M, rho, bar = self.N, self.M, self.rho, self.incumbent.bar
+        if max(pre.lb, M * (rho[N] - rho[j]) / R) >= bar:
+            return True
+        W, Bsum = pre.forward_sum, pre.backward_sum
+        if W + max(Bsum + self.Q[j][R], self.Qar[j][R]) >= bar:
+            return True
+        if self.pv is None:
+            return False
+        ts = self.period_ts(pre, 0, min(R, N - j), max(pre.links.server_max, pre.links.dev))
+        return W + Bsum + self.period_rest(j, R, ts, add=W + Bsum, stop=bar) >= bar
 
-def _rest_row(Q: np.ndarray, j: int, first: "_FirstStages", T: np.ndarray, ok: np.ndarray, ar: np.ndarray | None,
-              M: int, fill: bool, allreduce: bool) -> None:
-    """Row ``Q[j]`` of :func:`rest_bound` one replica count r at a time: Q[c, R - r] for R = r..G is a slice of Q
-    (no gather) and r's own allowed ends are all it looks at. The same numbers; faster than all counts at once on
-    many devices (every slice size of a large micro-batch is a replica count of its own, most allowed only short
-    stages), slower on few (ROW_WISE_DEVICES)."""
-    G = Q.shape[1] - 2  # (column G + 1: rest_bound's INF column)
-    row = Q[j, : G + 1]
-    for i, r in enumerate(first.reps):
-        m = _span(ok[i])  # ends past j + m are not allowed for r
-        if not m:
-            continue
-        Tr = np.where(ok[i, :m], T[i, :m], INF)[:, None]  # (m, 1)
-        rest = Q[j + 1:j + 1 + m, : G + 1 - r]  # (m, G + 1 - r): Q[c, R - r] for R = r..G
-        if allreduce:
-            fpre = first.f2[i, j + 1:j + 1 + m] - first.f2[i, j]  # (m,): F of the first stage
-            cand = np.maximum(M * Tr + ar[i, :m, None], fpre[:, None] + rest)
-        else:
-            cand = np.maximum(M * Tr, Tr + rest if fill else rest)
-        np.minimum(row[r:], cand.min(axis=0), out=row[r:])
+    def first_end(self, pre: Prefix, j: int, m: int, n_rest: int, bar: float) -> int | None:
+        """The first end j2 a new stage [j, j2) on m replicas after ``pre`` may take, ``n_rest`` devices left for
+        the rest: M rho(j2, N) / n_rest < bar and Q, Qar of [j2, N) within it (None: none, or the stage alone,
+        M (F + B), reaches it)."""
+        N, M, rho, W = self.N, self.M, self.rho, pre.forward_sum
+        lo = bisect.bisect_right(rho, rho[N] - bar * n_rest / M, j + 1)
+        lo = max(lo, bisect.bisect_right(self.Qcol[n_rest], W + pre.backward_sum - bar, j + 1),
+                 bisect.bisect_right(self.Qarcol[n_rest], W - bar, j + 1))
+        if lo >= N or M * sum(self.cm.compute(j, lo, m)) >= bar:
+            return None
+        return lo
 
-
-def stage_u(M: int, stages: int | None) -> float:
-    """The share of min(F, B) in a stage's U = max(F, B) + share x min(F, B) when ``stages`` stages (itself
-    included; None: any number) run from it to the last: its warmup K <= 2 stages - 1 (policy B, the larger)
-    and M, and its chain and the last stage's ``lead`` give L >= round trip + (M - 1) max + (M - K) min."""
-    if M <= 1 or stages is None:
-        return 0.0
-    k = min(M, 2 * stages - 1)
-    return (M - k) / (M - 1)
-
-
-def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], cut: float = INF,
-                overlap: bool = False, counts: int = 1) -> np.ndarray:
-    """``V[k, c, j, R]``: the least sum of T = F + B over the stages of any split of layers ``[j, N)`` into c + 1
-    stages (c = counts - 1: at least ``counts``) on at most ``R`` devices whose every stage has U <= ``taus[k]``
-    (U = max(F, B) + :func:`stage_u` min(F, B) with the stages from it to the last; stages of at most
-    ``cm.micro`` replicas that fit in memory and, with ``cut``, whose M T + least AllReduce is below it, as in
-    :func:`rest_bound`; INF where none does). A DP from the last layer backwards over (stage count, j, R),
-    V[k, c, j, R] = min over the first stage [j, e) on r replicas of T + V[k, c - 1, e, R - r], over all
-    thresholds at once: :func:`period_bound` reads it."""
-    N, G, C = cm.num_layers, devices, counts
-    K = len(taus)
-    # Y[j] = X[:, :, j] (X[:, s]: exactly s stages, s = C: at least C; s = 0 at N only), j first: the ends a
-    # first stage may take are then one contiguous block, and the least over them a reduction of its first axis
-    Y = np.full((N + 1, K, C + 1, G + 1), INF)
-    Y[N, :, 0, :] = 0.0
-    first = _FirstStages(cm, M, G, cut, overlap)
-    tau = np.asarray(taus, dtype=float)[:, None, None]  # (K, 1, 1)
-    share = np.array([stage_u(M, s if s < C else None) for s in range(1, C + 1)])[:, None]  # (C, 1)
-    for j in range(N - 1, -1, -1):
-        best = Y[j, :, 1:]  # (K, C, G + 1): INF until a first stage [j, e) gives something
-        for r in first.reps:
-            T, fits, _, n = first(j, r, False)  # stages [j, e) for e = j+1..j+n: no later end is allowed
-            if not n:
+    def ends(self, new: StageLists, n_rest: int, start: Start, lo: int, ts: list | None = None,
+             first: bool = False) -> list[StageEnd]:
+        """The ends j2 >= ``lo`` of a new stage (``new``: its costs per end, StageCosts.stage_costs) from ``start``,
+        ``n_rest`` devices left for the rest, that pass the bounds, each with the least L of the stages up to it and
+        of a completion by the rest bounds (raised to the period bound where ``ts``, period_rest's t per bucket of the
+        rest, is given). ``first``: only the first such end."""
+        N, M, bar, Q, Qar, fill = self.N, self.M, self.incumbent.bar, self.Q, self.Qar, self.fill
+        fs, bs, ars, ds = new
+        refined, ar_less = self.refined, self.ar_less
+        base, W, Bsum = start
+        pv = self.pv is not None and ts is not None
+        out, make = [], tuple.__new__  # (a StageEnd without NamedTuple's Python-level __new__: 100k on 8 x 8)
+        for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the bar
+            f, b, ar = fs[j2], bs[j2], ars[j2]
+            lb = max(base, W + M * (f + b) + (max(Bsum, ar - ar_less * b) if refined else Bsum))
+            if lb >= bar:
+                break  # a longer new stage is only slower
+            fits = ds[j2]
+            if fits < 1:
+                break  # and only bigger
+            # the rest [j2, N) on the free devices: the least any split of it adds (bound_tables.rest_bound)
+            low = W + max(Bsum + fill * (f + b) + Q[j2][n_rest], f + Qar[j2][n_rest])
+            if low >= bar:
                 continue
-            fr, br = first.f2[first.row[r]], first.b2[first.row[r]]
-            f, b = fr[j + 1:j + 1 + n] - fr[j], br[j + 1:j + 1 + n] - br[j]  # (n,)
-            U = np.maximum(f, b)[None, :] + share * np.minimum(f, b)[None, :]  # (C, n)
-            ok = (U[None] <= tau) & fits[None, None, :n]  # (K, C, n)
-            Tn = np.where(ok, T[None, None, :n], INF).transpose(2, 0, 1)  # (n, K, C)
-            after = Y[j + 1:j + 1 + n, :, :, : G + 1 - r]  # (n, K, C + 1, G + 1 - r): the rest on R - r devices
-            # s - 1 stages after it (s = C: C - 1 or at least C): (K, C, G + 1 - r), min over the ends
-            cand = (Tn[..., None] + after[:, :, :C]).min(axis=0)
-            more = (Tn[:, :, C - 1, None] + after[:, :, C]).min(axis=0)  # (K, G + 1 - r)
-            np.minimum(cand[:, C - 1], more, out=cand[:, C - 1])
-            np.minimum(best[:, :, r:], cand, out=best[:, :, r:])
-    return Y[:, :, 1:].transpose(1, 2, 0, 3)  # (K, C, N + 1, G + 1)
-
-
-def period_cells(cm: "CostModel", M: int, devices: int, cut: float = INF, overlap: bool = False) -> int:
-    """The array elements :func:`period_sums` adds per threshold and stage-count bucket: over every first stage
-    [j, e) it may take (as it allows them) on r replicas, G + 1 - r. What its tables cost, before making them."""
-    first = _FirstStages(cm, M, devices, cut, overlap)
-    return sum(first(j, r, False)[3] * (devices + 1 - r) for j in range(cm.num_layers) for r in first.reps)
-
-
-def period_bound(cm: "CostModel", M: int, devices: int, lo: float, hi: float, thresholds: int,
-                 cut: float = INF, overlap: bool = False, counts: int = 1) -> tuple[list, "PeriodRows"]:
-    """Tables for a lower bound on L - (one micro-batch's round trip so far) of any split of layers [j, N) into
-    c + 1 stages (c = counts - 1: at least counts) on at most R devices that follows stages whose largest U is
-    t_c (refined model, M > 3; U as in :func:`period_sums`, with the stage count of the whole plan).
-
-    In ``refined.refined_chains`` every stage b's chain is at least the round trip of one micro-batch (every
-    stage's and transfer's F on the way up and B on the way down) plus (M - 1) B_b + (M - K_b) F_b: its M
-    backwards after the first gradient reaches it and the forwards its warmup did not hide. The last stage's
-    is at least the round trip plus (M - 1) F_b + (M - K_b) B_b of each stage b above it (forwards reach it no
-    closer than b releases them, ``lead``). So L >= (round trip so far) + sum over the rest's stages of T +
-    (M - 1) max(t, max U). Over thresholds ``taus`` (``thresholds`` of them from ``lo`` to ``hi``, then
-    infinity) a split whose largest U lies in (taus[k-1], taus[k]] adds at least V[k][c][j][R] + (M - 1)
-    max(t_c, taus[k-1]) (:func:`period_sums`); returns (taus, V, S) with S[k] = min over k' >= k of V[k'] +
-    (M - 1) taus[k'-1] (taus[-1] = 0); returns (taus, :class:`PeriodRows`), read by ``Pruner.period_rest``."""
-    taus = np.linspace(lo, hi, thresholds)
-    V = period_sums(cm, M, devices, np.concatenate([taus, [INF]]), cut, overlap, counts)  # (K + 1, C, N + 1, G + 1)
-    low = np.concatenate([[0.0], taus]) * (M - 1)  # (K + 1,): each threshold's lower limit x (M - 1)
-    S = np.minimum.accumulate((V + low[:, None, None, None])[::-1], axis=0)[::-1]
-    S = np.concatenate([S, np.full((1,) + S.shape[1:], INF)])  # S[K + 1]: no threshold above the last
-    return taus.tolist(), PeriodRows(V, S)
-
-
-class PeriodRows:
-    """rows[j][R] = [(c, V[:, c, j, R], S[:, c, j, R]) as lists, ...] over the buckets c that some split falls in,
-    made on first use (:meth:`row`; the search reads few (j, R))."""
-
-    def __init__(self, V: np.ndarray, S: np.ndarray):
-        self.V, self.S = V.transpose(2, 3, 1, 0), S.transpose(2, 3, 1, 0)  # (N + 1, G + 1, C, thresholds)
-        self.rows: list = [[None] * V.shape[3] for _ in range(V.shape[2])]
-
-    def row(self, j: int, R: int) -> list:
-        S = self.S[j, R]  # (C, K + 2)
-        live = np.flatnonzero(S[:, 0] < INF).tolist()
-        out = self.rows[j][R] = [(c, v, s) for c, v, s in zip(live, self.V[j, R, live].tolist(), S[live].tolist())]
+            if pv:
+                low = self.with_period(low, j2, f, b, n_rest, ts, start)
+                if low >= bar:
+                    continue
+            out.append(make(StageEnd, (j2, f, b, ar, fits, lb, low)))
+            if first:
+                break
         return out
 
+    # ---- a plan: prefix + new stage + the rest as one stage ---------------------------------------------------
+    def below(self, pre: Prefix, chain_in: float | None, b: float, ar: float, e: float) -> float:
+        """refined_chains' `below` after a new stage (B ``b``, AllReduce ``ar``, overlapped ending ``e``) that
+        follows ``pre`` over a transfer whose gradients take ``chain_in`` back (None: no stage before)."""
+        own = e if self.overlap else b + ar
+        below = pre.below
+        if below is None or chain_in is None:
+            return own
+        below += chain_in
+        return below + b if below + b > own else own
 
-class _FirstStages:
-    """The candidate first stages [j, c) of the bounds' DPs over the rest of the model, for c = j+1..N, on each
-    replica count r of ``reps`` (rows of (reps, N + 1) arrays of prefix sums: F, B, F + B, saved bytes)."""
+    def quick_floor(self, end: StageEnd, link: "CommLinks", rest: Tail, start: Start) -> float:
+        """A cheap lower bound on L of prefix + new stage + the rest as one stage: formula 2, M (F+B) of a stage;
+        refined, the rest's chain without its waits (:meth:`rest_chain` is the full one)."""
+        M, f, b, busy, chain = self.M, end.f, end.b, link.busiest, link.chain
+        t_f, t_b, t_ar, t_e, _ = rest
+        if not self.refined:
+            return max(M * (t_f + t_b), M * (f + b), 2 * M * busy)
+        return start.forward_sum + f + busy + M * (t_f + t_b) + max(t_e - t_b if self.overlap else t_ar,
+                                                                   start.backward_sum + b + chain)
 
-    def __init__(self, cm: "CostModel", M: int, devices: int, cut: float, overlap: bool = False):
-        self.cm, self.M, self.cut, self.overlap = cm, M, cut, overlap
-        self.reps = efficient_replicas(cm.micro, devices)  # replica counts r <= min(micro, devices)
-        self.row = {r: i for i, r in enumerate(self.reps)}
-        sums = [cm.prefix_sums(cm.rows(r)) for r in self.reps]
-        self.f2, self.b2, self.saved2 = (np.array([x[k] for x in sums]) for k in range(3))
-        self.fb2 = self.f2 + self.b2
-        self.params = np.asarray(cm.param_prefix)
-        self.static = np.outer([cm.static_factor(r) for r in self.reps], self.params)  # (reps, N + 1)
-        self.r = np.asarray(self.reps)
-        self.rings = _rings(cm, self.reps)
-        self.last: tuple = (None, None)  # ((j, allreduce), every(j, allreduce)): what __call__ reads rows of
+    def rest_chain(self, arr: "Arrival", end: StageEnd, link: "CommLinks", rest: Tail, e: float,
+                   link_period: float) -> float:
+        """A lower bound on L of prefix + new stage + the rest as one stage: the rest's own chain in refined_chains
+        from what is known without the window terms, or any other stage's (prefix_lead). Nearly every plan's pivot
+        is its last stage: the search rejects most plans here without pricing them."""
+        M, pre, chain_in = self.M, arr.pre, arr.chain
+        f, b, ar, busy, chain = end.f, end.b, end.allreduce, link.busiest, link.chain
+        t_f, t_b, t_ar, t_e, _ = rest
+        below = self.below(pre, chain_in, b, ar, e) + chain
+        own = t_e if self.overlap else t_b + t_ar
+        tail = below if below > own - t_b else own - t_b
+        supply = max(pre.fmax, arr.busy, f, busy, t_f)
+        pace = max(f + b, t_f + t_b, link_period)
+        up = NEXT_TO_LAST_K if M > NEXT_TO_LAST_K else M
+        arrive = min(min(M - 1, up - 1) * supply + (M - up) * pace, (M - 1) * pace)
+        lead, own = pre.lead if pre.lead is not None else prefix_lead(pre, M)
+        k = NEXT_TO_LAST_K if M > NEXT_TO_LAST_K else M  # the new stage's K at most
+        arrive = max(arrive, lead, (M - 1) * f + (M - k) * b)
+        steady = max((M - 1) * (t_f + t_b), arrive + t_f - t_f)  # in refined_chains' order of operations
+        trip = arr.start.forward_sum + f + busy + t_f + t_b
+        bsum = pre.backward_sum + (chain_in if chain_in is not None else 0.0) + b + chain + t_b
+        return max(trip + steady + tail, trip - t_b + bsum + max(own, (M - 1) * b + (M - k) * f))
 
-    def __call__(self, j: int, r: int, allreduce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
-        """(T = F + B of each, which a bound may use, what their AllReduce adds to their chain at least (its
-        floor; overlapped: the floor - B, at least 0) (with ``allreduce`` or a cut, else None), n: ends past
-        j + n are never allowed). Allowed: fits in device memory (parameters x optimizer factor + one saved
-        slice) and, below the cut, its own chain M T + that AllReduce term stays below it. Row r of
-        :meth:`every` (kept for the next r of the same j)."""
-        if self.last[0] != (j, allreduce):
-            self.last = ((j, allreduce), self.every(j, allreduce))
-        T, ok, ar, _ = self.last[1]
-        i = self.row[r]
-        return T[i], ok[i], ar[i] if ar is not None else None, _span(ok[i])
+    # ---- the period bound --------------------------------------------------------------------------------------
+    def period_floor(self, u: float, links: float) -> float:
+        """t for :meth:`period_rest` after stages whose largest U is ``u`` and whose links take at least ``links``
+        ms per micro-batch (forwards reach the last stage one per link period)."""
+        M = self.M
+        k = NEXT_TO_LAST_K
+        x = links * (M - k) / (M - 1) if M > k else 0.0
+        return u if u > x else x
 
-    def every(self, j: int, allreduce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
-        """:meth:`__call__` for every r at once: (T, ok, AR term) as (reps, N - j) arrays, n: the largest span."""
-        T = self.fb2[:, j + 1:] - self.fb2[:, j:j + 1]  # (reps, N - j)
-        ar = None
-        if allreduce or self.cut < INF:
-            ar = _ring_floor(self.rings, self.r, self.params[j + 1:] - self.params[j])
-            if self.overlap:  # E - B >= AR - B: the part of the AllReduce after the last backward
-                ar = np.maximum(ar - (self.b2[:, j + 1:] - self.b2[:, j:j + 1]), 0.0)
-        ok = (self.static[:, j + 1:] - self.static[:, j:j + 1]) + (self.saved2[:, j + 1:] - self.saved2[:, j:j + 1]) \
-            <= self.cm.cluster.device_memory
-        if self.cut < INF:
-            ok &= self.M * T + ar < self.cut
-        cols = np.flatnonzero(ok.any(axis=0))
-        return T, ok, ar, int(cols[-1]) + 1 if len(cols) else 0
+    def period_ts(self, pre: Prefix, after: int, most: int, links: float) -> list:
+        """period_rest's t per stage-count bucket of the rest after ``pre`` and ``after`` more stages (the last
+        bucket: ``most``, as many stages as the rest can have)."""
+        C = self.counts
+        us = prefix_u_table(pre, self.M)
+        last = len(us) - 1
+        x = self.period_floor(0.0, links)
+        cache = pre.period_ts if pre.period_ts is not None else {}
+        pre.period_ts = cache
+        head = cache.get((after, links, C))  # the buckets but the last: the same for every ``most``
+        if head is None:
+            head = []
+            for c in range(C - 1):
+                more = after + c + 1
+                u = us[more if more < last else last]
+                head.append(u if u > x else x)
+            cache[(after, links, C)] = head
+        more = after + (most if most > C else C)
+        u = us[more if more < last else last]
+        return head + [u if u > x else x]
 
+    def period_rest(self, j: int, R: int, ts: list, *, hi: float = 0.0, lo: float = 0.0, add: float = 0.0,
+                    stop: float = -INF) -> float:
+        """L - (one micro-batch's round trip so far) is at least this for any split of [j, N) on R devices after
+        stages whose largest U is ts[c] and a new stage of max(F, B) ``hi`` and min(F, B) ``lo``: the least over
+        the buckets c some split falls in. Once ``add`` + a bucket's value is below ``stop``, that value (a caller
+        who only asks whether ``add`` + this reaches ``stop`` gets the same answer sooner)."""
+        taus, pr = self.pv
+        m1, shares = self.M - 1, self.new_share
+        best = INF
+        rw = pr.rows[j][R]
+        for c, V, S in (rw if rw is not None else pr.row(j, R)):
+            t = hi + shares[c] * lo
+            if ts[c] > t:
+                t = ts[c]
+            k = bisect.bisect_right(taus, t)
+            a = V[k] + m1 * t
+            s = S[k + 1]
+            if s < a:
+                a = s
+            if a < best:
+                best = a
+                if add + a < stop:
+                    return a
+        return best
 
-def _span(ok: np.ndarray) -> int:
-    """1 + the index of the last True in ``ok`` (0 if none): the ends beyond it need not be looked at."""
-    idx = np.flatnonzero(ok)
-    return int(idx[-1]) + 1 if len(idx) else 0
+    def with_period(self, low: float, j2: int, f: float, b: float, n_rest: int, ts: list, start: Start) -> float:
+        """``low`` raised to the period bound of a new stage [j, j2) (F ``f``, B ``b``) from ``start``, before the
+        rest [j2, N) on ``n_rest`` devices (period_rest, ``ts`` from period_ts)."""
+        hi, lo = (f, b) if f > b else (b, f)
+        before = start.forward_sum + start.backward_sum + f + b
+        x = before + self.period_rest(j2, n_rest, ts, hi=hi, lo=lo, add=before,
+                                      stop=nextafter(low, INF))  # (at most low: low)
+        return x if x > low else low

@@ -1,20 +1,28 @@
-"""The planner's search (paper IV-C, formulas 4-5): DP over stage splits, replication and placement."""
+"""The fast DP of formulas 4-5 for one micro-batch size: reference.py's recurrence with bounds, memo and seeds."""
 
 from __future__ import annotations
 
-import bisect
 import time
 from typing import TYPE_CHECKING
 
+from .. import tuning
 from ..model.cost import CostModel
-from .bounds import least_work
+from .bounds import Pruner, least_work
 from .exact import exact_search
 from .memo import Memo, gc_paused
-from .pruning import BUCKETS_AFTER, TIGHTEN_AFTER, Pruner
-from .records import (INF, Best, BoundOutcome, Found, Incumbent, Outcome, Prefix, RefineOutcome, RunOutcome,
-                      SearchConfig, SearchResult, SeedOutcome)
+from .pricing import StageCosts
+from .records import (
+    INF,
+    Best,
+    Found,
+    Incumbent,
+    Prefix,
+    Progress,
+    SearchConfig,
+    SearchResult,
+    Start,
+)
 from .seeds import Seeder
-from .stage_costs import StageCosts
 from .transitions import Expander
 
 if TYPE_CHECKING:
@@ -23,16 +31,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DPSearch", "INF", "SearchConfig", "SearchResult", "can_occupy", "dp_search", "most_stages"]
 
-# memoised pairs of stage layouts (CostModel.comm_pair) above which the search drops them and its placements (both
-# are recomputed on use): each takes a few kB, and a search over many servers makes them faster than it reuses them
-COMM_CACHE_LIMIT = 30_000
-
 
 class DPSearch:
-    """Formulas 4-5 for one micro-batch size (see :func:`dp_search`): the incumbent, the stage costs, the bounds,
-    the memo, the seeds and the transitions it is built from, and the DP over them.
+    """Formulas 4-5 for one micro-batch size (see :func:`dp_search`; reference.py is the same recurrence without
+    what makes it fast): the incumbent, the stage costs, the bounds, the memo, the seeds and the transitions it is
+    built from, and the DP over them.
 
-    Its steps, each returning a typed outcome (what a forked worker sends back, :meth:`adopt`): :meth:`seed`,
+    Its steps, each returning its :class:`Progress` (what a forked worker sends back, :meth:`adopt`): :meth:`seed`,
     :meth:`refine_seeds`, :meth:`bound_tables`, :meth:`run`. ``deadline``: a time.perf_counter() value at which
     run() stops with the best plan so far (None: none)."""
 
@@ -48,10 +53,10 @@ class DPSearch:
         self.rho = least_work(self.cm, min(self.b, self.G))
         self.incumbent = Incumbent(incumbent, config.gap)
         self.costs = StageCosts(self.cm, config, self.M, self.incumbent)
-        self.pruner = Pruner(self.cm, config, self.M, self.G, self.rho, self.incumbent)
+        self.pruner = Pruner(self.costs, self.G, self.rho)
         self.memo = Memo(self.ns, self.dps, self.b, config.partial_kinds)
         self.seeder = Seeder(self.costs, self.rho, self.G, self.dps, config.max_stages, self.incumbent)
-        self.expander = Expander(self.cm, config, self.M, self.ns, self.costs, self.pruner, self.incumbent)
+        self.expander = Expander(self.costs, self.pruner, config, self.ns)
         self.states = 0  # DP states expanded
         self.complete = True  # whether run() finished (not stopped by the deadline)
         self.certified = False  # whether certify() proved that no plan of this size is below its incumbent
@@ -63,8 +68,9 @@ class DPSearch:
         return self.incumbent.best
 
     @property
-    def cut(self) -> float:
-        return self.incumbent.cut
+    def bar(self) -> float:
+        """What a plan must stay below to matter (the incumbent's latency / (1 + gap))."""
+        return self.incumbent.bar
 
     def set_best(self, latency: float, found: Found | None) -> None:
         """The incumbent: prune what cannot beat it by more than ``gap`` (relative)."""
@@ -87,54 +93,54 @@ class DPSearch:
                             self.states, self.transitions)
 
     # ---- its steps ---------------------------------------------------------------------------------------
-    def seed(self) -> SeedOutcome:
+    def seed(self) -> Progress:
         """The even-split seed plans (Seeder.seed): the best is the incumbent."""
         self.seeder.seed()
-        return SeedOutcome(self.best, self.seeder.kept, self.seeder.priced)
+        return self.progress()
 
-    def refine_seeds(self) -> RefineOutcome:
+    def refine_seeds(self) -> Progress:
         """Local search over the cuts of the best seeds (Seeder.refine_seeds)."""
         self.seeder.refine_seeds()
-        return RefineOutcome(self.best, self.seeder.kept)
+        return self.progress()
 
-    def bound_tables(self) -> BoundOutcome:
-        """The rest bounds' tables for plans below the cut as it is now, and the root bound (Pruner.bound_tables)."""
+    def bound_tables(self) -> Progress:
+        """The rest bounds' tables for plans below the bar as it is now, and the root bound (Pruner.bound_tables)."""
         self.pruner.bound_tables()
-        return BoundOutcome(self.best, self.root_bound)
+        return self.progress()
 
-    def run(self) -> RunOutcome:
+    def run(self) -> Progress:
         """The DP (anytime: it stops at ``deadline`` with the best plan so far, ``complete`` False)."""
         with gc_paused():
             self._run()
-        return RunOutcome(self.best, self.states, self.transitions, self.complete, self.root_bound)
+        return self.progress()
 
-    def certify(self, cut: float) -> bool:
-        """Every plan of this size below ``cut`` (any split, replicas in any order on any servers) enumerated where
+    def certify(self, bar: float) -> bool:
+        """Every plan of this size below ``bar`` (any split, replicas in any order on any servers) enumerated where
         the instance is small enough (exact.exact_search): one that beats the incumbent becomes it. Returns whether
-        it ran; then no plan of this size is modelled below min(cut, the incumbent) (``certified``)."""
-        if self.pruner.root_bound >= cut > 0:
-            self.certified = True  # the bounds alone: no plan below the cut (the cut the tables were made for is not
+        it ran; then no plan of this size is modelled below min(bar, the incumbent) (``certified``)."""
+        if self.pruner.root_bound >= bar > 0:
+            self.certified = True  # the bounds alone: no plan below the bar (the bar the tables were made for is not
             return True  # below it)
-        ex = exact_search(self.cm, self.M, self.config, cut, deadline=self.deadline)
+        ex = exact_search(self.cm, self.M, self.config, bar, deadline=self.deadline)
         if ex is None:
             return False
         if ex.latency < self.incumbent.latency:
-            self.set_best(ex.latency, Found(ex.spans, ("enumerated",) * len(ex.spans), ex.warmup_policy))
+            self.set_best(*ex)
         self.certified = True
         return True
 
-    def adopt(self, outcome: Outcome) -> None:
-        """Stand as if a step whose ``outcome`` a forked worker sent back had run here (what later steps and
-        the caller read of it)."""
-        self.set_best(*outcome.best)
-        if isinstance(outcome, (SeedOutcome, RefineOutcome)):
-            self.seeder.kept = outcome.seeds
-        if isinstance(outcome, SeedOutcome):
-            self.seeder.priced = outcome.priced
-        if isinstance(outcome, (BoundOutcome, RunOutcome)):
-            self.pruner.root_bound = outcome.root_bound
-        if isinstance(outcome, RunOutcome):
-            self.states, self.expander.count, self.complete = outcome.states, outcome.transitions, outcome.complete
+    def progress(self) -> Progress:
+        """What the steps so far have made of this search."""
+        return Progress(self.best, tuple(self.seeder.kept), self.seeder.priced, self.pruner.root_bound, self.states,
+                        self.transitions, self.complete)
+
+    def adopt(self, progress: Progress) -> None:
+        """Stand as the search whose :meth:`progress` a forked worker sent back (its tables stay in the worker)."""
+        self.set_best(*progress.best)
+        self.seeder.kept, self.seeder.priced = list(progress.seeds), progress.priced
+        self.pruner.root_bound, self.states, self.expander.count = progress.root_bound, progress.states, \
+            progress.transitions
+        self.complete = progress.complete
 
     # ---- the DP ------------------------------------------------------------------------------------------
     def _late(self) -> bool:
@@ -148,24 +154,26 @@ class DPSearch:
         if self.pruner.root_bound and self._late():
             return  # bound before (plan()'s late sizes) and out of time: the tables would only raise the root bound
         self.pruner.bound_tables()
-        states: list[dict] = [dict() for _ in range(self.N + 1)]
+        states: list[dict] = [dict() for _ in range(self.N + 1)]  # per layer j: state key -> its prefixes
+        self.expander.states = states
         self._one_stage()
         root = Prefix(free=tuple([self.dps] * self.ns), latency=INF)
-        tighten_at, buckets_at = self.states + TIGHTEN_AFTER, self.states + BUCKETS_AFTER
-        pruner, incumbent, cm = self.pruner, self.incumbent, self.cm
+        tune = tuning.TUNING
+        tighten_at, buckets_at = self.states + tune.tighten_after, self.states + tune.buckets_after
+        pruner, incumbent, cm, cache_limit = self.pruner, self.incumbent, self.cm, tune.comm_cache_limit
         for j in range(self.N):
             for pre in ([root] if j == 0 else Memo.frontier(states[j])):
                 self.states += 1
-                if self.states == tighten_at and pruner.root_bound < incumbent.cut:
+                if self.states == tighten_at and pruner.root_bound < incumbent.bar:
                     pruner.tighten()  # a search this large pays for the tighter bounds' tables
-                elif self.states == buckets_at and pruner.root_bound < incumbent.cut:
+                elif self.states == buckets_at and pruner.root_bound < incumbent.bar:
                     pruner.tighten(buckets=True)  # and this large, for their stage-count buckets
                 if self._late():
                     return
-                if cm.cached_pairs() > COMM_CACHE_LIMIT:  # memoised placements and transfer tables: start afresh
+                if cm.cached_pairs() > cache_limit:  # memoised placements and transfer tables: start afresh
                     self.memo.forget()
                     cm.forget_comm()
-                if not self._pruned(pre, j) and not self._expand_state(states, pre, j):
+                if not self._pruned(pre, j) and not self._expand_state(pre, j):
                     return  # out of time
 
     def _one_stage(self) -> None:
@@ -173,57 +181,49 @@ class DPSearch:
         if self.G > self.b:
             return
         lay0 = tuple(s for s in range(self.ns) for _ in range(self.dps))
-        f, bb, ar, e, d = self.costs.tail(0, lay0)
+        f, b, ar, e, d = self.costs.tail(0, lay0)
         if d >= 1:
-            lat, pol = self.costs.latency([f], [bb], [ar], [e], [bb], [d], 0.0)
+            lat, pol = self.costs.latency([f], [b], [ar], [e], [b], [d], link_period=0.0)
             self.incumbent.offer(lat, ((0, self.N, lay0),), ("fresh",), pol)
 
     def _pruned(self, pre: Prefix, j: int) -> bool:
-        """Whether no completion of ``pre`` (layers [0, j) planned) can beat the cut: the rest's least work over
-        the free devices, the rest bounds, the period bound, or one more stage than ``max_stages`` allows."""
-        N, M, rho, pruner, cut = self.N, self.M, self.rho, self.pruner, self.incumbent.cut
+        """Whether no completion of ``pre`` (layers [0, j) planned) can beat the bar: fewer than 2 devices left, the
+        bounds (Pruner.prunes), or one more stage than ``max_stages`` allows."""
         R = sum(pre.free)
-        if R < 2 or max(pre.lb, M * (rho[N] - rho[j]) / R) >= cut:
-            return True
-        if pre.W + max(pre.Bsum + pruner.Q[j][R], pruner.Qar[j][R]) >= cut:
-            return True
-        if pruner.pv is not None and pre.W + pre.Bsum + pruner.period_rest(
-                j, R, pruner.period_ts(pre, 0, min(R, N - j), max(pre.server_max, pre.dev)), add=pre.W + pre.Bsum,
-                stop=cut) >= cut:
+        if R < 2 or self.pruner.prunes(pre, j, R):
             return True
         return self.config.max_stages is not None and pre.depth + 2 > self.config.max_stages
 
-    def _expand_state(self, states: list, pre: Prefix, j: int) -> bool:
+    def _expand_state(self, pre: Prefix, j: int) -> bool:
         """Every new stage [j, j2) on m replicas after ``pre`` whose ends pass the bounds (False: out of time)."""
-        N, M, rho, cm, pruner, memo, expander = self.N, self.M, self.rho, self.cm, self.pruner, self.memo, self.expander
-        free, prev, deadline = pre.free, pre.last, self.deadline
-        R, most, links = sum(free), max(free), max(pre.server_max, pre.dev)
-        bound = self.incumbent.cut  # (the cut when the state is reached: its ends below are read against it)
-        W0, Bsum0 = (pre.W, pre.Bsum) if self.refined else (0.0, 0.0)  # formula 2: no fill/drain bound
+        N, pruner, memo, expander, costs = self.N, self.pruner, self.memo, self.expander, self.costs
+        deadline = self.deadline
+        free, prev = pre.free, pre.last
+        R, most, links = sum(free), max(free), max(pre.links.server_max, pre.links.dev)
+        bar = self.incumbent.bar  # (the bar when the state is reached: its ends below are read against it)
+        period = pruner.has_period_bound  # (only tighten() changes it, between states)
+        # formula 2 has no fill/drain bound: its stages start at 0
+        start = Start(pre.lb, pre.forward_sum, pre.backward_sum) if self.refined else Start(pre.lb, 0.0, 0.0)
         for m in range(1, min(R - 1, self.b) + 1):
             if deadline is not None and time.perf_counter() > deadline:
                 self.complete = False  # within a state too: one can take long on many servers
                 return False
-            # the new stage [j, j2) must be fast enough: M (F+B) < bound; the rest must fit on R-m devices:
-            # M rho(j2, N) / (R-m) < bound and Q[j2][R-m] < bound. Skip m when no j2 does.
-            lo = bisect.bisect_right(rho, rho[N] - bound * (R - m) / M, j + 1)
-            lo = max(lo, bisect.bisect_right(pruner.Qcol[R - m], pre.W + pre.Bsum - bound, j + 1),
-                     bisect.bisect_right(pruner.Qarcol[R - m], pre.W - bound, j + 1))
-            if lo >= N or M * sum(cm.compute(j, lo, m)) >= bound:
+            lo = pruner.first_end(pre, j, m, R - m, bar)
+            if lo is None:
                 continue
             # the ends from lo that pass the bounds before the transfer into the stage is priced, per whether it
             # spans servers, shared by this m's placements: most m end here, before their placements are listed
             kinds = ([False] if m <= most else []) + ([True] if m > 1 and self.ns > 1 else [])
-            placed = memo.listed.get((free, prev, m))  # listed before: only the kinds its placements have
+            placed = memo.known(free, prev, m)  # listed before: only the kinds its placements have
             if placed is not None:
                 kinds = [multi for multi in kinds if any(option.multi == multi for option in placed)]
-            ts = pruner.period_ts(pre, 1, min(R - m, N - j - 1), links) if pruner.pv is not None else None
-            gate = {multi: expander.reach(pre, j, m, multi, R - m, lo, pre.lb, W0, Bsum0, ts, prev is not None)
+            ts = pruner.period_ts(pre, 1, min(R - m, N - j - 1), links) if period else None
+            gate = {multi: pruner.ends(costs.stage_costs(j, m, multi), R - m, start, lo, ts, prev is not None)
                     for multi in kinds}
             if not any(gate.values()):
                 continue
             for option in (placed if placed is not None else memo.options(free, prev, m)):
-                expander.expand(states, pre, j, m, option, prev, gate)
+                expander.expand(pre, j, option, gate)
         return True
 
 
@@ -242,21 +242,9 @@ def dp_search(profile: "Profile", cluster: "Cluster", global_batch_size: int, mi
               optimizer_factor: float = 4.0, beam: int = 1, incumbent: float = INF,
               seed: bool = True, max_stages: int | None = None, partial_kinds: int | None = None,
               time_limit: float | None = None, gap: float = 0.0) -> SearchResult | None:
-    """Formulas 4-5 for one micro-batch size: T_PL(j', m+m', g+g') = L of (planned stages + a new stage
-    [j, j') on m' devices placed by Fresh/Append/Scatter First + the rest as one stage on the free devices).
-
-    Memoised on (j, free devices per server, where the last stage's replicas sit), up to server symmetry:
-    servers with the same descriptor are interchangeable for every later decision and cost, and the last
-    stage's replica positions decide the split-concat routes to the next stage (the free counts alone do
-    not). Each key keeps the ``beam`` best prefixes (the paper keeps one): exact only if a longer plan's L
-    were a function of the key, which it is not, so this is where the DP is heuristic (brute force on small
-    clusters: tests/planner/search/test_dp.py). Best means the lowest floor, the least L any completion can
-    have by the bounds, then formula 5's L (the prefix + the rest as one stage): the paper ranks by formula 5
-    alone, but with many layers left the rest-as-one-stage dominates it. Replica order inside a stage: two
-    candidates (aligned with the previous stage; fullest remaining servers first).
-
-    Pruning never drops a plan that could beat the best complete plan so far (``incumbent``, the seed plans
-    with their cuts refined by local search, and every complete plan the DP meets): see pruning.Pruner.
+    """Formulas 4-5 for one micro-batch size (reference.py states them; docs/planner.md, "Inside the search", says
+    how this DP keys, ranks and prunes): the best plan it meets, each state keeping the ``beam`` prefixes with the
+    lowest floor, since with many layers left formula 5's rest-as-one-stage dominates formula 5 itself.
 
     Args:
         profile, cluster, global_batch_size, micro_batch_size: the instance (M = global / micro micro-batches).

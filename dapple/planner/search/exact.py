@@ -1,4 +1,4 @@
-"""Every plan of a small instance below a cut, enumerated with a lower bound: the proof behind "the model's best"."""
+"""Certificates: every plan of a small instance below a bar, enumerated (the proof behind "the model's best")."""
 
 from __future__ import annotations
 
@@ -10,29 +10,14 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 import numpy as np
 
 from ...core.schedule import warmup_counts
+from .. import tuning
 from ..model.cost import Span
 from ..model.evaluate import pipeline_costs
-from ..model.memory import slices_that_fit
-from .bounds import allreduce_floor
-from .records import INF, SearchConfig
+from .bound_tables import allreduce_floor
+from .records import INF, Best, Found, SearchConfig
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
-
-# plans of one micro-batch size (plan_count) above which it is not enumerated:
-# the DP's space (Fresh/Append/Scatter, two replica orders, one prefix per state) is then all it searched
-EXACT_PLANS = 200_000
-# plans of all micro-batch sizes together up to which plan() has the simulator judge every one (every_plan)
-JUDGE_EVERY = 400
-
-
-class Exact(NamedTuple):
-    """What :func:`exact_search` found: the best plan below the cut (latency INF: none) and the plans it priced."""
-
-    latency: float
-    spans: tuple
-    warmup_policy: str
-    priced: int
 
 
 class Split(NamedTuple):
@@ -66,24 +51,45 @@ def plan_count(layers: int, servers: int, per_server: int, micro: int, max_stage
     return total * layout_count(servers, per_server)
 
 
+class Layouts:
+    """The one enumerator of device assignments (the certificates' Walk and baselines.exhaustive use it): every
+    sequence of servers a stage of r replicas can take from the free devices per server, servers numbered by first
+    appearance (each relabelling of the servers once; ``opened``: how many are numbered so far; opened = servers:
+    every labelled sequence). Memoised; each entry is (layout, free after it, opened after it)."""
+
+    def __init__(self, servers: int):
+        self.servers = servers
+        self._memo: dict = {}  # (replicas, free per server, servers opened) -> [(layout, free, opened)]
+
+    def __call__(self, r: int, free: tuple, opened: int) -> list:
+        key = (r, free, opened)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = []
+            if r == 0:
+                hit.append(((), free, opened))
+            else:
+                for s in range(min(opened + 1, self.servers)):  # a numbered server, or the next fresh one
+                    if free[s]:
+                        less = free[:s] + (free[s] - 1,) + free[s + 1:]
+                        for lay, left, op in self(r - 1, less, max(opened, s + 1)):
+                            hit.append(((s,) + lay, left, op))
+        return hit
+
+    def assignments(self, counts: tuple, per_server: int, labelled: bool = False) -> Iterator[tuple]:
+        """Every way stages of ``counts`` replicas take all the devices, as server layouts, stage by stage
+        (``labelled``: every labelling of the servers, not once per relabelling)."""
+        opened = self.servers if labelled else 0
+        partial = [((), (per_server,) * self.servers, opened)]
+        for r in counts:
+            partial = [(lays + (lay,), left, op) for lays, free, o in partial for lay, left, op in self(r, free, o)]
+        return (lays for lays, _, _ in partial)
+
+
 def server_sequences(servers: int, per_server: int) -> Iterator[tuple[int, ...]]:
     """Every sequence of server labels that uses each server's devices once, servers numbered by first
     appearance (each relabelling class once; :func:`layout_count` of them)."""
-    left = [per_server] * servers
-    seq: list[int] = []
-
-    def walk(opened: int) -> Iterator[tuple[int, ...]]:
-        if len(seq) == servers * per_server:
-            yield tuple(seq)
-            return
-        for s in range(min(opened + 1, servers)):  # a used server, or the next fresh one
-            if left[s]:
-                left[s] -= 1
-                seq.append(s)
-                yield from walk(max(opened, s + 1))
-                seq.pop()
-                left[s] += 1
-    yield from walk(0)
+    return (lays[0] for lays in Layouts(servers).assignments((servers * per_server,), per_server))
 
 
 def compositions(total: int, parts: int, most: int) -> Iterator[tuple[int, ...]]:
@@ -109,7 +115,7 @@ class FloorTerms:
         key = (a, c, r)
         if key not in self.stages:
             cm, config = self.cm, self.config
-            if slices_that_fit(cm.static_bytes(a, c, r), cm.saved_bytes(a, c, r), cm.cluster.device_memory) < 1:
+            if cm.fits(a, c, r) < 1:  # (a recomputing stage holds its inputs too)
                 self.stages[key] = None
             else:
                 f, b = cm.compute(a, c, r)
@@ -127,12 +133,8 @@ class FloorTerms:
 
 def split_floor(terms: FloorTerms, M: int, bounds: tuple, counts: tuple) -> float:
     """A lower bound on L of every plan with these stages, whatever their servers (INF: a stage does not fit in
-    device memory). Over the interleaved stages (compute, transfers), each at its least: a transfer as if both
-    stages sat on one server (no slower than across servers, :func:`comm_floor`), an AllReduce on its cheapest ring
-    (bounds.allreduce_floor). Formula 2: M (F_s + B_s) of each stage s, a transfer's included. The refined model
-    (bounds.rest_bound, DPSearch's bounds): the first micro-batch's forwards W before s + M (F_s + B_s) + the
-    longer of the last gradient's backwards before s and s's AllReduce (overlapped: what of it outlasts its last
-    backward); a transfer: W + M F + the backwards before it."""
+    device memory): the rest bound's terms (docs/planner.md, "The bounds") with each transfer as if both stages sat
+    on one server (:func:`comm_floor`) and each AllReduce on its cheapest ring, since neither can be cheaper."""
     out = w = bsum = 0.0  # (refined) the first micro-batch's forwards before s; the last one's backwards
     refined = terms.config.refined
     for s, r in enumerate(counts):
@@ -162,8 +164,8 @@ def comm_floor(cm: "CostModel", layer: int, senders: int, receivers: int) -> flo
     return cm.comm_pair((0,) * senders, (0,) * receivers)(layer).busiest
 
 
-def splits(cm: "CostModel", M: int, config: SearchConfig, cut: float) -> list[Split]:
-    """Every stage split x replicas per stage that uses all devices and whose floor is below ``cut``, lowest
+def splits(cm: "CostModel", M: int, config: SearchConfig, bar: float) -> list[Split]:
+    """Every stage split x replicas per stage that uses all devices and whose floor is below ``bar``, lowest
     floor first."""
     N, G, b = cm.num_layers, cm.cluster.num_devices, cm.micro
     depth = min(N, G) if config.max_stages is None else min(N, G, config.max_stages)
@@ -175,62 +177,58 @@ def splits(cm: "CostModel", M: int, config: SearchConfig, cut: float) -> list[Sp
             bounds = (0,) + cuts + (N,)
             for counts in every:
                 floor = split_floor(terms, M, bounds, counts)
-                if floor < cut:
+                if floor < bar:
                     out.append(Split(floor, bounds, counts))
     out.sort()
     return out
 
 
+class Partial(NamedTuple):
+    """A plan walked up to some stage: its stages, the devices left per server, the servers numbered so far, and
+    (refined model) the first micro-batch's forwards and the last one's backwards before the next stage."""
+
+    spans: tuple
+    free: tuple
+    opened: int
+    forwards: float
+    backwards: float
+
+
 class Walk:
     """The plans of one micro-batch size, stage by stage: each stage's replicas on every sequence of servers the
-    devices left allow (servers numbered by first appearance: each relabelling once), a partial plan dropped as
-    soon as its transfers and AllReduces (with their servers) put it at or above the cut (:func:`split_floor`'s
-    terms); the plans that get through are priced."""
+    devices left allow (:class:`Layouts`), a partial plan dropped as soon as its transfers and AllReduces (with
+    their servers) put it at or above the bar (:func:`split_floor`'s terms); the plans that get through are
+    priced."""
 
-    def __init__(self, cm: "CostModel", M: int, config: SearchConfig, cut: float):
-        self.cm, self.M, self.config, self.cut = cm, M, config, cut
+    def __init__(self, cm: "CostModel", M: int, config: SearchConfig, bar: float):
+        self.cm, self.M, self.config, self.bar = cm, M, config, bar
         self.servers, self.per_server = cm.cluster.servers, cm.cluster.devices_per_server
         self.policies = ((config.warmup_policy,) if config.warmup_policy else ("A", "B")) if config.refined \
             else ("A",)
-        self.best = Exact(INF, (), "A", 0)
-        self.priced = 0
-        self.kept: list | None = None  # every plan priced, (L, spans, warmup policy) (every_plan), or None
-        self._layouts: dict = {}  # (replicas, free per server, servers opened) -> [(layout, free, opened)]
-        self._comm: dict = {}  # (layout, next layout, cut) -> the transfer's busiest link ms
+        self.best = Best(INF, None)
+        self.kept: list | None = None  # every plan priced, (L, spans, warmup policy) (priced_plans), or None
+        self.layouts = Layouts(self.servers)
+        self._comm: dict = {}  # (layout, next layout, end) -> the transfer's busiest link ms
         self._ar: dict = {}  # (a, c, layout) -> AllReduce ms
 
     @property
-    def bar(self) -> float:
-        """What a plan must stay below: the cut, or the best plan found if lower (every plan: the cut)."""
-        return self.cut if self.kept is not None or self.cut < self.best.latency else self.best.latency
+    def below(self) -> float:
+        """What a plan must stay below: the bar, or the best plan found if lower (every plan: the bar)."""
+        return self.bar if self.kept is not None or self.bar < self.best.latency else self.best.latency
 
     def split(self, bounds: tuple, counts: tuple) -> None:
         """Every plan of these stages below the bar; the best kept."""
-        self._stage(bounds, counts, 0, (), (self.per_server,) * self.servers, 0, 0.0, 0.0)
+        self._stage(bounds, counts, Partial((), (self.per_server,) * self.servers, 0, 0.0, 0.0))
 
-    def layouts(self, r: int, free: tuple, opened: int) -> list:
-        """Every sequence of ``r`` servers a stage can take from ``free``, opening servers in order."""
-        key = (r, free, opened)
-        hit = self._layouts.get(key)
-        if hit is None:
-            hit = self._layouts[key] = []
-            if r == 0:
-                hit.append(((), free, opened))
-            else:
-                for s in range(min(opened + 1, self.servers)):
-                    if free[s]:
-                        less = free[:s] + (free[s] - 1,) + free[s + 1:]
-                        for lay, left, op in self.layouts(r - 1, less, max(opened, s + 1)):
-                            hit.append(((s,) + lay, left, op))
-        return hit
-
-    def _stage(self, bounds: tuple, counts: tuple, s: int, spans: tuple, free: tuple, opened: int, w: float,
-               bsum: float) -> None:
+    def _stage(self, bounds: tuple, counts: tuple, done: Partial) -> None:
+        """Stage len(done.spans) of the split on every layout ``done`` leaves it, each completed (recursively)."""
         cm, M, refined = self.cm, self.M, self.config.refined
+        spans, w, bsum = done.spans, done.forwards, done.backwards
+        s = len(spans)
         a, c = bounds[s], bounds[s + 1]
         f, b = cm.compute(a, c, counts[s])
         prev = spans[-1][2] if spans else None
-        for lay, left, op in self.layouts(counts[s], free, opened):
+        for lay, left, op in self.layouts(counts[s], done.free, done.opened):
             low, w2, bsum2 = 0.0, w, bsum
             if prev is not None:
                 pa = spans[-1]
@@ -241,11 +239,11 @@ class Walk:
             if refined:
                 ar = self._allreduce(a, c, lay)
                 low = max(low, w2 + M * (f + b) + max(bsum2, max(ar - b, 0.0) if self.config.overlap else ar))
-            if low >= self.bar:
+            if low >= self.below:
                 continue
             here = spans + (Span(a, c, lay),)
             if s + 1 < len(counts):
-                self._stage(bounds, counts, s + 1, here, left, op, w2, bsum2)
+                self._stage(bounds, counts, Partial(here, left, op, w2, bsum2))
             else:
                 self._price(here)
 
@@ -267,53 +265,54 @@ class Walk:
         """The plan's L under the model (each warmup policy the search prices); the best kept."""
         config, M = self.config, self.M
         pc, D = pipeline_costs(self.cm, spans, M, "A", check=False, endings=config.overlap)
-        self.priced += 1
         least = None
         for pol in self.policies:
             pc.K = warmup_counts(len(spans), M, pol, max_in_flight=D)
             t = pc.latency(config.model, config.overlap).total
             if t < self.best.latency:
-                self.best = Exact(t, spans, pol, 0)
+                self.best = Best(t, Found(spans, ("enumerated",) * len(spans), pol))
             if least is None or t < least[0]:
                 least = (t, spans, pol)
         if self.kept is not None:
             self.kept.append(least)
 
 
-def exact_search(cm: "CostModel", M: int, config: SearchConfig, cut: float = INF, limit: int = EXACT_PLANS,
-                 deadline: float | None = None) -> Exact | None:
-    """The best plan of one micro-batch size below ``cut`` over every stage split x every assignment of all
+def exact_search(cm: "CostModel", M: int, config: SearchConfig, bar: float = INF, limit: int | None = None,
+                 deadline: float | None = None) -> Best | None:
+    """The best plan of one micro-batch size below ``bar`` over every stage split x every assignment of all
     devices (each stage's replicas in every order, as server layouts), by enumeration: splits whose floor
-    (:func:`split_floor`) reaches the cut, lowered by each better plan found, are never walked, nor partial plans
+    (:func:`split_floor`) reaches the bar, lowered by each better plan found, are never walked, nor partial plans
     whose own transfers and AllReduces reach it (:class:`Walk`).
 
     Args:
         cm: the cost model (profile, cluster, micro-batch size).
         M: micro-batches per iteration.
         config: the model, overlap, warmup policy and max_stages searched (SearchConfig).
-        cut: only plans below this are of interest.
-        limit: enumerate only instances of at most this many plans (:func:`plan_count`).
+        bar: only plans below this are of interest.
+        limit: enumerate only instances of at most this many plans (:func:`plan_count`; None:
+            SearchTuning.exact_plans; above it the DP's space is all that was searched).
         deadline: a time.perf_counter() value past which it gives up (returns None).
 
     Returns:
-        The best plan below ``cut`` (latency INF: none), or None when the enumeration would exceed ``limit`` or
-        ``deadline``.
+        The best plan below ``bar`` (latency INF: none; its stages' policies "enumerated"), or None when the
+        enumeration would exceed ``limit`` or ``deadline``.
     """
     cl = cm.cluster
+    limit = tuning.TUNING.exact_plans if limit is None else limit
     if plan_count(cm.num_layers, cl.servers, cl.devices_per_server, cm.micro, config.max_stages) > limit:
         return None
-    todo = splits(cm, M, config, cut)
-    walk = Walk(cm, M, config, cut)
+    todo = splits(cm, M, config, bar)
+    walk = Walk(cm, M, config, bar)
     for floor, bounds, counts in todo:
-        if floor >= walk.bar:
+        if floor >= walk.below:
             break  # (sorted: so are all after it)
         if deadline is not None and time.perf_counter() > deadline:
             return None
         walk.split(bounds, counts)
-    return walk.best._replace(priced=walk.priced)
+    return walk.best
 
 
-def every_plan(cm: "CostModel", M: int, config: SearchConfig) -> list[tuple[float, tuple, str]]:
+def priced_plans(cm: "CostModel", M: int, config: SearchConfig) -> list[tuple[float, tuple, str]]:
     """Every plan of one micro-batch size that fits in memory, as (its L under the model with the better warmup
     policy, spans, that policy), lowest first (for instances of a few hundred plans: plan_count)."""
     walk = Walk(cm, M, config, INF)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Sequence
 
 from ..model.cost import ServerLayout
-from .placement import placements
+from .placement import arrange, placements
 from .records import Option
 
 
@@ -32,6 +32,10 @@ class Memo:
         """Drop the memoised options and placements (recomputed on use: a long search bounds its memory)."""
         self.listed.clear()
         self._placements.clear()
+
+    def known(self, free: tuple, prev: ServerLayout | None, m: int) -> list | None:
+        """:meth:`options` if they were listed before, else None (not listing them)."""
+        return self.listed.get((free, prev, m))
 
     def options(self, free: tuple, prev: ServerLayout | None, m: int) -> list:
         """The distinct placements of a new stage of m replicas after a stage on ``prev`` (memoised), their
@@ -66,7 +70,7 @@ class Memo:
             # servers that keep the most free devices first (the larger first slices meet the next stage's there)
             ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
             rank = {s: r for r, s in enumerate(ahead)}
-            like = _arrange(take, first_servers)
+            like = arrange(take, first_servers)
             for new in dict.fromkeys((like, tuple(sorted(like, key=rank.get)))):
                 out.append(self._option(name, new, free2))
         return out
@@ -77,7 +81,7 @@ class Memo:
         wide = n_rest > self.b  # the rest cannot be one stage: rank the state as if it had b replicas
         # the rest's layout only as far as a stage can use it (b replicas): on many servers a whole tail per
         # placement filled gigabytes (a wide rest is never recorded as a plan's last stage)
-        tail = _arrange(free2, new, self.b)
+        tail = arrange(free2, new, self.b)
         canon = self._canon.get((free2, new))
         if canon is None:
             state_key, perm = _canonical(free2, new)
@@ -87,27 +91,10 @@ class Memo:
         return (name, new, free2, n_rest, tail, wide, kid, perm, len(set(new)) > 1)
 
 
-def _arrange(take: Sequence[int], prev: ServerLayout | None, limit: int | None = None) -> ServerLayout:
-    """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
-    (split-concat then pairs replicas on the same server where it can); with ``limit``, only the first ones."""
-    first: dict = {}
-    for k, s in enumerate(prev or ()):
-        first.setdefault(s, k)
-    servers = sorted((s for s in range(len(take)) if take[s] > 0), key=lambda s: (first.get(s, 1 << 30), s))
-    out: list = []
-    for s in servers:
-        out += [s] * take[s]
-        if limit is not None and len(out) >= limit:
-            return tuple(out[:limit])
-    return tuple(out)
-
-
 def _canonical(free: Sequence[int], last: ServerLayout) -> tuple[bytes, list[int]]:
-    """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it). The
-    paper memoises on the devices used (formula 4's (j, m, g)); up to server symmetry that is the multiset of
-    free counts. The last stage's replica counts per server are added because they decide the split-concat
-    routes to the next stage (where on a server the replicas sit in the stage's order is left out: merging
-    those keeps the DP exact on every brute-force instance, tests/planner/search/test_dp.py)."""
+    """State key and relabelling: servers sorted by (free devices, replicas of the last stage on it): the paper's
+    devices used, up to server symmetry, and the last stage's replicas per server, which decide the routes to the
+    next stage (docs/planner.md, "Formulas 4 and 5")."""
     count: dict = {}
     for x in last:
         count[x] = count.get(x, 0) + 1

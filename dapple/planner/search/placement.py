@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from ..model.cost import ServerLayout
+
 Take = list  # devices to take from each server, indexed like the free counts
 
 
@@ -86,3 +88,18 @@ def placements(free: Sequence[int], per_server: int, need: int,
             seen.add(tuple(take))
             out.append((name, take))
     return out
+
+
+def arrange(take: Sequence[int], prev: ServerLayout | None, limit: int | None = None) -> ServerLayout:
+    """Replicas of a stage taking ``take[s]`` devices of server s, ordered like the previous stage's servers
+    (split-concat then pairs replicas on the same server where it can); with ``limit``, only the first ones."""
+    first: dict = {}
+    for k, s in enumerate(prev or ()):
+        first.setdefault(s, k)
+    servers = sorted((s for s in range(len(take)) if take[s] > 0), key=lambda s: (first.get(s, 1 << 30), s))
+    out: list = []
+    for s in servers:
+        out += [s] * take[s]
+        if limit is not None and len(out) >= limit:
+            return tuple(out[:limit])
+    return tuple(out)

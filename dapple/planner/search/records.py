@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..model.cost import ServerLayout
+from ..model.cost import ServerLayout, Span
 
 INF = float("inf")
-Span = tuple  # (first layer, end layer, server of each replica): one stage
 
 
 @dataclass(frozen=True)
@@ -63,9 +62,10 @@ class Best(NamedTuple):
 
 
 class Incumbent:
-    """The best complete plan so far and the cut it sets: whatever cannot beat it by more than ``gap`` is pruned."""
+    """The best complete plan so far and the bar it sets: whatever cannot beat it by more than ``gap`` is pruned
+    (``bar`` = latency / (1 + gap): a plan, or a bound on one, at or above it is dropped)."""
 
-    __slots__ = ("latency", "found", "cut", "gap")
+    __slots__ = ("latency", "found", "bar", "gap")
 
     def __init__(self, latency: float, gap: float):
         self.gap = gap
@@ -73,7 +73,7 @@ class Incumbent:
 
     def set(self, latency: float, found: Found | None) -> None:
         self.latency, self.found = latency, found
-        self.cut = latency / (1.0 + self.gap)
+        self.bar = latency / (1.0 + self.gap)
 
     def offer(self, latency: float, spans: tuple, policies: tuple, warmup_policy: str) -> None:
         """Take a complete plan if it is faster than the best so far."""
@@ -98,6 +98,19 @@ class SearchResult:
     transitions: int
 
 
+class Progress(NamedTuple):
+    """What a search's steps (DPSearch.seed, refine_seeds, bound_tables, run) have made of it, as a value: what a
+    forked worker sends back and the search in the parent takes in (DPSearch.adopt)."""
+
+    best: Best
+    seeds: tuple = ()  # the seed plans kept for refine_seeds(), (L, spans)
+    priced: int = 0  # seed plans seed() priced
+    root_bound: float = 0.0
+    states: int = 0
+    transitions: int = 0
+    complete: bool = True
+
+
 class Tail(NamedTuple):
     """The rest [a, N) as one stage on a layout: per micro-batch costs and the slices that fit in memory."""
 
@@ -109,7 +122,7 @@ class Tail(NamedTuple):
 
 
 class StageLists(NamedTuple):
-    """A stage [j, j2) on m replicas, per end j2 (lists indexed by j2, up to where M (F+B) reaches the cut)."""
+    """A stage [j, j2) on m replicas, per end j2 (lists indexed by j2, up to where M (F+B) reaches the bar)."""
 
     f: list
     b: list
@@ -117,8 +130,32 @@ class StageLists(NamedTuple):
     fits: list  # slices that fit in device memory
 
 
-class Job(NamedTuple):
-    """What prices prefix + new stage + the rest as one stage, beyond their interleaved costs (plan_latency)."""
+class Start(NamedTuple):
+    """Where a new stage starts in one micro-batch's round trip: the least L the stages before it allow (``base``),
+    their forwards (with the transfer into it: when the first micro-batch reaches it) and their backwards (the
+    last gradient's way back from it)."""
+
+    base: float
+    forward_sum: float
+    backward_sum: float
+
+
+class StageEnd(NamedTuple):
+    """An end j2 of a new stage [j, j2) that passes the bounds (Pruner.ends): the stage's costs, the least L the
+    stages so far with it allow and the least L of a completion by the rest bounds."""
+
+    end: int
+    f: float
+    b: float
+    allreduce: float
+    fits: int  # slices that fit in device memory
+    lb: float  # from the stages up to it: its start's base, or its own chain from the first micro-batch's arrival
+    rest_floor: float
+
+
+class Completion(NamedTuple):
+    """What completes a prefix + new stage into formula 5's plan, beyond their interleaved costs: the rest as one
+    stage and the transfer into it, the plan's link periods, queues and feeds (StageCosts.plan_latency)."""
 
     busy: float  # the transfer into the rest: F and B of its communication stage
     f: float  # the rest's F, B, AllReduce, ending
@@ -130,8 +167,27 @@ class Job(NamedTuple):
     fits: int  # the rest's slices that fit
     period: float  # the plan's link period and drain period
     drain: float
-    queue: tuple | None  # comm.queues of each stage (refined model)
-    feed: list | None  # comm.feeds (None: no server link shared, or formula 2)
+    queue: tuple | None  # transfers.queues of each stage (refined model)
+    feed: list | None  # transfers.feeds (None: no server link shared, or formula 2)
+
+
+class PlanCosts(NamedTuple):
+    """Formula 5's inputs (StageCosts.plan_latency): the interleaved stages' costs of a prefix and its new stage
+    (compute 2i, communication 2i + 1: docs/planner.md draws them) and what completes them."""
+
+    F: list
+    B: list
+    AR: list
+    E: list  # overlapped AllReduce endings (B without overlap)
+    chain: list  # B, with the gradients' share of a round trip for communication stages
+    D: list  # slices that fit, per compute stage
+    window: list  # as chain, the steady state's share (CostModel.comm_links' window)
+    completion: Completion | None
+
+    @classmethod
+    def empty(cls) -> "PlanCosts":
+        """No stage yet (the DP's root)."""
+        return cls([], [], [], [], [], [], [], None)
 
 
 class Option(NamedTuple):
@@ -150,85 +206,54 @@ class Option(NamedTuple):
 
 
 @dataclass(slots=True)
-class Prefix:
-    """Stages planned so far (layers [0, j)), in canonical server labels, with their interleaved costs (the
-    communication stage after the last one is not included: it depends on the next stage)."""
+class Links:
+    """How a prefix's transfers load the links, in ms per micro-batch (the refined model's; under formula 2 only
+    ``last_in``, ``queue`` and ``hot`` are filled)."""
 
+    servers: dict = field(default_factory=dict)  # per server, (uplink, downlink)
+    server_max: float = 0.0  # the busiest server's uplink + downlink
+    dev: float = 0.0  # the busiest device link
+    last_in: float = 0.0  # the busiest receiving device link of the last communication stage
+    dev_drain: float = 0.0  # the busiest device link once activations stop (one way)
+    queue: tuple = ()  # transfers.queues of each stage before the last (the last's needs the next stage)
+    hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CommLinks.hot)
+    users: dict = field(default_factory=dict)  # per server, the communication stages on its uplink and downlink
+    # (transfers.add_users)
+
+
+@dataclass(slots=True)
+class Prefix:
+    """Stages planned so far (layers [0, j)), in canonical server labels: a DP state's entry. Each extends its
+    ``parent`` by one stage (docs/planner.md draws the chain); the communication stage after its last one is not
+    priced (it depends on the next stage)."""
+
+    # the plan so far
     parent: "Prefix | None" = None  # the prefix this one extends by one stage (None: no stage yet)
-    span: Span | None = None  # that stage, (a, c, layout) in the parent's server labels
+    span: Span | None = None  # that stage, in the parent's server labels
     perm: list | None = None  # the parent's server labels -> this prefix's
     last: ServerLayout | None = None  # the last stage's layout in this prefix's labels
     depth: int = 0  # stages planned
     policies: tuple = ()  # placement policy of each stage
-    F: list = field(default_factory=list)  # interleaved compute and communication stages' costs
-    B: list = field(default_factory=list)
-    AR: list = field(default_factory=list)
-    E: list = field(default_factory=list)
-    C: list = field(default_factory=list)  # B, with the gradients' share of a round trip for communication stages
-    D: list = field(default_factory=list)
-    lb: float = 0.0  # lower bound on L of any completion, from the fixed stages' steady costs
     free: tuple = ()  # free devices per server (canonical order)
-    latency: float | None = None  # formula 5: the complete plan prefix + the remaining layers as one stage on the
-    # free devices (None until StageCosts.prefix_latency prices it from ``job``)
-    servers: dict = field(default_factory=dict)  # per server, (uplink, downlink) ms per micro-batch of the prefix's
-    # transfers (refined model)
-    server_max: float = 0.0
-    dev: float = 0.0  # busiest device link of the prefix per micro-batch (refined model)
-    last_in: float = 0.0  # busiest receiving device link of the prefix's last communication stage
-    W: float = 0.0  # sum of the prefix's F (compute and communication): when the first micro-batch leaves it
-    Bsum: float = 0.0  # sum of the prefix's B (communication: its round-trip share): the last gradient's way back
+    # formula 5: this prefix + the remaining layers as one stage on the free devices
+    costs: PlanCosts = field(default_factory=PlanCosts.empty)  # its inputs
+    latency: float | None = None  # its L (None until StageCosts.prefix_latency prices it: only ties need it)
+    # what the bounds know of every completion
+    lb: float = 0.0  # L is at least this, from the fixed stages' steady costs
+    floor: float = 0.0  # the least L of any completion by the bounds when it was made: the memo's rank
+    forward_sum: float = 0.0  # the prefix's F summed (compute and communication): when the first micro-batch leaves
+    backward_sum: float = 0.0  # its B summed (communication: their round-trip share): the last gradient's way back
     below: float | None = None  # refined_chains' `below` after the last stage: its ending and what follows it
-    fmax: float = 0.0  # slowest forward of the prefix (compute or communication)
-    floor: float = 0.0  # the least L of any completion by the search's bounds when it was made: the memo's rank
-    Cw: list = field(default_factory=list)  # as C, the steady state's share (CostModel.comm_links' window)
-    dev_drain: float = 0.0  # busiest device link of the prefix per micro-batch once activations stop (one way)
-    queue: tuple = ()  # comm.queues of each stage before the last (the last's needs the next stage)
-    hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CostModel.comm_links)
-    lead: tuple | None = None  # least `lead` and own chain terms of its stages in a plan of depth + 2 (on use)
-    us: list | None = None  # Pruner.prefix_u_table: the largest U per count of stages after it (on use)
-    ts: dict | None = None  # Pruner.period_ts's buckets but the last, per (stages after, links, buckets) (on use)
-    users: dict = field(default_factory=dict)  # per server, the communication stages on its uplink and downlink
-    # with their ms per micro-batch (comm.add_users; refined model)
-    job: Job | None = None  # with F, B, ..., what StageCosts.prefix_latency prices ``latency`` from
+    fmax: float = 0.0  # the slowest forward of the prefix (compute or communication)
+    links: Links = field(default_factory=Links)
+    # the bounds' tables of this prefix, made on first use (Pruner)
+    lead: tuple | None = None  # least `lead` and own chain terms of its stages in a plan of depth + 2 (prefix_lead)
+    u_table: list | None = None  # the largest U per count of stages after it (prefix_u_table)
+    period_ts: dict | None = None  # Pruner.period_ts's buckets but the last, per (stages after, links, buckets)
 
-    def spans(self) -> tuple:
-        """((a, c, layout), ...) in this prefix's labels (built on demand: most prefixes never need it)."""
+    def spans(self) -> tuple[Span, ...]:
+        """The stages in this prefix's labels (built on demand: most prefixes never need it)."""
         if self.parent is None:
             return ()
         perm = self.perm
-        return tuple((a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
-
-
-class SeedOutcome(NamedTuple):
-    """What DPSearch.seed() leaves: the incumbent, the seeds kept for refine_seeds(), how many were priced."""
-
-    best: Best
-    seeds: list
-    priced: int
-
-
-class RefineOutcome(NamedTuple):
-    """What DPSearch.refine_seeds() leaves: the incumbent (the kept seeds are used up)."""
-
-    best: Best
-    seeds: list
-
-
-class BoundOutcome(NamedTuple):
-    """What DPSearch.bound_tables() leaves: the incumbent and the root bound."""
-
-    best: Best
-    root_bound: float
-
-
-class RunOutcome(NamedTuple):
-    """What DPSearch.run() leaves: the incumbent, the work done, whether it finished and its root bound."""
-
-    best: Best
-    states: int
-    transitions: int
-    complete: bool
-    root_bound: float
-
-
-Outcome = SeedOutcome | RefineOutcome | BoundOutcome | RunOutcome
+        return tuple(Span(a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))

@@ -1,19 +1,17 @@
-"""Seed plans for the DP's bound: S stages of about G/S replicas on consecutive devices or scattered over the last
-servers, cut to balance, refined."""
+"""Seed plans for the DP's first bar: even splits on consecutive devices or over the last servers, cuts refined."""
 
 from __future__ import annotations
 
 import bisect
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from .. import tuning
 from ..model.cost import ServerLayout
+from .pricing import StageCosts
 from .records import Incumbent
-from .stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from ..model.cost import CostModel
-
-REFINED_SEEDS = 3  # seed plans whose cuts Seeder.refine_seeds improves by local search
 
 
 def consecutive_layouts(reps: Sequence[int], per_server: int) -> list[ServerLayout]:
@@ -177,7 +175,8 @@ def refine_cuts(latency: Callable[[tuple], float | None], spans: tuple, budget: 
 
 class Seeder:
     """A few simple complete plans give the search's bound something to prune with: the even-split seeds
-    (:func:`even_seeds`), the best the incumbent, the best REFINED_SEEDS kept for :meth:`refine_seeds`."""
+    (:func:`even_seeds`), the best the incumbent, the best SearchTuning.refined_seeds kept for
+    :meth:`refine_seeds`."""
 
     def __init__(self, costs: StageCosts, rho: Sequence[float], devices: int, per_server: int,
                  max_stages: int | None, incumbent: Incumbent):
@@ -189,27 +188,28 @@ class Seeder:
 
     def seed(self) -> None:
         """Price the seeds in order of a cheap lower bound (:meth:`seed_bound`) and only while it is below the
-        REFINED_SEEDS-th best priced so far (a plan past it could be neither): the same incumbent and kept seeds
-        as pricing them all, in generation order (the first of equal L wins)."""
+        SearchTuning.refined_seeds-th best priced so far (a plan past it could be neither): the same incumbent and
+        kept seeds as pricing them all, in generation order (the first of equal L wins)."""
         spans_of = list(even_seeds(self.cm, self.rho, self.G, self.dps, self.max_stages))
         found = self._price(spans_of)
         self.priced = len(found)
         for lat, _, spans, pol in sorted(found, key=lambda x: x[1]):  # generation order
             self.incumbent.offer(lat, spans, ("even",) * len(spans), pol)
         found.sort(key=lambda x: (x[0], x[1]))
-        self.kept = [(lat, spans) for lat, _, spans, _ in found[:REFINED_SEEDS]]
+        self.kept = [(lat, spans) for lat, _, spans, _ in found[:tuning.TUNING.refined_seeds]]
 
     def _price(self, spans_of: list) -> list:
-        """(L, generation index, spans, warmup policy) of the seeds that may be among the best REFINED_SEEDS."""
+        """(L, generation index, spans, warmup policy) of the seeds that may be among the best kept."""
         bounds = [self.seed_bound(spans) for spans in spans_of]
+        most = tuning.TUNING.refined_seeds
         found, keep = [], []  # the priced seeds; the best REFINED_SEEDS Ls so far
         for i in sorted(range(len(spans_of)), key=bounds.__getitem__):
-            if len(keep) >= REFINED_SEEDS and bounds[i] > keep[-1]:
+            if len(keep) >= most and bounds[i] > keep[-1]:
                 break  # and every later one: L >= its bound > the kept ones'
             res = self.costs.evaluate_spans(spans_of[i])
             if res is not None:
                 found.append((res[0], i, spans_of[i], res[1]))
-                keep = sorted(keep + [res[0]])[:REFINED_SEEDS]
+                keep = sorted(keep + [res[0]])[:most]
         return found
 
     def seed_bound(self, spans: tuple) -> float:

@@ -1,98 +1,108 @@
-"""The DP's transitions (paper formula 5): a new stage's ends that pass the bounds, and the prefixes they make."""
+"""The DP's transitions (formula 5): a new stage's ends that pass the bounds, priced, and the prefixes they make."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..model.cost import LinkPeriods, Span
 from ..model.transfers import NO_USERS, add_users, feeds, queues
-from .pruning import Pruner
-from .records import Incumbent, Job, Option, Prefix, SearchConfig
-from .stage_costs import StageCosts, same_costs
+from .bounds import Pruner
+from .pricing import StageCosts
+from .records import (
+    Completion,
+    Links,
+    Option,
+    PlanCosts,
+    Prefix,
+    SearchConfig,
+    StageEnd,
+    Start,
+    Tail,
+)
 
 if TYPE_CHECKING:
-    from ..model.cost import CostModel
+    from ..model.transfers import CommLinks
 
 NO_LOAD = (0.0, 0.0)  # a server's (uplink, downlink) ms per micro-batch before any transfer crosses it
-# an end of a new stage that passes the bounds (Expander.reach), a plain tuple (the search makes very many):
-# (j2, F, B, AllReduce, slices that fit, the rest bounds' least L of a completion)
-End = tuple
+NO_PERIODS = LinkPeriods(0.0, 0.0)  # formula 2's: it has no link periods
 
 
 class Arrival:
-    """A prefix and the transfer into a new stage after it: the interleaved costs up to the new stage (F0, B0, ...),
-    the transfer's own (busy1, chain1, ...: names ending in 1 hold the prefix with the transfer), the links' loads
-    (refined model) and what is priced once asked (the server link users, the period bound's ts)."""
+    """A prefix, a placement of the new stage [j, .) after it and the transfer into it (``link_in``; None for the
+    first stage): where the new stage starts (``start``), the links' loads with the transfer in (``links``, refined
+    model) and what is priced once asked (the server links' users, the period bound's ts)."""
 
-    __slots__ = ("pre", "base", "busy1", "chain1", "hot1", "servers1", "queue0", "F0", "B0", "AR0", "E0", "C0",
-                 "Cw0", "dev1", "devd1", "srv1", "srvmax1", "srvd1", "W1", "Bsum1", "last_in1", "queue", "n_all",
-                 "users1", "shared1", "ts")
+    __slots__ = ("pre", "j", "option", "skey", "refined", "start", "link_in", "busy", "chain", "servers", "links",
+                 "server_drain", "queue", "n_all", "shared", "period_ts")
 
-    def __init__(self, pre: Prefix, link: tuple | None, ports_in, ports_out, M: int, refined: bool):
-        """After ``pre`` over the transfer ``link`` (CostModel.comm_links at the cut; None: the first stage, nothing
-        before it); ``ports_in``, ``ports_out``: comm_pair.ports of the transfers in and to the rest (refined)."""
-        self.pre, self.n_all = pre, 2 * pre.depth + 3  # interleaved stages of prefix + new + rest
-        self.users1 = self.ts = None  # (on first use)
-        self.shared1 = False
-        self.dev1 = self.devd1 = self.srvmax1 = self.srvd1 = self.last_in1 = self.W1 = self.Bsum1 = 0.0
-        if link is None:
-            self.base, self.busy1, self.chain1, self.hot1, self.servers1, self.queue0 = pre.lb, 0.0, None, (), (), ()
-            self.F0, self.B0, self.AR0, self.E0, self.C0, self.Cw0, self.srv1 = [], [], [], [], [], [], {}
+    def __init__(self, pre: Prefix, j: int, option: Option, M: int, refined: bool, counted: bool):
+        """``option.comms`` priced (the transfer in is None for the first stage); ``counted``: states are keyed by
+        their stage count too (max_stages)."""
+        pair_in, pair_out = option.comms
+        self.pre, self.j, self.option, self.refined = pre, j, option, refined
+        self.skey = (pre.depth + 1, option.key) if counted else option.key  # the new state's key
+        self.n_all = 2 * pre.depth + 3  # interleaved stages of prefix + new + rest
+        self.shared, self.period_ts, self.server_drain = False, None, 0.0
+        if pair_in is None:  # the first stage: nothing before it
+            self.start, self.busy, self.chain, self.servers = Start(pre.lb, 0.0, 0.0), 0.0, None, ()
+            self.link_in, self.links = None, Links(users=None)
         else:
-            self._across(link, ports_in, M, refined)
-        self.queue = (*self.queue0, queues(self.hot1, ports_out), False) if refined else None
+            self.link_in = pair_in(j - 1)
+            self._across(self.link_in, pair_in.ports, M)
+        self.queue = (*self.links.queue, queues(self.links.hot, pair_out.ports), False) if refined else None
 
-    def _across(self, link: tuple, ports_in, M: int, refined: bool) -> None:
-        """The transfer into the new stage; ``base``: the least L by the stages so far (formula 2: M (F+B) of every
-        stage; refined: W + M max(F, B) + the B below)."""
-        pre = self.pre
-        busy1, out1, in1, servers1, chain1, window1, hot1 = link
-        self.busy1, self.chain1, self.hot1, self.servers1 = busy1, chain1, hot1, servers1
-        self.queue0 = pre.queue + (queues(pre.hot, ports_in),)  # the last stage's, now that its next is known
-        self.base = max(pre.lb, M * 2 * busy1 if not refined else pre.W + M * busy1 + pre.Bsum)
-        self.F0, self.B0, self.AR0, self.E0 = pre.F + [busy1], pre.B + [busy1], pre.AR + [0.0], pre.E + [busy1]
-        self.C0, self.Cw0 = pre.C + [chain1], pre.Cw + [window1]
-        self.last_in1 = in1
+    def _across(self, link: "CommLinks", ports_in, M: int) -> None:
+        """The transfer into the new stage; ``start.base``: the least L by the stages so far (formula 2: M (F+B) of
+        every stage; refined: W + M max(F, B) + the B below)."""
+        pre, refined, was = self.pre, self.refined, self.pre.links
+        busy, chain = link.busiest, link.chain
+        self.busy, self.chain, self.servers = busy, chain, link.servers
+        queue = was.queue + (queues(was.hot, ports_in),)  # the last stage's, now that its next is known
+        base = max(pre.lb, M * 2 * busy if not refined else pre.forward_sum + M * busy + pre.backward_sum)
+        # Links by position below: a third of the keywords' cost, and an arrival is made per placement tried
         if not refined:
-            self.srv1 = pre.servers
+            self.start = Start(base, 0.0, 0.0)
+            self.links = Links(was.servers, 0.0, 0.0, link.receive, 0.0, queue, link.hot, None)
             return
-        self.dev1 = max(pre.dev, out1 + pre.last_in)
-        self.devd1 = max(pre.dev_drain, out1, in1)
-        srv1 = self.srv1 = dict(pre.servers)
-        for s, tu, td in servers1:
-            u, d = srv1.get(s, NO_LOAD)
-            srv1[s] = (u + tu, d + td)
-        self.srvmax1 = max((u + d for u, d in srv1.values()), default=0.0)
-        self.srvd1 = max((u if u > d else d for u, d in srv1.values()), default=0.0)
-        self.W1, self.Bsum1 = pre.W + busy1, pre.Bsum + chain1
+        loads = dict(was.servers)
+        for s, tu, td in link.servers:
+            u, d = loads.get(s, NO_LOAD)
+            loads[s] = (u + tu, d + td)
+        self.server_drain = max((u if u > d else d for u, d in loads.values()), default=0.0)
+        self.start = Start(base, pre.forward_sum + busy, pre.backward_sum + chain)
+        self.links = Links(loads, max((u + d for u, d in loads.values()), default=0.0),  # (servers, server_max,)
+                           max(was.dev, link.send + was.last_in), link.receive,  # (dev, last_in,)
+                           max(was.dev_drain, link.send, link.receive), queue, link.hot, None)  # (dev_drain, ...)
 
     def users(self) -> dict:
-        """The prefix's and the transfer in's server link users (comm.add_users; refined model, on first use)."""
-        users1 = self.users1
-        if users1 is None:
-            pre, servers1 = self.pre, self.servers1
-            users1 = self.users1 = add_users(pre.users, servers1, 2 * pre.depth - 1) if servers1 else pre.users
-            self.shared1 = any(len(ups) > 1 or len(downs) > 1 for ups, downs in users1.values())
-        return users1
+        """The prefix's and the transfer in's server link users (transfers.add_users; refined model, on first use)."""
+        links = self.links
+        if links.users is None:
+            pre, servers = self.pre, self.servers
+            links.users = add_users(pre.links.users, servers, 2 * pre.depth - 1) if servers else pre.links.users
+            self.shared = any(len(ups) > 1 or len(downs) > 1 for ups, downs in links.users.values())
+        return links.users
 
-    def feed_of(self, servers2: tuple) -> list | None:
-        """comm.feeds of prefix + new + rest, the transfer to the rest loading ``servers2`` (None: no server link
-        is shared)."""
-        users1 = self.users()
-        if not self.shared1:
-            for s, tu, td in servers2:
-                ups, downs = users1.get(s, NO_USERS)
+    def feed_of(self, link: "CommLinks") -> list | None:
+        """transfers.feeds of prefix + new + rest, ``link`` the transfer to the rest (None: no server link is
+        shared)."""
+        users = self.users()
+        if not self.shared:
+            for s, tu, td in link.servers:
+                ups, downs = users.get(s, NO_USERS)
                 if (tu > 0 and ups) or (td > 0 and downs):
                     break
             else:
                 return None
-        return feeds(add_users(users1, servers2, self.n_all - 2), self.n_all)
+        return feeds(add_users(users, link.servers, self.n_all - 2), self.n_all)
 
-    def link_periods(self, servers2: tuple, out2: float, in2: float) -> tuple[float, float]:
-        """CostModel.link_periods of prefix + new + rest: (link period, drain period)."""
-        srv1 = self.srv1
+    def link_periods(self, link: "CommLinks") -> LinkPeriods:
+        """CostModel.link_periods of prefix + new + rest, ``link`` the transfer to the rest: (link period, drain
+        period)."""
+        loads, out, into = self.links.servers, link.send, link.receive
         two = one = 0.0
-        for s, tu, td in servers2:
-            u, d = srv1.get(s, NO_LOAD)
+        for s, tu, td in link.servers:
+            u, d = loads.get(s, NO_LOAD)
             u += tu
             d += td
             if u + d > two:
@@ -101,55 +111,58 @@ class Arrival:
                 one = u
             if d > one:
                 one = d
-        return (max(self.dev1, out2 + self.last_in1, in2, self.srvmax1, two),
-                max(self.devd1, out2, in2, self.srvd1, one))
+        links = self.links
+        return LinkPeriods(max(links.dev, out + links.last_in, into, links.server_max, two),
+                           max(links.dev_drain, out, into, self.server_drain, one))
+
+    def completed(self, end: StageEnd, e: float, link: "CommLinks", rest: Tail, periods: LinkPeriods) -> PlanCosts:
+        """Formula 5's inputs: the prefix's interleaved stages, the transfer in and the new stage ending at ``end``
+        (overlapped ending ``e``), completed by the transfer ``link`` into the rest, the rest as one stage and the
+        plan's link ``periods``."""
+        c, f, b, t = self.pre.costs, end.f, end.b, self.link_in
+        t_f, t_b, t_ar, t_e, t_d = rest
+        if t is None:
+            F, B, AR, E, C, W = [f], [b], [end.allreduce], [e], [b], [b]
+        else:
+            busy = t.busiest
+            F, B, AR = c.F + [busy, f], c.B + [busy, b], c.AR + [0.0, end.allreduce]
+            E, C, W = c.E + [busy, e], c.chain + [t.chain, b], c.window + [t.window, b]
+        return PlanCosts(F, B, AR, E, C, c.D + [end.fits], W,
+                         Completion(link.busiest, t_f, t_b, t_ar, t_e, link.chain, link.window, t_d, periods.period,
+                                    periods.drain, self.queue, self.feed_of(link) if self.refined else None))
+
+
+class Reached:
+    """An end of a new stage that passed the cheap checks, on its way to formula 5: its bounds (``lb`` of the
+    stages so far, ``rest_floor`` of the rest, ``floor`` the larger: the memo's rank), the transfer to the rest and
+    the rest, the state it would enter (``bucket``, ``full``) and what pricing it works out (the overlapped ending
+    ``e``, the link ``periods``, a lower bound ``low`` on its L, ``tight`` once that is rest_chain's)."""
+
+    __slots__ = ("end", "lb", "rest_floor", "floor", "link", "rest", "bucket", "full", "e", "periods", "low",
+                 "tight")
+
+    def __init__(self, end: StageEnd, lb: float, rest_floor: float, link: "CommLinks", rest: Tail,
+                 bucket: list | None, full: bool):
+        self.end, self.lb, self.rest_floor, self.floor = end, lb, rest_floor, max(lb, rest_floor)
+        self.link, self.rest, self.bucket, self.full = link, rest, bucket, full
+        self.e = self.periods = self.low = None
+        self.tight = False
 
 
 class Expander:
     """Formula 5 from one prefix (a DP state) and one placement of the new stage: every end of it that the bounds
     let through, priced, and the prefixes that enter the states of their ends. ``count``: transitions made."""
 
-    def __init__(self, cm: "CostModel", config: SearchConfig, M: int, servers: int, costs: StageCosts,
-                 pruner: Pruner, incumbent: Incumbent):
-        self.cm, self.M, self.N, self.ns = cm, M, cm.num_layers, servers
+    def __init__(self, costs: StageCosts, pruner: Pruner, config: SearchConfig, servers: int):
+        cm = costs.cm
+        self.cm, self.M, self.N, self.ns = cm, costs.M, cm.num_layers, servers
         self.refined, self.overlap = config.refined, config.overlap
         self.beam, self.max_stages = config.beam, config.max_stages
-        self.costs, self.pruner, self.incumbent = costs, pruner, incumbent
+        self.costs, self.pruner, self.incumbent = costs, pruner, costs.incumbent
+        self.states: list = []  # per layer j, the DP's states there (DPSearch.run sets them)
         self.count = 0
 
-    def reach(self, pre: Prefix, j: int, m: int, multi: bool, n_rest: int, lo: int, base: float, W: float,
-              Bsum: float, ts: list | None = None, first: bool = False) -> list[End]:
-        """The ends j2 >= ``lo`` of a new stage [j, j2) on m replicas that pass the bounds, with the first
-        micro-batch reaching it after ``W`` and the last gradient leaving it ``Bsum`` before the end; ``ts``:
-        period_rest's t per stage-count bucket of the rest, before the new stage's own U. ``first``: only the first
-        such end (expand() asks again from it, with the transfer into the new stage priced)."""
-        pruner = self.pruner
-        N, M, cut, Q, Qar, fill = self.N, self.M, self.incumbent.cut, pruner.Q, pruner.Qar, pruner.fill
-        fs, bs, ars, ds = self.costs.stage_costs(j, m, multi)
-        refined, ar_less = self.refined, pruner.ar_less
-        pv = pruner.pv is not None and ts is not None
-        out = []
-        for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the cut
-            f, bb, ar = fs[j2], bs[j2], ars[j2]
-            if max(base, W + M * (f + bb) + (max(Bsum, ar - ar_less * bb) if refined else Bsum)) >= cut:
-                break  # a longer new stage is only slower
-            dn = ds[j2]
-            if dn < 1:
-                break  # and only bigger
-            # the rest [j2, N) on the free devices: the least any split of it adds (bounds.rest_bound)
-            low = W + max(Bsum + fill * (f + bb) + Q[j2][n_rest], f + Qar[j2][n_rest])
-            if low >= cut:
-                continue
-            if pv:
-                low = pruner.with_period(low, j2, n_rest, ts, f, bb, W, Bsum)
-                if low >= cut:
-                    continue
-            out.append((j2, f, bb, ar, dn, low))
-            if first:
-                break
-        return out
-
-    def expand(self, states: list, pre: Prefix, j: int, m: int, option: Option, prev, gate: dict) -> None:
+    def expand(self, pre: Prefix, j: int, option: Option, gate: dict) -> None:
         """Formula 5 for one placement of the new stage [j, j2) over every j2 that passes ``gate`` (its ends per
         whether the stage spans servers, before the transfer into it is priced): L of prefix + new + rest."""
         ends = gate[option.multi]
@@ -157,176 +170,157 @@ class Expander:
             return
         comms = option.comms
         if not comms:
-            comms += [self.cm.comm_pair(prev, option.new) if prev is not None else None,
+            comms += [self.cm.comm_pair(pre.last, option.new) if pre.last is not None else None,
                       self.cm.comm_pair(option.new, option.tail)]
-        comm_in, comm_to_rest = comms
-        first = prev is None
-        arr = Arrival(pre, None if first else comm_in(j - 1), None if first else comm_in.ports, comm_to_rest.ports,
-                      self.M, self.refined)
-        if first:
-            self._ends(states, arr, option, j, ends, False)  # the gate's ends, with every bound
-        elif arr.base < self.incumbent.cut:
+        arr = Arrival(pre, j, option, self.M, self.refined, self.max_stages is not None)
+        if pre.last is None:
+            self._ends(arr, ends, False)  # the gate's ends, with every bound
+        elif arr.start.base < self.incumbent.bar:
             # without the period bound: checked below only for the ends that pass the cheaper ones (few do)
-            ends = self.reach(pre, j, m, option.multi, option.n_rest, ends[0][0], arr.base, arr.W1, arr.Bsum1)
-            self._ends(states, arr, option, j, ends, self.pruner.pv is not None)
+            new = self.costs.stage_costs(j, len(option.new), option.multi)
+            self._ends(arr, self.pruner.ends(new, option.n_rest, arr.start, ends[0].end), self.pruner.has_period_bound)
 
-    def _period(self, arr: Arrival, low: float, j: int, j2: int, f: float, bb: float, n_rest: int) -> float:
-        """``low`` raised to the period bound of the new stage [j, j2) after the transfer into it (Pruner.with_period;
-        its ts made on first use)."""
-        ts = arr.ts
+    def _period(self, arr: Arrival, low: float, end: StageEnd) -> float:
+        """``low`` raised to the period bound of the new stage after the transfer into it (its ts made on first
+        use)."""
+        ts, n_rest, links = arr.period_ts, arr.option.n_rest, arr.links
         if ts is None:
-            ts = arr.ts = self.pruner.period_ts(arr.pre, 1, min(n_rest, self.N - j - 1), max(arr.srvmax1, arr.dev1))
-        return self.pruner.with_period(low, j2, n_rest, ts, f, bb, arr.W1, arr.Bsum1)
+            ts = arr.period_ts = self.pruner.period_ts(arr.pre, 1, min(n_rest, self.N - arr.j - 1),
+                                                       max(links.server_max, links.dev))
+        return self.pruner.with_period(low, end.end, end.f, end.b, n_rest, ts, arr.start)
 
-    def _ends(self, states: list, arr: Arrival, option: Option, j: int, ends: list[End], deferred: bool) -> None:
+    def _ends(self, arr: Arrival, ends: list[StageEnd], deferred: bool) -> None:
         """Each of ``ends`` after the transfer into the new stage: the cheap checks here (most ends stop at them),
         then :meth:`_transition`, through :meth:`_outside` where the prefix would not enter its state."""
-        inc, M, refined, ar_less, beam = self.incumbent, self.M, self.refined, self.pruner.ar_less, self.beam
-        quick_floor = self.pruner.quick_floor
-        W1, Bsum1, base, n_rest, comm_to_rest = arr.W1, arr.Bsum1, arr.base, option.n_rest, option.comms[1]
-        tails, tail_eval = self.costs.tails(option.tail), option.tail
-        skey = (arr.pre.depth + 1, option.key) if self.max_stages is not None else option.key  # (stage count too)
+        inc, refined, beam = self.incumbent, self.refined, self.beam
+        quick_floor, states, skey, start = self.pruner.quick_floor, self.states, arr.skey, arr.start
+        comm_to_rest = arr.option.comms[1]
+        tails, tail_layout = self.costs.tails(arr.option.tail), arr.option.tail
         for end in ends:
-            j2, f, bb, ar, dn, rest_lb = end
-            # reach's checks again: a plan recorded in this loop may have lowered the cut since
-            lb = max(base, W1 + M * (f + bb) + (max(Bsum1, ar - ar_less * bb) if refined else Bsum1))
-            if lb >= inc.cut:
+            j2, _, b, _, _, lb, rest_floor = end
+            if lb >= inc.bar:  # (Pruner.ends checked it: a plan recorded in this loop may have lowered the bar since)
                 break
-            if rest_lb >= inc.cut:  # reach's rest bounds, computed there
+            if rest_floor >= inc.bar:  # the rest bounds, from Pruner.ends
                 continue
             link = comm_to_rest(j2 - 1)
-            rest = tails[j2] or self.costs.tail(j2, tail_eval)
+            rest = tails[j2] or self.costs.tail(j2, tail_layout)
             bucket = states[j2].get(skey)
             full = bucket is not None and len(bucket) >= beam
-            floor = max(lb, rest_lb)
+            floor = max(lb, rest_floor)
             if deferred and (not full or floor <= bucket[-1].floor):  # the period bound may decide it
-                rest_lb = self._period(arr, rest_lb, j, j2, f, bb, n_rest)
-                if rest_lb >= inc.cut:
+                rest_floor = self._period(arr, rest_floor, end)
+                if rest_floor >= inc.bar:
                     continue
-                floor = max(lb, rest_lb)
+                floor = max(lb, rest_floor)
             if not full or floor <= bucket[-1].floor:  # (ties: by latency, in _keeps)
-                self._transition(states, arr, option, j, end, lb, floor, link, rest, skey, bucket, full, True,
-                                 None if self.overlap else bb, None if refined else (0.0, 0.0))
+                reached = Reached(end, lb, rest_floor, link, rest, bucket, full)
+                reached.e = None if self.overlap else b
+                reached.periods = None if refined else NO_PERIODS
+                self._transition(arr, reached, True)
             else:  # its prefix would not enter: it matters only as a complete plan that beats the best
-                busy2, _, _, _, chain2, _, _ = link
-                quick = quick_floor(f, bb, busy2, chain2, W1, Bsum1, rest)  # (most stop here)
-                if quick < inc.cut:
-                    self._outside(states, arr, option, j, end, lb, rest_lb, link, rest, skey, bucket, deferred, quick)
+                quick = quick_floor(end, link, rest, start)  # (most stop here)
+                if quick < inc.bar:
+                    self._outside(arr, Reached(end, lb, rest_floor, link, rest, bucket, True), deferred, quick)
 
-    def _outside(self, states: list, arr: Arrival, option: Option, j: int, end: End, lb: float, rest_lb: float,
-                 link: tuple, rest: tuple, skey, bucket: list, deferred: bool, quick: float) -> None:
+    def _outside(self, arr: Arrival, r: Reached, deferred: bool, quick: float) -> None:
         """An end whose prefix would not enter its state, whose plan's L is at least ``quick`` (quick_floor): the
         rest-as-one-stage's chain bounds its L from below (formula 2: M (F+B) of any stage); skip pricing a plan
         that can neither beat the best nor enter the bucket."""
-        inc, refined, pruner = self.incumbent, self.refined, self.pruner
-        j2, f, bb, ar, dn, _ = end
-        busy2, out2, in2, servers2, chain2, _, _ = link
-        e = None if self.overlap else bb
-        periods = None if refined else (0.0, 0.0)
-        if refined:  # the rest's own chain (refined_chains with K = 1)
-            e = self.cm.overlapped_ending(j, j2, option.new) if e is None else e
-            periods = arr.link_periods(servers2, out2, in2)
-            quick = pruner.rest_chain(arr.pre, arr.chain1, f, bb, ar, arr.busy1, busy2, chain2, arr.W1, rest, e,
-                                      periods[0])
-        if quick >= inc.cut:
+        inc, end = self.incumbent, r.end
+        r.e = None if self.overlap else end.b
+        r.periods = None if self.refined else NO_PERIODS
+        if self.refined:  # the rest's own chain (refined_chains with K = 1)
+            r.e = self.cm.overlapped_ending(arr.j, end.end, arr.option.new) if r.e is None else r.e
+            r.periods = arr.link_periods(r.link)
+            quick = self.pruner.rest_chain(arr, end, r.link, r.rest, r.e, r.periods.period)
+        if quick >= inc.bar:
             return
-        floor = max(lb, rest_lb)
         if deferred:
-            rest_lb = self._period(arr, rest_lb, j, j2, f, bb, option.n_rest)
-            if rest_lb >= inc.cut:
+            r.rest_floor = self._period(arr, r.rest_floor, end)
+            if r.rest_floor >= inc.bar:
                 return
-            floor = max(lb, rest_lb)
-        self._transition(states, arr, option, j, end, lb, floor, link, rest, skey, bucket, True, False, e, periods)
+            r.floor = max(r.lb, r.rest_floor)
+        self._transition(arr, r, False)
 
-    def _transition(self, states: list, arr: Arrival, option: Option, j: int, end: End, lb: float, floor: float,
-                    link: tuple, rest: tuple, skey, bucket: list | None, full: bool, enters: bool, e: float | None,
-                    periods: tuple | None) -> None:
+    def _transition(self, arr: Arrival, r: Reached, enters: bool) -> None:
         """Formula 5's L of prefix + new stage + the rest as one stage, priced only where it decides something: a
-        complete plan that may beat the best is recorded; the prefix enters the state of its end if it ranks there."""
+        complete plan that may beat the best is recorded; the prefix enters the state of its end if it ranks there
+        (``enters``: it may)."""
         self.count += 1
-        inc, costs, refined = self.incumbent, self.costs, self.refined
-        j2, f, bb, ar, dn, _ = end
-        busy2, out2, in2, servers2, chain2, window2, _ = link
-        e = self.cm.overlapped_ending(j, j2, option.new) if e is None else e
-        period, drain = arr.link_periods(servers2, out2, in2) if periods is None else periods
-        F, B, AR, E, C, D = arr.F0 + [f], arr.B0 + [bb], arr.AR0 + [ar], arr.E0 + [e], arr.C0 + [bb], arr.pre.D + [dn]
-        Cw = arr.Cw0 + [bb]
-        t_f, t_b, t_ar, t_e, t_d = rest
-        job = Job(busy2, t_f, t_b, t_ar, t_e, chain2, window2, t_d, period, drain, arr.queue,
-                  arr.feed_of(servers2) if refined else None)
-        complete = not option.wide and t_d >= 1  # a plan the search may record
-        lat = low = None  # this plan's L; a lower bound on it (quick_floor, then rest_chain once ``tight``)
-        tight = False
+        inc, costs, option, end = self.incumbent, self.costs, arr.option, r.end
+        if r.e is None:
+            r.e = self.cm.overlapped_ending(arr.j, end.end, option.new)
+        if r.periods is None:
+            r.periods = arr.link_periods(r.link)
+        planned = arr.completed(end, r.e, r.link, r.rest, r.periods)
+        complete = not option.wide and r.rest.fits >= 1  # a plan the search may record
+        lat = None  # this plan's L (r.low: a lower bound on it, quick_floor, then rest_chain once ``tight``)
         if not enters:  # it matters only if it beats the best: stop there
-            lat, pol = costs.plan_latency(F, B, AR, E, C, D, Cw, job, inc.latency)
+            lat, pol = costs.plan_latency(planned, inc.latency)
         elif complete:
-            low, tight = self._bound_below(arr, f, bb, ar, link, rest, e, period, inc.latency, low, tight)
-            if low < inc.latency:  # may beat the best (few do)
-                lat, pol = costs.plan_latency(F, B, AR, E, C, D, Cw, job)
+            self._bound_below(arr, r, inc.latency)
+            if r.low < inc.latency:  # may beat the best (few do)
+                lat, pol = costs.plan_latency(planned)
         if complete and lat is not None and lat < inc.latency:
             pre = arr.pre
-            inc.offer(lat, pre.spans() + ((j, j2, option.new), (j2, self.N, option.tail)),
+            inc.offer(lat, pre.spans() + (Span(arr.j, end.end, option.new), Span(end.end, self.N, option.tail)),
                       pre.policies + (option.policy, "rest"), pol)
-        costed = (F, B, AR, E, C, D, Cw, job)
-        if full:  # ranked by floor, then by L: priced only on a tie
-            keep, lat = self._keeps(bucket[-1], floor, costed, lat, arr, f, bb, ar, link, rest, e, period, low, tight)
+        if r.full:  # ranked by floor, then by L: priced only on a tie
+            keep, lat = self._keeps(r.bucket[-1], planned, lat, arr, r)
             if not keep:
                 return
-        self._enter(states, arr, option, j, j2, lb, floor, costed, lat, f, bb, ar, e, skey, bucket)
+        self._enter(arr, r, planned, lat)
 
-    def _bound_below(self, arr: Arrival, f: float, bb: float, ar: float, link: tuple, rest: tuple, e: float,
-                     period: float, limit: float, low: float | None, tight: bool) -> tuple[float, bool]:
-        """(a lower bound on the plan's L, whether it is the tight one): quick_floor first, rest_chain only while
-        the bound is below ``limit`` (``low``, ``tight``: what an earlier ask gave)."""
-        busy2, _, _, _, chain2, _, _ = link
-        if low is None:
-            low, tight = self.pruner.quick_floor(f, bb, busy2, chain2, arr.W1, arr.Bsum1, rest), not self.refined
-        if not tight and low < limit:
-            low = self.pruner.rest_chain(arr.pre, arr.chain1, f, bb, ar, arr.busy1, busy2, chain2, arr.W1, rest, e,
-                                         period)
-            tight = True
-        return low, tight
+    def _bound_below(self, arr: Arrival, r: Reached, limit: float) -> None:
+        """``r.low``, a lower bound on the plan's L: quick_floor first, rest_chain (``r.tight``) only while the bound
+        is below ``limit``."""
+        if r.low is None:
+            r.low, r.tight = self.pruner.quick_floor(r.end, r.link, r.rest, arr.start), not self.refined
+        if not r.tight and r.low < limit:
+            r.low = self.pruner.rest_chain(arr, r.end, r.link, r.rest, r.e, r.periods.period)
+            r.tight = True
 
-    def _keeps(self, held: Prefix, floor: float, costed: tuple, lat: float | None, arr: Arrival, f: float,
-               bb: float, ar: float, link: tuple, rest: tuple, e: float, period: float, low: float | None,
-               tight: bool) -> tuple[bool, float | None]:
+    def _keeps(self, held: Prefix, planned: PlanCosts, lat: float | None, arr: Arrival,
+               r: Reached) -> tuple[bool, float | None]:
         """(whether a full bucket takes the candidate over its last prefix ``held``: a lower floor, or an equal one
         and a lower L; the candidate's L as far as that priced it, None: not priced)."""
-        if held.floor < floor:
+        if held.floor < r.floor:
             return False, lat
-        if held.floor == floor:
-            if same_costs(held, costed):
+        if held.floor == r.floor:
+            if held.costs == planned:
                 return False, lat  # the same L: the first stays
             first = self.costs.prefix_latency(held)
             if lat is None:
-                low, tight = self._bound_below(arr, f, bb, ar, link, rest, e, period, first, low, tight)
-                if low >= first:
+                self._bound_below(arr, r, first)
+                if r.low >= first:
                     return False, lat  # L >= its bound >= the held one's: that one stays
-                lat = self.costs.plan_latency(*costed)[0]
+                lat = self.costs.plan_latency(planned)[0]
             if first <= lat:
                 return False, lat
         return True, lat
 
-    def _enter(self, states: list, arr: Arrival, option: Option, j: int, j2: int, lb: float, floor: float,
-               costed: tuple, lat: float | None, f: float, bb: float, ar: float, e: float, skey,
-               bucket: list | None) -> None:
+    def _enter(self, arr: Arrival, r: Reached, planned: PlanCosts, lat: float | None) -> None:
         """The prefix of prefix + new stage, in the new state's server labels, into the state of its end."""
-        pre, perm, refined = arr.pre, option.perm, self.refined
-        F, B, AR, E, C, D, Cw, job = costed
+        pre, option, refined, end, links = arr.pre, arr.option, self.refined, r.end, arr.links
+        perm = option.perm
         relabelled = [0] * self.ns
         for s in range(self.ns):
             relabelled[perm[s]] = option.free[s]
-        nxt = Prefix(parent=pre, span=(j, j2, option.new), perm=perm, last=tuple([perm[s] for s in option.new]),
-                     depth=pre.depth + 1, policies=pre.policies + (option.policy,), F=F, B=B, AR=AR, E=E, C=C, D=D,
-                     lb=lb, free=tuple(relabelled), latency=lat,
-                     servers={perm[s]: t for s, t in arr.srv1.items()} if refined else {},
-                     server_max=arr.srvmax1, dev=arr.dev1, last_in=arr.last_in1, W=arr.W1 + f, Bsum=arr.Bsum1 + bb,
-                     below=self.pruner.below(pre, arr.chain1, bb, ar, e), fmax=max(pre.fmax, arr.busy1, f),
-                     floor=floor, Cw=Cw, dev_drain=arr.devd1, queue=arr.queue0,
-                     hot=tuple([(k, perm[w] if k == "down" else w) for k, w in arr.hot1]),
-                     users={perm[s]: t for s, t in arr.users().items()} if refined else {}, job=job)
+        nxt = Prefix(parent=pre, span=Span(arr.j, end.end, option.new), perm=perm,
+                     last=tuple([perm[s] for s in option.new]), depth=pre.depth + 1,
+                     policies=pre.policies + (option.policy,), free=tuple(relabelled), costs=planned, latency=lat,
+                     lb=r.lb, floor=r.floor, forward_sum=arr.start.forward_sum + end.f,
+                     backward_sum=arr.start.backward_sum + end.b,
+                     below=self.pruner.below(pre, arr.chain, end.b, end.allreduce, r.e),
+                     fmax=max(pre.fmax, arr.busy, end.f),
+                     links=Links(servers={perm[s]: t for s, t in links.servers.items()} if refined else {},
+                                 server_max=links.server_max, dev=links.dev, last_in=links.last_in,
+                                 dev_drain=links.dev_drain, queue=links.queue,
+                                 hot=tuple([(k, perm[w] if k == "down" else w) for k, w in links.hot]),
+                                 users={perm[s]: t for s, t in arr.users().items()} if refined else {}))
+        bucket = r.bucket
         if bucket is None or self.beam == 1:
-            states[j2][skey] = [nxt]
+            self.states[end.end][arr.skey] = [nxt]
         elif all(p.spans() != nxt.spans() for p in bucket):
             bucket.append(nxt)
             bucket.sort(key=lambda p: (p.floor, self.costs.prefix_latency(p)))

@@ -115,7 +115,9 @@ def _draw_bars(ax, bars: dict[tuple, list[tuple[float, float]]]) -> None:
 
 def _axes(ax, ranks: list, row: dict, labels: dict, span_ms: float, drawn: list[Event], title: str) -> None:
     """Rank labels, the time axis, the legend of the kinds drawn, and the title."""
-    from matplotlib.patches import Patch  # (with matplotlib itself, only when a chart is drawn)
+    from matplotlib.patches import (
+        Patch,  # (with matplotlib itself, only when a chart is drawn)
+    )
 
     ax.set_yticks([row[r] * ROW + COMPUTE[0] + COMPUTE[1] / 2 for r in ranks])
     ax.set_yticklabels([labels.get(r, f"rank {r}") for r in ranks], fontsize=9)

@@ -109,3 +109,24 @@ def test_plan_with_shard_optimizer_finds_plans_that_fit_only_thanks_to_it():
     assert again.shard_optimizer is True and again.to_dict() == p.to_dict()
     assert "optimizer state sharded over each stage's replicas" in str(p)
     assert "shard_optimizer" not in dapple.Plan(16, 4, [Stage((0, 4), [0])]).to_dict()  # off: not written
+
+
+def test_what_does_not_fit_is_a_no_fit_error_a_value_error():
+    """A stage, a given K_i or every plan that does not fit raises NoFitError, a ValueError: what the planner's
+    callers catch to mean "does not fit" (a bad argument stays a plain ValueError, which they let through)."""
+    from dapple import plan
+    from dapple.planner import NoFitError, Stage
+
+    assert issubclass(NoFitError, ValueError)
+    prof = linear_profile([1.0] * 4, params=1e9, saved=1e6)
+    c = cluster(1, 4, memory=8e9)
+    with pytest.raises(NoFitError, match="stage 0 does not fit"):
+        evaluate(prof, c, [(0, 3, [0, 1]), (3, 4, [2, 3])], 32, 8)
+    with pytest.raises(NoFitError, match=r"stage 0 does not fit.*3 x"):
+        evaluate(linear_profile([1.0] * 2, saved=1e8), cluster(1, 2, memory=2e9),
+                 [Stage((0, 1), [0], 3), Stage((1, 2), [1], 1)], 64, 8)
+    with pytest.raises(NoFitError, match="no plan of linear fits"):
+        plan(linear_profile([1.0] * 4, params=2e9), cluster(1, 4, memory=4e9), 32, 8)
+    with pytest.raises(ValueError, match="global_batch_size") as bad:
+        plan(prof, c, 0, recompute="auto")
+    assert not isinstance(bad.value, NoFitError)

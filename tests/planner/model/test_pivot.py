@@ -108,9 +108,10 @@ def test_refined_chains_stop_at_the_limit_without_changing_what_is_below_it(stag
     C = [b if a % 2 == 0 else b * rnd.uniform(0.2, 1.0) for a, b in enumerate(B)]
     Ks = [[max(1, stages - i) for i in range(stages)], [max(1, 2 * (stages - i) - 1) for i in range(stages)]]
     period = rnd.uniform(0.0, 6.0)
-    full = refined_chains(F, B, AR, None, Ks, M, period, C)
+    full = refined_chains(F, B, AR, None, Ks, M, link_period=period, chain=C)
     limit = max(t for t, _ in full) * scale
-    for (t_lim, parts_lim), (t, parts) in zip(refined_chains(F, B, AR, None, Ks, M, period, C, limit), full):
+    limited = refined_chains(F, B, AR, None, Ks, M, link_period=period, chain=C, limit=limit)
+    for (t_lim, parts_lim), (t, parts) in zip(limited, full):
         if t_lim < limit:
             assert (t_lim, parts_lim) == (t, parts)
         else:
@@ -122,6 +123,6 @@ def test_a_transfer_queues_at_the_link_period():
     stages' transfers too), also with fewer micro-batches than the upstream warmup, where the arrivals follow
     the slowest forward: each of the M - 1 later transfers waits the extra (period - own time)."""
     F, B, AR = [1.0, 10.0, 1.0], [2.0, 10.0, 2.0], [0.0] * 3
-    alone = refined_chains(F, B, AR, None, [[2, 1]], 2, 10.0)[0].total
-    shared = refined_chains(F, B, AR, None, [[2, 1]], 2, 30.0)[0].total
+    alone = refined_chains(F, B, AR, None, [[2, 1]], 2, link_period=10.0)[0].total
+    shared = refined_chains(F, B, AR, None, [[2, 1]], 2, link_period=30.0)[0].total
     assert shared >= alone + (2 - 1) * (30.0 - 10.0) - 1e-9

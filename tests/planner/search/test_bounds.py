@@ -1,4 +1,5 @@
-"""The DP's lower bounds (bounds.py) never exceed the brute-force optimum; the AllReduce floor is a floor."""
+"""The DP's lower bounds (bounds.py, bound_tables.py) never exceed the brute-force optimum; the AllReduce floor is a
+floor."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import numpy as np
 import pytest
 
 from dapple.core.schedule import warmup_counts
-from dapple.planner.search import bounds
+from dapple.planner import tuning
 from dapple.planner.baselines.exhaustive import every_plan, exhaustive_search
 from dapple.planner.model.cost import CostModel
-from dapple.planner.search.bounds import allreduce_floor, efficient_replicas, rest_bound
+from dapple.planner.search import bounds
+from dapple.planner.search.bound_tables import (
+    allreduce_floor,
+    efficient_replicas,
+    rest_bound,
+)
+from dapple.planner.search.bounds import prefix_u_table
 from dapple.planner.search.dp import DPSearch, SearchConfig
-from dapple.planner.search.pruning import prefix_u_table
 from dapple.planner.search.records import Prefix
 
 from ..helpers import cluster, random_profile, small_instances
@@ -74,7 +80,7 @@ def test_rest_bound_is_monotone():
 
 
 
-def _rest_bound_by_loops(cm, M, G, fill, allreduce, cut, overlap):
+def _rest_bound_by_loops(cm, M, G, fill, allreduce, bar, overlap):
     """rest_bound's docstring as plain loops: Q[j][R] = min over the first stage [j, c) on r <= R replicas
     (r among efficient_replicas) of max(M T + AR, F + Q[c][R - r]) (allreduce) or max(M T, T + Q[c][R - r])."""
     N, inf = cm.num_layers, float("inf")
@@ -88,7 +94,7 @@ def _rest_bound_by_loops(cm, M, G, fill, allreduce, cut, overlap):
                 ar = float(allreduce_floor(cm, r, np.array([cm.params(j, c)]))[0])
                 if overlap:
                     ar = max(ar - b, 0.0)
-                if M * (f + b) + ar >= cut:
+                if M * (f + b) + ar >= bar:
                     continue
                 for R in range(r, G + 1):
                     if allreduce:
@@ -105,31 +111,31 @@ def _rest_bound_by_loops(cm, M, G, fill, allreduce, cut, overlap):
 def test_rest_bound_equals_its_definition(allreduce, overlap, row_wise, monkeypatch):
     """The table, computed over every replica count at once (or one at a time, as on many devices), equals the
     DP of its docstring as loops."""
-    monkeypatch.setattr(bounds, "ROW_WISE_DEVICES", 0 if row_wise else 10 ** 9)
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(row_wise_devices=0 if row_wise else 10 ** 9))
     rng = random.Random(7)
     for k in range(6):
         prof = random_profile(rng, rng.randint(2, 6))
         c = cluster(rng.choice([1, 2]), rng.choice([2, 3]), memory=rng.choice([1e12, 8e9]))
         cm = CostModel(prof, c, rng.choice([2, 4, 8]))
-        for cut in (float("inf"), 200.0):
-            q = rest_bound(cm, 4, c.num_devices, fill=True, allreduce=allreduce, cut=cut, overlap=overlap)
-            ref = _rest_bound_by_loops(cm, 4, c.num_devices, True, allreduce, cut, overlap)
-            assert np.allclose(q, np.array(ref), rtol=1e-12, atol=0), (k, cut)
+        for bar in (float("inf"), 200.0):
+            q = rest_bound(cm, 4, c.num_devices, fill=True, allreduce=allreduce, bar=bar, overlap=overlap)
+            ref = _rest_bound_by_loops(cm, 4, c.num_devices, True, allreduce, bar, overlap)
+            assert np.allclose(q, np.array(ref), rtol=1e-12, atol=0), (k, bar)
 
 def test_rest_bound_row_wise_gives_the_same_table(monkeypatch):
-    """Both ways of computing the table (all replica counts at once; one at a time from ROW_WISE_DEVICES devices
-    on) give the same numbers, bit for bit, on a case with many replica counts and a cut."""
+    """Both ways of computing the table (all replica counts at once; one at a time from row_wise_devices devices
+    on) give the same numbers, bit for bit, on a case with many replica counts and a bar."""
     rng = random.Random(11)
     prof = random_profile(rng, 12)
     cm = CostModel(prof, cluster(4, 4), 64)
     for allreduce in (False, True):
-        for cut in (float("inf"), 2000.0):  # 2000: no plan on 4 devices or fewer (Q[0][5] ~ 1900 ms)
+        for bar in (float("inf"), 2000.0):  # 2000: no plan on 4 devices or fewer (Q[0][5] ~ 1900 ms)
             tables = []
             for devices in (10 ** 9, 0):
-                monkeypatch.setattr(bounds, "ROW_WISE_DEVICES", devices)
-                tables.append(rest_bound(cm, 8, 16, fill=True, allreduce=allreduce, cut=cut))
+                monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(row_wise_devices=devices))
+                tables.append(rest_bound(cm, 8, 16, fill=True, allreduce=allreduce, bar=bar))
             assert np.isfinite(tables[0][0, 16])
-            assert np.array_equal(tables[0], tables[1]), (allreduce, cut)
+            assert np.array_equal(tables[0], tables[1]), (allreduce, bar)
 
 
 def _checked(dp: DPSearch) -> DPSearch:
@@ -143,9 +149,10 @@ def _checked(dp: DPSearch) -> DPSearch:
         dp.checks = getattr(dp, "checks", 0) + 1
         return -float("inf")
 
-    def checked_latency(F, B, AR, E, C, D, link_period, limit=float("inf"), W=None, drain=None, queue=None,
+    def checked_latency(F, B, AR, E, C, D, *, link_period, limit=float("inf"), window=None, drain=None, queue=None,
                         feed=None):
-        lat, pol = latency(F, B, AR, E, C, D, link_period, W=W, drain=drain, queue=queue, feed=feed)
+        lat, pol = latency(F, B, AR, E, C, D, link_period=link_period, window=window, drain=drain, queue=queue,
+                           feed=feed)
         bound, dp.pending = getattr(dp, "pending", None), None
         if bound is not None:
             assert bound <= lat * (1 + 1e-9), (bound, lat)
@@ -178,7 +185,7 @@ def _every_plan(prof, c, g, b, overlap=False):
 
 def _period_ts(dp, pc, D, k, new=False):
     """period_rest's t per stage-count bucket of the rest after the plan's first k stages (``new``: and stage k,
-    as Expander.reach adds it with its bucket's share, pruner.new_share), at least what the search knows
+    as Pruner.ends adds it with its bucket's share, pruner.new_share), at least what the search knows
     (Pruner.period_ts: the prefix's U with K at most 2 (stages from it) - 1, D and M; the last bucket with the
     plan's own stage count), raised to every stage's max(F, B) and the plan's link period."""
     M, C, S = dp.M, dp.pruner.counts, len(D)
@@ -202,10 +209,10 @@ def _period_ts(dp, pc, D, k, new=False):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(monkeypatch, overlap):
-    """After tighten(): for every plan below the cut and every split into stages so far + the rest, the round
+    """After tighten(): for every plan below the bar and every split into stages so far + the rest, the round
     trip so far + the period bound of the rest (with the plan's own periods and stage count, the most the
-    search can know) is at most L, and so are the rest bounds Q and Qar restricted to stages below the cut."""
-    monkeypatch.setattr("dapple.planner.search.pruning.PERIOD_MIN_M", 4)  # the bound holds from M = 4 on
+    search can know) is at most L, and so are the rest bounds Q and Qar restricted to stages below the bar."""
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(period_min_m=4))  # the bound holds from M = 4 on
     checked = excluded = 0
     counts = set()
     cases = small_instances(5, 100, max_layers=5, inter=(3e9, 1e8), memory=(16e9, 3e9), batches=(32, 64),
@@ -214,13 +221,13 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
         plans = list(_every_plan(prof, c, g, b, overlap))
         if not plans:
             continue
-        cut = min(lat for *_, lat in plans) * 1.2
-        dp = DPSearch(prof, c, g, b, SearchConfig("refined", overlap), cut)
+        bar = min(lat for *_, lat in plans) * 1.2
+        dp = DPSearch(prof, c, g, b, SearchConfig("refined", overlap), bar)
         dp.pruner.tighten(buckets=True)
-        assert dp.pruner.pv is not None and dp.root_bound <= cut
+        assert dp.pruner.has_period_bound and dp.root_bound <= bar
         counts.add(dp.pruner.counts)
         for spans, pc, D, lat in plans:
-            if lat >= cut:
+            if lat >= bar:
                 excluded += 1
                 continue
             for k in range(len(spans)):  # stages [0, k) planned, [k, S) the rest
@@ -229,17 +236,17 @@ def test_the_bounds_below_the_cut_hold_for_every_prefix_of_every_plan_below_it(m
                 assert W + Bsum + dp.pruner.period_rest(j, R, _period_ts(dp, pc, D, k)) <= lat * (1 + 1e-9), (spans, k)
                 assert W + max(Bsum + dp.pruner.Q[j][R], dp.pruner.Qar[j][R]) <= lat * (1 + 1e-9), (spans, k)
                 checked += 1
-                if k + 1 < len(spans):  # as Expander.reach: stage k new, [k + 1, S) the rest
+                if k + 1 < len(spans):  # as Pruner.ends: stage k new, [k + 1, S) the rest
                     j2, R2 = spans[k + 1][0], R - len(spans[k][2])
                     way = sum(pc.F[:2 * k + 1]) + sum(pc.chain[:2 * k + 1])
                     assert way + dp.pruner.period_rest(j2, R2, _period_ts(dp, pc, D, k, True)) <= lat * (1 + 1e-9), \
                         (spans, k)
-    assert max(counts) >= 4, counts  # stage-count buckets exercised (bounds.period_sums' counts)
+    assert max(counts) >= 4, counts  # stage-count buckets exercised (bound_tables.period_sums' counts)
     assert checked >= 2000 and excluded >= 1000, (checked, excluded)
 
 
 def test_the_prefix_u_table_is_the_largest_u_of_the_prefix_stages():
-    """pruning.prefix_u_table (built stage by stage from the parent's) equals its definition: the largest over the
+    """bounds.prefix_u_table (built stage by stage from the parent's) equals its definition: the largest over the
     prefix's stages b of max(F_b, B_b) + (M - K) / (M - 1) min(F_b, B_b), K = min(2 (S - b) - 1, D_b, M) for S =
     depth + more stages, for every count of stages after the prefix."""
     rng = random.Random(5)
@@ -248,27 +255,26 @@ def test_the_prefix_u_table_is_the_largest_u_of_the_prefix_stages():
         pre = Prefix(latency=0.0)
         for depth in range(1, rng.randint(2, 9)):
             f, b, d = rng.uniform(0, 5), rng.uniform(0, 5), rng.choice([0, 1, 2, 5, 40, 100])
-            F, B = pre.F + ([rng.uniform(0, 1)] if depth > 1 else []) + [f], pre.B + ([0.5] if depth > 1 else []) + [b]
-            pre = Prefix(parent=pre, depth=depth, F=F, B=B, D=pre.D + [d], latency=0.0)
+            c = pre.costs
+            F, B = c.F + ([rng.uniform(0, 1)] if depth > 1 else []) + [f], c.B + ([0.5] if depth > 1 else []) + [b]
+            pre = Prefix(parent=pre, depth=depth, costs=c._replace(F=F, B=B, D=c.D + [d]), latency=0.0)
         table = prefix_u_table(pre, M)
         for more in range(80):
             u = table[min(more, len(table) - 1)]
             want = 0.0
             for j in range(pre.depth):
-                f, b = pre.F[2 * j], pre.B[2 * j]
-                k = min(2 * (pre.depth + more - j) - 1, max(1, pre.D[j]), M)
+                f, b = pre.costs.F[2 * j], pre.costs.B[2 * j]
+                k = min(2 * (pre.depth + more - j) - 1, max(1, pre.costs.D[j]), M)
                 want = max(want, max(f, b) + (M - k) / (M - 1) * min(f, b))
             assert u == pytest.approx(want, rel=1e-12, abs=1e-12), (M, pre.depth, more)
 
 
 def test_the_rest_tables_are_built_once_per_cut(monkeypatch):
-    """bound_tables() builds Q and Qar for the cut the search starts with; tighten() builds them again only once
-    the cut has fallen (each build is two rest_bound calls)."""
-    from dapple.planner.search import pruning
-
+    """bound_tables() builds Q and Qar for the bar the search starts with; tighten() builds them again only once
+    the bar has fallen (each build is two rest_bound calls)."""
     calls = []
-    real = pruning.rest_bound
-    monkeypatch.setattr(pruning, "rest_bound", lambda *a, **k: calls.append(k["cut"]) or real(*a, **k))
+    real = bounds.rest_bound
+    monkeypatch.setattr(bounds, "rest_bound", lambda *a, **k: calls.append(k["bar"]) or real(*a, **k))
     prof = random_profile(random.Random(2), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     dp = DPSearch(prof, c, 64, 8, SearchConfig("refined"), 500.0)
@@ -283,13 +289,11 @@ def test_the_rest_tables_are_built_once_per_cut(monkeypatch):
 
 
 def test_no_allreduce_table_when_the_rest_table_prunes_the_root(monkeypatch):
-    """Where Q[0][G] reaches the cut no plan is below it: Qar is not built (left 0, still a lower bound), and
+    """Where Q[0][G] reaches the bar no plan is below it: Qar is not built (left 0, still a lower bound), and
     the search ends at its root with nothing found."""
-    from dapple.planner.search import pruning
-
     calls = []
-    real = pruning.rest_bound
-    monkeypatch.setattr(pruning, "rest_bound", lambda *a, **k: calls.append(k.get("allreduce", False))
+    real = bounds.rest_bound
+    monkeypatch.setattr(bounds, "rest_bound", lambda *a, **k: calls.append(k.get("allreduce", False))
                         or real(*a, **k))
     prof = random_profile(random.Random(2), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)

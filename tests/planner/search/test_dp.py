@@ -12,16 +12,20 @@ import pytest
 
 import dapple
 from dapple.core.schedule import warmup_counts
-from dapple.planner import evaluate, simulate
+from dapple.planner import evaluate, judge, simulate, tuning
 from dapple.planner.baselines.exhaustive import exhaustive_search
-from dapple.planner.search.choice import Candidate
+from dapple.planner.judge import Candidate
 from dapple.planner.search.dp import INF, DPSearch, SearchConfig, dp_search
 from dapple.planner.search.records import Best
 
 from ..helpers import cluster, linear_profile, random_profile, small_instances
 
-# choice.choose's settings in these tests
+# judge.choose's settings in these tests
 CHOOSE = dict(model="refined", overlap=False, schedule="dapple", warmup_policy=None, optimizer_factor=4.0, verify=6)
+
+
+def tuned(monkeypatch, **changes) -> None:
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(**changes))
 
 
 @pytest.mark.parametrize("model, beam", [("refined", 1), ("paper", 2)])
@@ -164,7 +168,7 @@ def test_the_simulator_has_the_last_word():
 def test_the_simulator_also_judges_the_best_plan_of_other_micro_batch_sizes():
     """The DP's plan, 1:2:1 at micro-batch 4 (411.3 ms modelled, 440.1 simulated), against micro-batch 16's own
     best, 2:2 (412.4 modelled and simulated), which the DP's plan is not. Each size's best within
-    VERIFY_WITHIN is simulated. (The instance before, benchmarks/planner_regret.py's worst case, no longer
+    verify_within is simulated. (The instance before, benchmarks/planner_regret.py's worst case, no longer
     needs the simulator: since forwards reach a stage no closer than the stages above release them, the model
     ranks micro-batch 8's 1:1:2 first, as the simulator does.)"""
     from dapple import Profile
@@ -184,41 +188,37 @@ def test_the_simulator_also_judges_the_best_plan_of_other_micro_batch_sizes():
 
 
 def test_the_simulator_judges_only_candidates_near_the_dp_plan(monkeypatch):
-    """plan(verify=) simulates the candidates modelled within VERIFY_WITHIN of the DP's plan, and no other."""
-    from dapple.planner.search import choice
-
+    """plan(verify=) simulates the candidates modelled within verify_within of the DP's plan, and no other."""
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
-    edge = 100.0 * (1 + choice.VERIFY_WITHIN)
+    edge = 100.0 * (1 + tuning.TUNING.verify_within)
     cands = [Candidate(100.0, 8, *split), Candidate(edge - 1e-6, 4, *split), Candidate(edge + 1e-6, 2, *split)]
     args = (prof, c, 64, cands)
-    assert choice.choose(*args, **CHOOSE)[2] == 4  # two candidates x warmup policies A and B: the third is 10% off
-    monkeypatch.setattr(choice, "VERIFY_WITHIN", 1.0)
-    assert choice.choose(*args, **CHOOSE)[2] == 6
+    assert judge.choose(*args, **CHOOSE)[2] == 4  # two candidates x warmup policies A and B: the third is 10% off
+    tuned(monkeypatch, verify_within=1.0)
+    assert judge.choose(*args, **CHOOSE)[2] == 6
 
 
 def test_the_simulator_judges_only_warmup_policies_near_the_better_one(monkeypatch):
-    """Of one plan's warmup policies, plan(verify=) simulates those the refined model puts within VERIFY_WITHIN of
+    """Of one plan's warmup policies, plan(verify=) simulates those the refined model puts within verify_within of
     the better one: here B (172.1 ms modelled) and A (176.3 ms, 2.5% above) at 10%, B alone at 1%."""
-    from dapple.planner.search import choice
-
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
     split = ((0, 3, (0, 0)), (3, 6, (1, 1))), ("even", "even")
     args = (prof, c, 64, [Candidate(100.0, 8, *split)])
-    assert choice.choose(*args, **CHOOSE)[2] == 2
-    monkeypatch.setattr(choice, "VERIFY_WITHIN", 0.01)
-    chosen, _, n, _, _ = choice.choose(*args, **CHOOSE)
+    assert judge.choose(*args, **CHOOSE)[2] == 2
+    tuned(monkeypatch, verify_within=0.01)
+    chosen, _, n, _, _ = judge.choose(*args, **CHOOSE)
     assert n == 1 and chosen[3] == "B"
 
 
 def test_the_simulator_skips_only_candidates_that_cannot_win(monkeypatch):
     """The final choice does not simulate a candidate whose floor (floor.latency_floor) is above the best
     simulated before it: over random candidate lists (splits of 8 layers on 2 x 2 devices, micro-batches 2 to 16,
-    all modelled within VERIFY_WITHIN), one at a time and two workers side by side, the same plan, warmup policy and
+    all modelled within verify_within), one at a time and two workers side by side, the same plan, warmup policy and
     simulated ms as with every candidate simulated, and some candidates are skipped."""
-    from dapple.planner.search import choice, forking
+    from dapple.planner import workers as forking
 
     rng = random.Random(11)
     layouts = [((0, 0, 1, 1),), ((0, 0), (1, 1)), ((0, 1), (0, 1)), ((0,), (0,), (1, 1)), ((0,), (0,), (1,), (1,))]
@@ -235,10 +235,10 @@ def test_the_simulator_skips_only_candidates_that_cannot_win(monkeypatch):
                                    spans, ("even",) * len(lays)))
         workers = 2 if i % 4 == 0 and forking.can_fork() else 1
         args = (prof, c, 64, cands)
-        chosen, ms, listed, simulated, _ = choice.choose(*args, **CHOOSE, deadline=None, workers=workers)
+        chosen, ms, listed, simulated, _ = judge.choose(*args, **CHOOSE, deadline=None, workers=workers)
         with monkeypatch.context() as m:
-            m.setattr(choice, "latency_floor", lambda *a: 0.0)
-            every = choice.choose(*args, **CHOOSE, deadline=None, workers=workers)
+            m.setattr(judge, "latency_floor", lambda *a: 0.0)
+            every = judge.choose(*args, **CHOOSE, deadline=None, workers=workers)
         assert (chosen, ms, listed) == every[:3] and every[3] == listed
         skipped += listed - simulated
     assert skipped >= 30  # (78 here)
@@ -374,14 +374,13 @@ def test_search_auto_is_compact_above_four_servers():
 
 
 def test_time_limit_auto_bounds_only_the_compact_search(monkeypatch):
-    """Default "auto": no limit for the full search, COMPACT_TIME_LIMIT for the compact one (128 x 8 would search
+    """Default "auto": no limit for the full search, compact_time_limit for the compact one (128 x 8 would search
     for hours); None or inf: none."""
-    import dapple.planner.planning as planning
     prof = random_profile(random.Random(2), 12)
     assert dapple.plan(prof, cluster(2, 2), 32, 8).meta["time_limit_s"] is None
-    assert dapple.plan(prof, cluster(6, 2), 48, 8).meta["time_limit_s"] == planning.COMPACT_TIME_LIMIT
+    assert dapple.plan(prof, cluster(6, 2), 48, 8).meta["time_limit_s"] == tuning.TUNING.compact_time_limit
     assert dapple.plan(prof, cluster(6, 2), 48, 8, time_limit=None).meta["time_limit_s"] is None
-    monkeypatch.setattr(planning, "COMPACT_TIME_LIMIT", 0.0)  # stops at once: the seed plans
+    tuned(monkeypatch, compact_time_limit=0.0)  # stops at once: the seed plans
     stopped = dapple.plan(prof, cluster(6, 2), 48, 8)
     assert stopped.meta["search_complete"] is False and "search stopped at its time limit (0 s)" in str(stopped)
     assert dapple.plan(prof, cluster(6, 2), 48, 8, time_limit=float("inf")).meta["search_complete"]
@@ -389,7 +388,7 @@ def test_time_limit_auto_bounds_only_the_compact_search(monkeypatch):
 
 
 def test_sizes_that_may_start_late_bound_themselves_first(monkeypatch):
-    """Seeds that took EARLY_BOUNDS of the time limit: the sizes that may start after the deadline (the first
+    """Seeds that took early_bounds of the time limit: the sizes that may start after the deadline (the first
     wave's beyond the workers, the second wave) make their root bounds before the searches. With time to spare
     they search as before: the same plan, lower bound and states."""
     import dapple.planner.planning as planning
@@ -399,10 +398,10 @@ def test_sizes_that_may_start_late_bound_themselves_first(monkeypatch):
     in_workers = planning.in_workers
 
     def spy(dps, workers, step):
-        steps.append((step, [dp.b for dp in dps]))
+        steps.append((step.__name__, [dp.b for dp in dps]))
         in_workers(dps, workers, step)
     monkeypatch.setattr(planning, "in_workers", spy)
-    monkeypatch.setattr(planning, "EARLY_BOUNDS", 0.0)
+    tuned(monkeypatch, early_bounds=0.0)
     early = dapple.plan(prof, c, 48, time_limit=600, workers=1)
     bounded = [sizes for step, sizes in steps if step == "bound_tables"]
     assert len(bounded) == 1 and len(bounded[0]) >= 2
@@ -434,13 +433,12 @@ def test_a_size_bound_before_and_out_of_time_does_not_search():
     assert (dp.states, dp.complete, dp.root_bound) == (0, False, root)
 
 def test_dropping_the_memoised_tables_changes_nothing(monkeypatch):
-    """A long search drops its memoised transfer tables and placements (COMM_CACHE_LIMIT bounds its memory):
+    """A long search drops its memoised transfer tables and placements (comm_cache_limit bounds its memory):
     they are recomputed, and the search is the same."""
-    import dapple.planner.search.dp as search
     prof = random_profile(random.Random(3), 10)
     c = cluster(3, 2, intra=5e10, inter=3e8, intra_lat=5e-6, inter_lat=3e-5)
     kept = dp_search(prof, c, 32, 8, model="refined", seed=False)
-    monkeypatch.setattr(search, "COMM_CACHE_LIMIT", 5)
+    tuned(monkeypatch, comm_cache_limit=5)
     dropped = dp_search(prof, c, 32, 8, model="refined", seed=False)
     assert (dropped.latency, dropped.spans, dropped.states, dropped.transitions) == (
         kept.latency, kept.spans, kept.states, kept.transitions)
@@ -490,7 +488,7 @@ def test_plan_leaves_the_garbage_collector_as_it_found_it():
 
 
 def test_seeds_are_refined_within_refine_within_of_the_best_plan_so_far():
-    """Sizes are refined best seed first; one more than REFINE_WITHIN (5%) above the best plan so far, refined
+    """Sizes are refined best seed first; one more than refine_within (5%) above the best plan so far, refined
     seeds included, is not: 104 is within 5% of the best seed (100) but not of its refinement (96)."""
     from dapple.planner import planning
 
@@ -501,6 +499,9 @@ def test_seeds_are_refined_within_refine_within_of_the_best_plan_so_far():
         def refine_seeds(self):
             order.append(self.b)
             self.best = Best(self.refined, None)
+
+        def adopt(self, progress):  # (refined in-process: nothing to take in)
+            pass
 
     order = []
     planning.refine_promising([Size(4, 104.0, 103.0), Size(8, 100.0, 96.0), Size(16, 100.5, 100.0)])

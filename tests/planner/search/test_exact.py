@@ -126,3 +126,23 @@ def test_large_instances_are_not_enumerated_and_print_a_bound():
     p = dapple.plan(prof, c, 32, 4, verify=0)
     assert p.meta["latency_lower_bound_ms"] < p.estimate.latency_ms
     assert "within" in str(p) and "the model's best" not in str(p)
+
+
+def test_a_recomputing_stage_is_enumerated_only_where_it_holds_its_inputs_too():
+    """A recomputing stage holds one slice's activations and, per micro-batch in flight, its inputs: the certificate
+    enumerates only stages that fit so. When it took a stage that fits without its inputs, plan(recompute=True) here
+    failed (KeyError) on a plan that did not fit; now it returns the best that does, or says none does."""
+    from dapple.planner import NoFitError
+
+    from ..helpers import linear_profile
+
+    prof = linear_profile([1.0] * 4, params=1e8, boundary=5e7, saved=1e8)
+    c = cluster(1, 3, memory=2.5e9)
+    cm = CostModel(prof, c, 8, recompute=True)
+    ex = exact_search(cm, 4, SearchConfig("refined", True, recompute=True))
+    assert ex.found is not None and all(cm.fits(a, e, len(lay)) >= 1 for a, e, lay in ex.found.spans)
+    p = dapple.plan(prof, c, 32, 8, recompute=True, verify=0)
+    assert p.estimate.latency_ms == pytest.approx(ex.latency) == p.meta["latency_lower_bound_ms"]
+    assert all(s["memory_gb"] <= 2.5 for s in p.estimate.details["stages"])
+    with pytest.raises(NoFitError, match="no plan of linear fits on 1x2"):
+        dapple.plan(prof, cluster(1, 2, memory=2.5e9), 32, 8, recompute=True, verify=0)

@@ -11,19 +11,25 @@ import time
 import pytest
 
 import dapple
-from dapple.planner.search import forking
-from dapple.planner.search.choice import Candidate
+from dapple.planner import judge, planning, tuning
+from dapple.planner import workers as pool
+from dapple.planner.judge import Candidate
+from dapple.planner.planning import in_workers
 from dapple.planner.search.dp import INF, DPSearch, SearchConfig
-from dapple.planner.search.records import Best, RefineOutcome
+from dapple.planner.search.records import Best, Progress
 
-from ..helpers import cluster, random_profile
+from .helpers import cluster, random_profile
 
-forks = pytest.mark.skipif(not forking.can_fork(), reason="workers are forked: Linux only")
+forks = pytest.mark.skipif(not pool.can_fork(), reason="workers are forked: Linux only")
+
+
+def tuned(monkeypatch, **changes) -> None:
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(**changes))
 
 
 def searches(prof, c, g, sizes, workers=1):
     dps = [DPSearch(prof, c, g, b, SearchConfig("refined", True, partial_kinds=1), INF) for b in sizes]
-    forking.in_workers(dps, workers, "seed")
+    in_workers(dps, workers, DPSearch.seed)
     return dps
 
 
@@ -32,13 +38,13 @@ def test_workers_copy_back_what_the_seeds_and_the_search_found():
     """Each size's seeds, then its best plan, counts, completeness and root bound, as the same steps in-process."""
     prof, c = random_profile(random.Random(3), 10), cluster(6, 2, inter=3e8)
     here, there = searches(prof, c, 48, [2, 4, 8]), searches(prof, c, 48, [2, 4, 8], workers=2)
-    seeded = [(dp.best, dp.cut, dp.seeder.kept, dp.seeder.priced) for dp in here]
-    assert [(dp.best, dp.cut, dp.seeder.kept, dp.seeder.priced) for dp in there] == seeded
+    seeded = [(dp.best, dp.bar, dp.seeder.kept, dp.seeder.priced) for dp in here]
+    assert [(dp.best, dp.bar, dp.seeder.kept, dp.seeder.priced) for dp in there] == seeded
     assert all(dp.seeder.priced > 0 and dp.best[1] is not None for dp in here)
-    forking.in_workers(here, 1, "run")
-    forking.in_workers(there, 2, "run")
-    got = [(dp.best, dp.cut, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in there]
-    assert got == [(dp.best, dp.cut, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in here]
+    in_workers(here, 1, DPSearch.run)
+    in_workers(there, 2, DPSearch.run)
+    got = [(dp.best, dp.bar, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in there]
+    assert got == [(dp.best, dp.bar, dp.states, dp.transitions, dp.complete, dp.root_bound) for dp in here]
     assert sum(dp.states for dp in here) > 3  # the searches did work (not only their roots)
     assert [dp.best for dp in here] != [s[0] for s in seeded]  # and found better plans than the seeds
 
@@ -69,37 +75,37 @@ def test_bad_workers_are_refused(workers, message):
 
 
 def test_workers_need_fork(monkeypatch):
-    monkeypatch.setattr(forking, "can_fork", lambda: False)
-    monkeypatch.setattr(forking.sys, "platform", "darwin")
+    monkeypatch.setattr(pool, "can_fork", lambda: False)
+    monkeypatch.setattr(pool.sys, "platform", "darwin")
     with pytest.raises(ValueError, match=r"workers=2: the searches run in forked processes, which darwin"):
-        forking.resolve_workers(2, 4, True)
-    assert forking.resolve_workers("auto", 4, True) == 1  # auto falls back to in-process
+        pool.resolve_workers(2, 4, True)
+    assert pool.resolve_workers("auto", 4, True) == 1  # auto falls back to in-process
 
 
 def test_auto_forks_only_for_the_compact_search(monkeypatch):
-    monkeypatch.setattr(forking, "can_fork", lambda: True)
-    monkeypatch.setattr(forking.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert forking.resolve_workers("auto", 10, True) == 4  # one per core
-    assert forking.resolve_workers("auto", 3, True) == 3  # one per search
-    assert forking.resolve_workers("auto", 10, False) == 1  # the full search: a fork costs more than a size
-    assert forking.resolve_workers(8, 3, False) == 3
-    monkeypatch.setattr(forking, "available_memory", lambda: 2.5 * forking.WORKER_MEMORY)
-    assert forking.resolve_workers("auto", 10, True) == 2  # no more than fit in memory
-    monkeypatch.setattr(forking, "available_memory", lambda: 0.5 * forking.WORKER_MEMORY)
-    assert forking.resolve_workers("auto", 10, True) == 1
-    assert forking.resolve_workers(3, 10, True) == 3  # asked for: as many
+    monkeypatch.setattr(pool, "can_fork", lambda: True)
+    monkeypatch.setattr(pool.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert pool.resolve_workers("auto", 10, True) == 4  # one per core
+    assert pool.resolve_workers("auto", 3, True) == 3  # one per search
+    assert pool.resolve_workers("auto", 10, False) == 1  # the full search: a fork costs more than a size
+    assert pool.resolve_workers(8, 3, False) == 3
+    monkeypatch.setattr(pool, "available_memory", lambda: 2.5 * tuning.TUNING.worker_memory)
+    assert pool.resolve_workers("auto", 10, True) == 2  # no more than fit in memory
+    monkeypatch.setattr(pool, "available_memory", lambda: 0.5 * tuning.TUNING.worker_memory)
+    assert pool.resolve_workers("auto", 10, True) == 1
+    assert pool.resolve_workers(3, 10, True) == 3  # asked for: as many
 
 
 @forks
 def test_auto_forks_a_full_search_only_where_it_takes_long(monkeypatch):
-    """workers="auto" keeps a full search (few servers) in-process, unless its seeds took forking.FORK_WORTH
-    seconds: then its searches and simulations run in workers, with the same plan (here: FORK_WORTH 0)."""
-    monkeypatch.setattr(forking.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    """workers="auto" keeps a full search (few servers) in-process, unless its seeds took SearchTuning.fork_worth
+    seconds: then its searches and simulations run in workers, with the same plan (here: fork_worth 0)."""
+    monkeypatch.setattr(pool.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     prof, c = random_profile(random.Random(5), 10), cluster(2, 2, inter=3e8)
     alone = dapple.plan(prof, c, 48, workers=1)
-    monkeypatch.setattr(forking, "FORK_WORTH", float("inf"))
+    tuned(monkeypatch, fork_worth=float("inf"))
     assert dapple.plan(prof, c, 48).meta["workers"] == 1  # auto: a full search, quick
-    monkeypatch.setattr(forking, "FORK_WORTH", 0.0)
+    tuned(monkeypatch, fork_worth=0.0)
     forked = dapple.plan(prof, c, 48)
     assert forked.meta["search"] == "full" and forked.meta["workers"] == 2
     assert [(s.layers, s.devices, s.warmup) for s in forked.stages] == \
@@ -111,8 +117,7 @@ def test_auto_forks_a_full_search_only_where_it_takes_long(monkeypatch):
 @forks
 def test_auto_forks_the_simulations_where_they_take_long(monkeypatch):
     """plan()'s final choice simulates its first candidate in-process; the rest go to workers ("auto") only if
-    they would take forking.FORK_WORTH seconds at that pace: the same choice and times either way."""
-    from dapple.planner.search import choice
+    they would take SearchTuning.fork_worth seconds at that pace: the same choice and times either way."""
 
     prof = random_profile(random.Random(5), 6)
     c = cluster(2, 2, intra=5e10, inter=1e9)
@@ -121,29 +126,27 @@ def test_auto_forks_the_simulations_where_they_take_long(monkeypatch):
     args = (prof, c, 64, cands)
     kw = dict(model="refined", overlap=False, schedule="dapple", warmup_policy=None, optimizer_factor=4.0, verify=6,
               deadline=None, workers=1)
-    alone = choice.choose(*args, **kw)
+    alone = judge.choose(*args, **kw)
     assert alone[2] == 6 and alone[4] == 1
-    monkeypatch.setattr(forking, "FORK_WORTH", float("inf"))
-    assert choice.choose(*args, **kw, spare=2) == alone  # quick: in-process
-    monkeypatch.setattr(forking, "FORK_WORTH", 0.0)
+    tuned(monkeypatch, fork_worth=float("inf"))
+    assert judge.choose(*args, **kw, spare=2) == alone  # quick: in-process
+    tuned(monkeypatch, fork_worth=0.0)
     # the same choice, but it may simulate more (it skips a round at a time)
-    forked = choice.choose(*args, **kw, spare=2)
+    forked = judge.choose(*args, **kw, spare=2)
     assert forked[:3] + forked[4:] == alone[:3] + (2,) and forked[3] >= alone[3]
 
 
 @forks
 def test_sizes_refined_side_by_side_keep_what_one_at_a_time_would():
-    """refine_promising with workers refines every size within REFINE_WITHIN of the best seed at once and keeps
+    """refine_promising with workers refines every size within refine_within of the best seed at once and keeps
     what the rule one at a time would: micro-batch 4 (104, within 5% of 100 but not of 96) keeps its seed."""
-    from dapple.planner import planning
-
     class Size:
         def __init__(self, b, seed, refined):
             self.b, self.best, self.refined, self._seeds = b, Best(seed, None), refined, ["seed"]
 
         def refine_seeds(self):
             self.best, self._seeds = Best(self.refined, "refined"), []
-            return RefineOutcome(self.best, self._seeds)
+            return Progress(self.best, self._seeds)
 
         def adopt(self, outcome):
             self.best, self._seeds = outcome.best, outcome.seeds
@@ -161,36 +164,45 @@ def test_sizes_refined_side_by_side_keep_what_one_at_a_time_would():
 
 
 def test_available_memory_is_read_from_the_system():
-    assert forking.available_memory() > 0
+    assert pool.available_memory() > 0
 
 
 def test_a_daemonic_pool_worker_plans_in_process(monkeypatch):
-    monkeypatch.setattr(forking, "can_fork", lambda: True)
-    monkeypatch.setattr(forking.multiprocessing.current_process(), "daemon", True)
-    assert forking.resolve_workers("auto", 4, True) == 1
+    monkeypatch.setattr(pool, "can_fork", lambda: True)
+    monkeypatch.setattr(pool.multiprocessing.current_process(), "daemon", True)
+    assert pool.resolve_workers("auto", 4, True) == 1
     with pytest.raises(ValueError, match=r"workers=2: this process \(MainProcess\) is a daemonic pool worker"):
-        forking.resolve_workers(2, 4, True)
+        pool.resolve_workers(2, 4, True)
 
 
-def _die(i):
+def _die(task, item):
     os._exit(3)
 
 
 @forks
 @pytest.mark.timeout(60)
 def test_a_dead_worker_is_an_error_not_a_hang(monkeypatch):
-    monkeypatch.setattr(forking, "_apply", _die)  # the forked workers inherit it
+    monkeypatch.setattr(pool, "_apply", _die)  # the forked workers inherit it
     prof, c = random_profile(random.Random(1), 8), cluster(6, 2)
     dps = searches(prof, c, 24, [2, 4])
     with pytest.raises(RuntimeError, match=r"a planner worker process died \(out of memory\?\) in run\(\) of "
                                            r"micro-batch sizes \[2, 4\] with 2 workers"):
-        forking.in_workers(dps, 2, "run")
-    assert forking._RUNNING == ()
+        in_workers(dps, 2, DPSearch.run)
+    _no_worker_left()
 
 
 
-def _hang(i):
+def _hang(task, item):
     time.sleep(600)
+
+
+def _no_worker_left() -> None:
+    """The workers' processes are gone (reaped shortly after)."""
+    for _ in range(50):
+        if not multiprocessing.active_children():
+            break
+        time.sleep(0.1)
+    assert multiprocessing.active_children() == []
 
 
 def _spin(i):
@@ -209,7 +221,7 @@ def _raise_on_term(signum, frame):
 @pytest.mark.parametrize("parent_handles_sigterm", [False, True])
 def test_a_stuck_worker_is_an_error_not_a_hang(monkeypatch, parent_handles_sigterm):
     """Workers that use no CPU with work pending (a fork of a multi-threaded process can deadlock) stop the step
-    with an error naming it after forking.WORKER_STUCK seconds, and are ended, not left behind -- also when the
+    with an error naming it after SearchTuning.worker_stuck seconds, and are ended, not left behind -- also when the
     parent installed a SIGTERM handler that raises (the workers inherit it; one waiting on a queue lock would
     catch the exception and wait again, and the interpreter's exit would join it forever)."""
     old = signal.signal(signal.SIGTERM, _raise_on_term if parent_handles_sigterm else signal.getsignal(signal.SIGTERM))
@@ -220,28 +232,21 @@ def test_a_stuck_worker_is_an_error_not_a_hang(monkeypatch, parent_handles_sigte
 
 
 def _stuck_workers_are_ended(monkeypatch) -> None:
-    monkeypatch.setattr(forking, "_apply", _hang)
-    monkeypatch.setattr(forking, "WORKER_STUCK", 1.0)
-    monkeypatch.setattr(forking, "POLL", 0.2)
+    monkeypatch.setattr(pool, "_apply", _hang)
+    tuned(monkeypatch, worker_stuck=1.0, poll=0.2)
     prof, c = random_profile(random.Random(1), 8), cluster(6, 2)
     dps = searches(prof, c, 24, [2, 4])
     t = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"planner workers used no CPU for 1 s in run\(\) of micro-batch sizes "
                                            r"\[2, 4\] with 2 workers, 2 of 2 items left \(stuck: .*\); retry with "
                                            r"workers=1"):
-        forking.in_workers(dps, 2, "run")
+        in_workers(dps, 2, DPSearch.run)
     assert time.perf_counter() - t < 20
-    assert forking._RUNNING == ()
-    for _ in range(50):  # the pool's processes are gone (reaped shortly after)
-        if not multiprocessing.active_children():
-            break
-        time.sleep(0.1)
-    assert multiprocessing.active_children() == []
+    _no_worker_left()
 
 
 @forks
 @pytest.mark.timeout(60)
 def test_a_busy_worker_is_not_stuck_however_long_it_takes(monkeypatch):
-    monkeypatch.setattr(forking, "WORKER_STUCK", 1.0)
-    monkeypatch.setattr(forking, "POLL", 0.2)
-    assert forking.forked_map(_spin, [0, 1, 2], 2, "spinning") == [0, 1, 2]  # 1.5 s of CPU each
+    tuned(monkeypatch, worker_stuck=1.0, poll=0.2)
+    assert pool.forked_map(_spin, [0, 1, 2], 2, "spinning") == [0, 1, 2]  # 1.5 s of CPU each
