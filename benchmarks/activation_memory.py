@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import time
-
 from typing import Any
 
 import torch
@@ -140,7 +139,8 @@ def main() -> None:
     res = {(s, m): _median_of(args.repeats, lambda: dapple.runtime.launch(run, args.stages, args, m, s))
            for s in variants for m in args.micro_batches}
     shape = f"x seq {args.seq}" if args.model == "gpt" else f"rows of {args.embd} floats"
-    print(f"{args.model.upper()}, {args.blocks} blocks per stage on {args.stages} ranks, micro-batch {args.micro_batch} "
+    print(f"{args.model.upper()}, {args.blocks} blocks per stage on {args.stages} ranks, micro-batch "
+          f"{args.micro_batch} "
           f"{shape}, check_inputs={not args.no_check_inputs}; per stage: saved activations (MiB) / process peak over "
           f"the memory before the first step (MiB)")
     print(f"{'schedule/M':<14}" + "".join(f"{'stage ' + str(s):>18}" for s in range(args.stages)))
@@ -151,11 +151,13 @@ def main() -> None:
     for what in ("saved", "process"):
         for r in range(args.stages):
             at = {k: v[r][what] for k, v in res.items()}
-            vs = f"; dapple / gpipe at M={hi} = {at['dapple', hi] / at['gpipe', hi]:.3f}x" if ("gpipe", hi) in at else ""
+            gp = ("gpipe", hi) in at
+            vs = f"; dapple / gpipe at M={hi} = {at['dapple', hi] / at['gpipe', hi]:.3f}x" if gp else ""
             if ("dapple", hi) in at:
                 print(f"{what}, stage {r}: dapple M={hi} / M={lo} = {at['dapple', hi] / at['dapple', lo]:.3f}x{vs}")
     if args.recompute:
-        ratio = [res["dapple+recompute", hi][r]["process"] / res["dapple", hi][r]["process"] for r in range(args.stages)]
+        ratio = [res["dapple+recompute", hi][r]["process"] / res["dapple", hi][r]["process"]
+                 for r in range(args.stages)]
         print(f"recompute / dapple at M={hi}, process peak per stage: {', '.join(f'{v:.3f}x' for v in ratio)}")
         if args.timed_steps:
             slow = res["dapple+recompute", hi][0]["step_s"] / res["dapple", hi][0]["step_s"]

@@ -71,7 +71,8 @@ def main() -> None:
     print("speedup = PipeDream's simulated iteration time / DAPPLE's (same simulator, same cluster, same profile);"
           " DAPPLE/DP and PD/DP: speedups over pure data parallelism (Fig. 13's axis); * = search stopped at the"
           " time limit (best plan so far)")
-    print("paper: Table VII plans on 2x8 (config A); Fig. 13: DAPPLE's plans beat PipeDream's by up to 3.23x (speedups over DP, 2x8 and 4x8)")
+    print("paper: Table VII plans on 2x8 (config A); Fig. 13: DAPPLE's plans beat PipeDream's by up to 3.23x "
+          "(speedups over DP, 2x8 and 4x8)")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from _timing import timed_steps  # benchmarks/_timing.py
 
 import dapple
-from _timing import timed_steps  # benchmarks/_timing.py
 from dapple.models import ResNet
 from dapple.planner import Stage
 from dapple.profiler import trace_layers

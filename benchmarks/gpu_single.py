@@ -61,7 +61,8 @@ def main() -> None:
     t0 = time.perf_counter()
     prof = dapple.profile(copy.deepcopy(model), x[:min(a.micro)], lm_loss, batch_sizes=tuple(sorted(set(a.micro))),
                           targets=y[:min(a.micro)], device=device, progress=False, name="gpt")
-    print(f"profiled {prof.num_layers} layers at batch sizes {sorted(set(a.micro))} in {time.perf_counter() - t0:.1f} s")
+    took = time.perf_counter() - t0
+    print(f"profiled {prof.num_layers} layers at batch sizes {sorted(set(a.micro))} in {took:.1f} s")
     cluster = dapple.Cluster.local(1, device_memory=1e12)
     plain = copy.deepcopy(model).to(device)
     xd, yd = x.to(device), y.to(device)

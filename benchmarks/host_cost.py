@@ -19,9 +19,9 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _timing import timed_steps  # benchmarks/_timing.py
 
 import dapple
-from _timing import timed_steps  # benchmarks/_timing.py
 from dapple.models import EmulatedNet
 from dapple.planner import Stage
 from dapple.profiler import trace_layers

@@ -26,10 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from estimate_vs_simulator import synthetic  # noqa: E402  (the same random layers as the error benchmark)
+
 import dapple  # noqa: E402
 from dapple import Cluster, Plan, Profile  # noqa: E402
 from dapple.planner import Stage, evaluate, simulate  # noqa: E402
-from estimate_vs_simulator import synthetic  # noqa: E402  (the same random layers as the error benchmark)
 
 
 def clusters() -> list[Cluster]:

@@ -19,10 +19,10 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from _timing import timed_steps  # benchmarks/_timing.py
 from torch import nn
 
 import dapple
-from _timing import timed_steps  # benchmarks/_timing.py
 from dapple.models import GPT, lm_loss, random_tokens
 from dapple.planner import Stage
 from dapple.profiler import trace_layers

@@ -27,10 +27,10 @@ import timeit
 
 import torch
 import torch.nn.functional as F
+from _timing import timed_steps  # benchmarks/_timing.py
 from torch import nn
 
 import dapple
-from _timing import timed_steps  # benchmarks/_timing.py
 from dapple.profiler import trace_layers
 
 

@@ -6,7 +6,8 @@ The convention: a factory is any callable ``factory(**model_args) -> Example-lik
 - ``model``: the ``nn.Module`` to profile / plan / train;
 - ``batch(n) -> (inputs, targets)``: a batch of ``n`` rows; ``inputs`` is what ``model(*inputs)`` takes (a
   tensor or a tuple of tensors, rows along dim 0), ``targets`` what ``loss_fn`` takes;
-- ``loss_fn(output, *targets) -> scalar tensor`` (targets: what ``batch`` returns, a tensor or a tuple), or None (then backward starts from ones on the output);
+- ``loss_fn(output, *targets) -> scalar tensor`` (targets: what ``batch`` returns, a tensor or a tuple), or None
+  (then backward starts from ones on the output);
 - optionally ``name`` (the profile's model name), ``leaf_modules`` and ``concrete_args`` (for torch.fx).
 
 ``--model-arg key=value`` on the command line becomes ``factory(key=value)`` (values parsed as Python

@@ -279,7 +279,8 @@ class Profile:
             lines.append("  (| : no plan cuts after the layer: what crosses there can be neither split nor sent whole)")
         if any(self.call_ms):
             f0, b0 = self.call_ms
-            lines.append(f"  (each layer's times include {f0:.3f} / {b0:.3f} ms of calling it, which a stage pays once)")
+            lines.append(f"  (each layer's times include {f0:.3f} / {b0:.3f} ms of calling it, which a stage pays "
+                         f"once)")
         return "\n".join(lines)
 
     @classmethod
@@ -341,7 +342,8 @@ def _from_pipedream(path: Path, batch_size: int) -> Profile:
     last_use = list(range(len(order)))  # index of the last consumer of each node's output
     for a, b in edges:
         if index[a] >= index[b]:
-            raise documents.DocumentError(f"{path}: edge {a} -- {b} goes backwards in node order; not a topological order")
+            raise documents.DocumentError(f"{path}: edge {a} -- {b} goes backwards in node order; not a topological "
+                                          f"order")
         preds[index[b]].add(index[a])
         last_use[index[a]] = max(last_use[index[a]], index[b])
     act = [nodes[n][1]["activation_size"] for n in order]

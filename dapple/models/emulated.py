@@ -8,7 +8,6 @@ import torch
 import torch.fx
 from torch import nn
 
-
 SPIN = 2e-4  # seconds of busy-wait at the end of a hold: a bare sleep wakes up 0.1-0.2 ms late, a kernel does not
 
 

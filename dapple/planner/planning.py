@@ -11,7 +11,6 @@ from ..core.plan import Plan, Stage
 from ..core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
 from . import tuning
 from .checks import profile_and_cluster
-from .profiled import profiled
 from .judge import (
     AUTO,
     Candidate,
@@ -24,6 +23,7 @@ from .judge import (
 from .model.cost import CostModel
 from .model.evaluate import MODELS, evaluate, pipeline_costs
 from .model.memory import NoFitError, activation_scale, recompute_mode
+from .profiled import profiled
 from .search.dp import (
     INF,
     DPSearch,

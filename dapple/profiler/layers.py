@@ -17,6 +17,7 @@ from .layer_graph import LayerGraph
 from .outputs import is_output_structure
 from .units import layering
 
+
 @dataclass(frozen=True)
 class Arity:
     """How many positional inputs a traced model takes: at least ``need``, at most ``len(names)``."""

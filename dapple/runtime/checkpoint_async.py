@@ -3,14 +3,12 @@ training goes on; it is marked complete and moved into place only once every ran
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 from weakref import WeakKeyDictionary
-
-import shutil
-from typing import Any
 
 import torch.distributed as dist
 

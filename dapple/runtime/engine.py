@@ -25,16 +25,16 @@ from .channels import handshake, open_channels
 from .clipping import clip_grad_norm, counted_parameters, norm_group
 from .compiling import stage_compiler
 from .data import RankData, StepBatch, rank_data
-from .meta_stage import materialise_stage
 from .distributed import DistContext, init_distributed
 from .groups import canonical_names
+from .meta_stage import materialise_stage
+from .modes import eval_graph
 from .p2p import PipelineError
 from .precision import LossScaler, Precision, allreduce_dtype
-from .recompute import check_recomputable, recomputing
 from .program import Transfer
 from .rank_batch import rank_batch
+from .recompute import check_recomputable, recomputing
 from .shapes import BoundaryShapes
-from .modes import eval_graph
 from .stages import StageGraph, layer_paths, model_inputs, node_places, split_stages, stage_module
 from .state import LoadResult, held_keys, load_state, model_keys, own_tensors, stage_keys, state_names
 from .step import StepRunner
@@ -123,8 +123,9 @@ class Pipeline:
         self._failed: str | None = None
         # every rank was given the same plan, model and options: one small AllReduce, before any group or transfer
         agree(describe(plan, model, lg.names, inputs.names, precision.name, flags, loss_fn,
-                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs, "tracer": traced["tracer"],
-                        "reduce_dtype": wire, "compile": None if self._compiler is None else self._compiler.describe()}),
+                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs,
+                        "tracer": traced["tracer"], "reduce_dtype": wire,
+                        "compile": None if self._compiler is None else self._compiler.describe()}),
               self.ctx.rank, self.ctx.world_size, self.ctx.device, self.timeout)
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
         channels = open_channels(plan, graphs, self._names, self.ctx, self.stage, self.timeout, self.value_name,

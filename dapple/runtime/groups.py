@@ -216,7 +216,7 @@ class GradReducer:
         for k in range(len(self.buckets)):
             if self._launched[k] is None:
                 self._launch(k, self._agree(k, timeout, who, moment))
-        for k, (g, bucket) in enumerate(self.buckets):
+        for k, (g, params) in enumerate(self.buckets):
             have, wire, work = self._launched[k]
             if work is not None:
                 waited(work, timeout, who, f"{moment}: gradient AllReduce", g.ranks, detail=f" of {g.label} (ranks "
@@ -227,7 +227,7 @@ class GradReducer:
                     launched, during = self._launch_times[k]
                     rec.allreduce_bucket(k, launched, rec.clock(), g.label, g.ranks,
                                          wire.numel() * wire.element_size(), during)
-            for p, h in zip(bucket, have):
+            for p, h in zip(params, have):
                 if not h:  # no backward reached it anywhere: .grad None, as on one device
                     p.grad = None
         if rec is not None and self.buckets:

@@ -137,8 +137,8 @@ def _cut_transfers(plan: Plan, layout: BoundaryLayout, c: int, j: int, me: int, 
 def rank_program(plan: Plan, layout: BoundaryLayout, rank: int, lookahead: int = LOOKAHEAD) -> list[Instr]:
     """The exact sequence of posts and computations ``rank`` runs in one training step.
 
-    Computations follow ``pipeline_stage_ops(plan.schedule, M, plan.warmup, stage)``. Receives of op t+``lookahead`` are posted
-    before op t computes (irecv early); sends are posted right after the op that produced them and never
+    Computations follow ``pipeline_stage_ops(plan.schedule, M, plan.warmup, stage)``. Receives of op t+``lookahead``
+    are posted before op t computes (irecv early); sends are posted right after the op that produced them and never
     waited on before the end of the step, so only receives can block.
     """
     s = plan.stage_of_device(rank)

@@ -11,9 +11,9 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
+from ..core.plan import Plan
 from ..profiler.export_graph import retarget_devices
 from ..profiler.layer_graph import LayerGraph
-from ..core.plan import Plan
 from ..profiler.layers import Arity, arity
 
 # torch >= 2.12 can make every partition return a tuple; older ones return a lone value bare, which

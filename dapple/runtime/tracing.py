@@ -30,8 +30,8 @@ class Recorder:
     hot path appends a plain tuple per event (no formatting); :attr:`events` builds the ``Event`` objects.
     Times are read from :data:`CLOCK`; on CUDA each read records an event on the stream instead
     (:class:`~dapple.runtime.gpu_clock.EventClock`), resolved at the step's end, so a time is when the GPU finished
-    the work before it, not when the host queued it, and tracing adds no host sync per event. A step records, per rank (kinds and names as in
-    :mod:`dapple.core.timeline`):
+    the work before it, not when the host queued it, and tracing adds no host sync per event. A step records, per
+    rank (kinds and names as in :mod:`dapple.core.timeline`):
 
     - compute lane: ``F3``/``B3`` (forward/backward of micro-batch 3, receives already waited for; under a split
       backward B3 computes input gradients and ``W3``, kind "backward" with ``args["part"] = "weight"``, the

@@ -7,7 +7,6 @@ import pytest
 import dapple
 from dapple import Cluster, Plan, Profile, simulate
 from dapple.cli import main
-
 from tests.conftest import pipedream_path
 
 

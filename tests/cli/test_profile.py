@@ -10,7 +10,6 @@ import pytest
 
 from dapple import Profile
 from dapple.cli import load_example, main
-
 from tests.conftest import ROOT, needs_export
 
 FAST = ["--repeats", "1", "--warmup", "0", "--device", "cpu"]

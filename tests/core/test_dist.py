@@ -44,7 +44,8 @@ def _gpus(monkeypatch, count: int, local_rank: int, share: str | None) -> None:
 def test_a_local_rank_beyond_the_gpus_is_refused_naming_both(monkeypatch):
     _gpus(monkeypatch, 2, 3, None)
     with pytest.raises(ValueError, match=r"LOCAL_RANK 3: this server has 2 CUDA device\(s\) \(cuda:0 .. cuda:1\); "
-                                         r"start one process per GPU \(torchrun --nproc-per-node 2\).*DAPPLE_SHARE_GPUS=1"):
+                                         r"start one process per GPU \(torchrun --nproc-per-node 2\)"
+                                         r".*DAPPLE_SHARE_GPUS=1"):
         _dist.cuda_device()
     _gpus(monkeypatch, 2, 3, "0")
     with pytest.raises(ValueError, match="LOCAL_RANK 3"):

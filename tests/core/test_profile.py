@@ -8,7 +8,6 @@ from dapple import Profile
 from dapple.core.documents import DocumentError
 from dapple.core.profile import interpolate
 from dapple.profiler import LayerProfile
-
 from tests.conftest import PIPEDREAM_MODELS, pipedream_path
 
 

@@ -347,7 +347,8 @@ def test_the_export_tracer_names_the_torch_it_needs(monkeypatch):
     assert export._torch_version() == (2, 4)
     model = GPT(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8)
     x, y = random_tokens(2, 8, 16)
-    with pytest.raises(TraceError, match=r"torch.export needs torch >= 2.9; this is torch 2.4.1\+cpu \(use tracer='fx'"):
+    needs = r"torch.export needs torch >= 2.9; this is torch 2.4.1\+cpu \(use tracer='fx'"
+    with pytest.raises(TraceError, match=needs):
         dapple.profile(model, x, lm_loss, targets=y, tracer="export", repeats=1, warmup=0, progress=False)
 
 

@@ -13,9 +13,9 @@ import torch
 
 import dapple
 from dapple.models import GPT, Llama, LlamaConfig, lm_loss, random_tokens
+from dapple.profiler import trace_layers
 from dapple.profiler.meta_measure import structure
 from dapple.profiler.record import layer_module
-from dapple.profiler import trace_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 

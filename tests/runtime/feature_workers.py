@@ -75,7 +75,8 @@ def case_plan_precision(run_as: str | None) -> dict[str, Any]:
         pipe = dapple.pipeline(model, plan, lm_loss, timeout=30, mixed_precision=run_as)
     sent = _wire_dtypes(pipe)
     pipe.train_step(*_tokens(8))
-    return {"sent": sorted(set(sent)), "warned": [str(w.message) for w in caught if "mixed_precision" in str(w.message)]}
+    warned = [str(w.message) for w in caught if "mixed_precision" in str(w.message)]
+    return {"sent": sorted(set(sent)), "warned": warned}
 
 
 def case_fp16_overflow() -> dict[str, Any]:

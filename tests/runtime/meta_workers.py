@@ -37,7 +37,7 @@ def meta_model() -> GPT:
 
 
 def plan() -> Plan:
-    return Plan(GBS, MBS, [Stage(l, d) for l, d in STAGES], layer_names=trace_layers(meta_model()).names)
+    return Plan(GBS, MBS, [Stage(span, d) for span, d in STAGES], layer_names=trace_layers(meta_model()).names)
 
 
 def write_checkpoints(root: Path) -> dict[str, str]:

@@ -22,8 +22,9 @@ def _largest_allocation(fn) -> int:
     return max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
 
 
-@pytest.mark.parametrize("shape, dtype", [((37, 5, 3), torch.float32), ((300,), torch.int64), ((9, 1000), torch.bfloat16),
-                                          ((64, 2, 4096), torch.float64), ((0, 8), torch.float32)])
+@pytest.mark.parametrize("shape, dtype", [((37, 5, 3), torch.float32), ((300,), torch.int64),
+                                          ((9, 1000), torch.bfloat16), ((64, 2, 4096), torch.float64),
+                                          ((0, 8), torch.float32)])
 def test_row_bits_in_blocks_equal_one_pass(shape, dtype):
     gen = torch.Generator().manual_seed(1)
     t = (torch.randn(shape, generator=gen) * 1e3).to(dtype)

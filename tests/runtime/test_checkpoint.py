@@ -39,7 +39,7 @@ def gpt(**kw: Any) -> GPT:
 
 
 def plan_for(model: nn.Module, stages: list) -> Plan:
-    return Plan(global_batch_size=GBS, micro_batch_size=MBS, stages=[Stage(l, d) for l, d in stages],
+    return Plan(global_batch_size=GBS, micro_batch_size=MBS, stages=[Stage(span, d) for span, d in stages],
                 layer_names=trace_layers(model).names)
 
 

@@ -27,7 +27,8 @@ def case_compile() -> dict[str, Any]:
         return gm.forward
     out: dict[str, Any] = {}
     runs = {}
-    for name, option in (("eager", False), ("aot_eager", {"backend": "aot_eager"}), ("counting", {"backend": counting})):
+    options = (("eager", False), ("aot_eager", {"backend": "aot_eager"}), ("counting", {"backend": counting}))
+    for name, option in options:
         model = _gpt(torch.float64)
         pipe = dapple.pipeline(model, _plan(model, STAGES, 8, 4), lm_loss, timeout=60, compile=option)
         losses = []

@@ -9,7 +9,8 @@ from tests.runtime import workers
 from tests.runtime._spawn import run_ranks
 
 TOL = 1e-9
-SHAPES = [k for k in workers.CASES_4 if k not in ("memory", "owned", "inputs_differ", "no_gradient", "shards", "repeatable")]
+NOT_SHAPES = ("memory", "owned", "inputs_differ", "no_gradient", "shards", "repeatable")
+SHAPES = [k for k in workers.CASES_4 if k not in NOT_SHAPES]
 
 
 def assert_transparent(results: list[dict], shape: str) -> list[list[dict]]:

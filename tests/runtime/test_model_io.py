@@ -85,7 +85,8 @@ def test_a_bias_without_batch_rows_goes_whole_and_training_is_exact(results, cas
 def test_a_cut_no_value_may_cross_is_refused_naming_the_layers(results):
     for rank, r in enumerate(results[0]):
         assert r["uncut"].startswith("value 'tanh' crosses the cut after stage 0, between layers 'flat' and "
-                                     "'unflat', and cannot be sent: its shape is (12, 8) for 2 rows"), (rank, r["uncut"])
+                                     "'unflat', and cannot be sent: its shape is (12, 8) for 2 rows"), \
+            (rank, r["uncut"])
         assert "What to do: cut elsewhere" in r["uncut"]
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,7 +38,8 @@ def plans(draw):
     for r in replicas:
         devices.append(list(range(start, start + r)))
         start += r
-    plan = Plan(global_batch_size=mbs * m, micro_batch_size=mbs, schedule=draw(st.sampled_from(["dapple", "gpipe", "zb-h1"])),
+    schedule = draw(st.sampled_from(["dapple", "gpipe", "zb-h1"]))
+    plan = Plan(global_batch_size=mbs * m, micro_batch_size=mbs, schedule=schedule,
                 stages=[Stage((i, i + 1), d, w) for i, (d, w) in enumerate(zip(devices, warmup))])
     values = tuple(draw(st.integers(1, 3)) for _ in range(num_stages - 1))
     grads = tuple(tuple(v for v in range(n) if draw(st.booleans())) for n in values)

@@ -9,9 +9,7 @@ import pytest
 import dapple
 from dapple import Cluster, Plan
 from dapple.planner import Stage, simulate
-
 from tests.conftest import pipedream_profile
-
 
 
 @pytest.mark.parametrize("name, global_batch", [("xlnet_36", 128), ("bert_48", 64), ("amoebanet_36", 128)])

@@ -6,8 +6,8 @@ import itertools
 import random
 
 from dapple import Cluster, Profile
-from dapple.planner.search import seeds
 from dapple.planner.model.cost import CostModel
+from dapple.planner.search import seeds
 from dapple.planner.search.dp import DPSearch, SearchConfig
 from dapple.planner.search.seeds import balanced_cuts, even_seeds, refine_cuts, replica_patterns, scatter_layouts
 from dapple.profiler import LayerProfile
