@@ -1,4 +1,5 @@
-"""The Plan document: stages (layer range, devices, warmup K_i), micro-batching, schedule, estimate."""
+"""The Plan document: stages (layer range, devices, warmup K_i; several may share devices as chunks), micro-batching,
+schedule, estimate."""
 
 from __future__ import annotations
 
@@ -7,8 +8,18 @@ from typing import Sequence
 
 from . import documents
 from .checks import is_int, positive_int
+from .chunk_schedule import PLACEMENT_OF, ChunkOp, chunk_warmups, rank_ops
+from .chunks import ChunkLayout, chunk_layout
 from .plan_table import format_plan
-from .schedule import SCHEDULES, WARMUP_POLICIES, validate_warmup, warmup_counts
+from .schedule import (
+    CHUNKED_SCHEDULES,
+    SCHEDULES,
+    STAGE_SCHEDULES,
+    WARMUP_POLICIES,
+    pipeline_stage_ops,
+    validate_warmup,
+    warmup_counts,
+)
 from .trace_spec import TraceSpec
 
 VERSION = 1
@@ -19,9 +30,10 @@ FULL_PRECISION = "fp32"  # what a caller passes to run a plan made for mixed pre
 
 @dataclass
 class Stage:
-    """Layers ``[start, end)`` replicated on ``devices``; ``warmup`` is K_i (None: from the plan's policy);
-    ``recompute``: the stage keeps only its inputs per micro-batch in flight and runs its forward again in the
-    backward (activation recomputation)."""
+    """Layers ``[start, end)`` replicated on ``devices``; ``warmup`` is K_i (None: from the plan's policy, or under a
+    schedule of chunks the forwards its order runs before the stage's first backward); ``recompute``: the stage keeps
+    only its inputs per micro-batch in flight and runs its forward again in the backward (activation
+    recomputation). Stages listing the same devices are chunks of one device group (core.chunks)."""
 
     layers: tuple[int, int]
     devices: list[int]
@@ -65,9 +77,10 @@ class Estimate:
 
 def check_stages(stages: Sequence[Stage], micro_batch_size: int, where: str) -> int:
     """ValueError naming the stage and value unless the layer ranges are half-open, non-empty and contiguous from
-    0, and every stage has devices (ids >= 0, each in one stage) but no more than the micro-batch has rows.
-    Returns the number of layers the stages cover."""
-    start, seen = 0, {}
+    0, and every stage has devices (ids >= 0, each in one device group: stages on the same devices list them alike,
+    chunks in the loop or V order, core.chunks) but no more than the micro-batch has rows. Returns the number of
+    layers the stages cover."""
+    start = 0
     for i, s in enumerate(stages):
         lo, hi = s.layers
         if not (is_int(lo) and is_int(hi)) or lo != start or hi <= lo:
@@ -82,9 +95,7 @@ def check_stages(stages: Sequence[Stage], micro_batch_size: int, where: str) -> 
         for d in s.devices:
             if not is_int(d, 0):
                 raise ValueError(f"{where}.stages[{i}].devices: expected device ids >= 0, got {d!r}")
-            if d in seen:
-                raise ValueError(f"{where}.stages[{i}].devices: device {d} is already in stage {seen[d]}")
-            seen[d] = i
+    chunk_layout([s.devices for s in stages], where)  # (raises naming the stage and device)
     return start
 
 
@@ -121,8 +132,12 @@ class Plan:
         self.stages = [s if isinstance(s, Stage) else Stage(*s) for s in self.stages]
         self._check_batches("Plan")  # before the policy's K_i, which divide by micro_batch_size
         if all(s.warmup is None for s in self.stages):
-            for s, k in zip(self.stages, warmup_counts(len(self.stages), self.num_micro_batches,
-                                                       self.warmup_policy)):
+            if self.schedule in CHUNKED_SCHEDULES:  # the order's own K_i, once the chunks are known to be in it
+                self._check_chunks("Plan")
+                ks = self.chunk_warmups()
+            else:
+                ks = warmup_counts(len(self.stages), self.num_micro_batches, self.warmup_policy)
+            for s, k in zip(self.stages, ks):
                 s.warmup = k
         self.validate()
 
@@ -137,7 +152,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return sum(len(s.devices) for s in self.stages)
+        return len({d for s in self.stages for d in s.devices})
 
     @property
     def num_layers(self) -> int:
@@ -150,17 +165,62 @@ class Plan:
     @property
     def shape(self) -> str:
         """The paper's notation (Tables V-VII): "DP", "straight<S>", or replicas per stage, e.g. "14:2"."""
+        layout = self.chunks
+        if layout.chunks > 1:  # the device groups' shape, then the chunks: "straight4 x2 V", "2:1:1 x2 loop"
+            groups = [Stage((0, 1), list(ds)) for ds in layout.groups]
+            base = "DP" if len(groups) == 1 else f"straight{len(groups)}" if all(
+                len(g.devices) == 1 for g in groups) else ":".join(str(len(g.devices)) for g in groups)
+            return f"{base} x{layout.chunks} {self.placement or layout.placements[0]}"
         if self.num_stages == 1:
             return "DP"
         if all(len(s.devices) == 1 for s in self.stages):
             return f"straight{self.num_stages}"
         return ":".join(str(len(s.devices)) for s in self.stages)
 
+    @property
+    def chunks(self) -> ChunkLayout:
+        """Where the stages sit: their device groups, each group's chunks, the chunk order (core.chunks)."""
+        return chunk_layout([s.devices for s in self.stages])
+
+    @property
+    def placement(self) -> str | None:
+        """The chunk order the schedule runs: "loop" (interleaved-1f1b), "V" (zb-v), None (one stage per group)."""
+        return PLACEMENT_OF.get(self.schedule)
+
+    def stages_of_device(self, device: int) -> list[int]:
+        """The stages ``device`` holds, in pipeline order: one, or its device group's chunks."""
+        found = [i for i, s in enumerate(self.stages) if device in s.devices]
+        if not found:
+            raise ValueError(f"device {device} is in no stage of this plan (devices 0..{self.num_devices - 1})")
+        return found
+
     def stage_of_device(self, device: int) -> int:
-        for i, s in enumerate(self.stages):
-            if device in s.devices:
-                return i
-        raise ValueError(f"device {device} is in no stage of this plan (devices 0..{self.num_devices - 1})")
+        """The stage ``device`` holds; ValueError where it holds several chunks (:meth:`stages_of_device`)."""
+        found = self.stages_of_device(device)
+        if len(found) > 1:
+            raise ValueError(f"device {device} holds {len(found)} stages (chunks {found}): use "
+                             f"Plan.stages_of_device")
+        return found[0]
+
+    def rank_ops(self, device: int) -> list[ChunkOp]:
+        """The computations ``device`` runs in one training step, in order, each with its stage: the schedule's
+        order of its chunks (core.chunk_schedule), or its one stage's (``core.schedule.pipeline_stage_ops``)."""
+        layout = self.chunks
+        group = layout.group_of_device(device)
+        if self.schedule in CHUNKED_SCHEDULES:
+            return rank_ops(self.schedule, self.num_micro_batches, len(layout.groups), layout.chunks, group)
+        (s,) = layout.stages_of(group)
+        return [ChunkOp(op.kind, op.micro_batch, s)
+                for op in pipeline_stage_ops(self.schedule, self.num_micro_batches, self.warmup, s)]
+
+    def chunk_warmups(self) -> list[int]:
+        """Under a schedule of chunks, each stage's K_i as its order runs it: the forwards before its first
+        backward (core.chunk_schedule.chunk_warmups)."""
+        layout, ks = self.chunks, {}
+        for g in range(len(layout.groups)):
+            ks.update(chunk_warmups(rank_ops(self.schedule, self.num_micro_batches, len(layout.groups),
+                                             layout.chunks, g)))
+        return [ks[i] for i in range(self.num_stages)]
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self, where: str = "Plan") -> None:
@@ -188,17 +248,51 @@ class Plan:
             if s.warmup is None:
                 raise ValueError(f"{where}.stages[{i}].warmup: missing while other stages give one; give K_i for "
                                  f"every stage or for none")
-        ids = sorted(d for s in self.stages for d in s.devices)
+        ids = sorted({d for s in self.stages for d in s.devices})
         if ids != list(range(len(ids))):
             raise ValueError(f"{where}: device ids must be 0..{len(ids) - 1} (device id == global rank), got {ids}")
         if self.tracing is not None and not isinstance(self.tracing, TraceSpec):
             raise ValueError(f"{where}.tracing: expected a TraceSpec or None, got {type(self.tracing).__name__}")
         if self.layer_names is not None and len(self.layer_names) != start:
             raise ValueError(f"{where}: stages cover {start} layers but layer_names lists {len(self.layer_names)}")
+        if self._check_chunks(where):
+            self._check_chunk_warmups(where)
+            return
         try:
             validate_warmup([s.warmup for s in self.stages], self.num_micro_batches)  # as given, not int()'d
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+
+    def _check_chunks(self, where: str) -> bool:
+        """ValueError unless the schedule runs the stages' chunk layout (a schedule of chunks in its own order, any
+        other on one stage per device group); whether the plan has chunks."""
+        layout = chunk_layout([s.devices for s in self.stages], where)
+        chunked = self.schedule in CHUNKED_SCHEDULES
+        if layout.chunks == 1:
+            if chunked:
+                raise ValueError(f"{where}.schedule: {self.schedule!r} runs several chunks per device group (stages "
+                                 f"on the same devices), but each of the {self.num_stages} stage(s) has devices of "
+                                 f"its own; use one of {STAGE_SCHEDULES}")
+            return False
+        wanted = PLACEMENT_OF.get(self.schedule)
+        if wanted not in layout.placements:
+            order = " or ".join(f"{p} order" for p in layout.placements)
+            use = " or ".join(repr(s) for s, p in PLACEMENT_OF.items() if p in layout.placements)
+            what = (f"{self.schedule!r} runs chunks in the {wanted} order" if chunked else
+                    f"{self.schedule!r} runs one stage per device group")
+            raise ValueError(f"{where}.schedule: {what}, but the stages are {layout.chunks} chunks per device group "
+                             f"in the {order} (stages {layout.stages_of(0)} on devices {list(layout.groups[0])}); "
+                             f"use {use}")
+        return True
+
+    def _check_chunk_warmups(self, where: str) -> None:
+        """ValueError naming the chunk and its devices where a K_i is not the one its schedule's order runs."""
+        layout = self.chunks
+        for i, (s, k) in enumerate(zip(self.stages, self.chunk_warmups())):
+            if s.warmup != k:
+                raise ValueError(f"{where}.stages[{i}].warmup: chunk {layout.chunk_of(i)} on devices {s.devices} "
+                                 f"runs K_{i} = {k} forwards before its first backward under {self.schedule}, got "
+                                 f"{s.warmup!r} (leave warmup out to have it filled in)")
 
     def check_layers(self, names: Sequence[str], what: str = "the model") -> None:
         """Raise ValueError unless the plan was made for these layers (``names``: ``what``'s, in order): the same

@@ -53,7 +53,10 @@ def format_plan(plan: "Plan") -> str:
 
 
 def _head(plan: "Plan") -> str:
-    head = (f"dapple plan: {plan.num_stages} stage(s) on {plan.num_devices} device(s), "
+    layout = plan.chunks
+    chunks = (f" as {layout.chunks} chunks on each of {len(layout.groups)} device group(s), {plan.placement} order,"
+              if layout.chunks > 1 else "")
+    head = (f"dapple plan: {plan.num_stages} stage(s){chunks} on {plan.num_devices} device(s), "
             f"global batch {plan.global_batch_size} = {plan.num_micro_batches} micro-batches x "
             f"{plan.micro_batch_size}, schedule {plan.schedule}, warmup policy {plan.warmup_policy}")
     if plan.mixed_precision:
@@ -69,7 +72,10 @@ def _head(plan: "Plan") -> str:
 
 def _table(plan: "Plan", per_stage: list) -> list[str]:
     """The stage table's lines: a header row, a rule, a row per stage (its estimated costs where known)."""
-    rows = [("stage", "layers", "devices", "K_i", "F ms", "B ms", "AR ms", "send ms", "mem GB")]
+    layout = plan.chunks
+    chunked = layout.chunks > 1  # a chunk column only where device groups hold several (older tables unchanged)
+    rows = [("stage", "layers", "devices") + (("chunk",) if chunked else ()) +
+            ("K_i", "F ms", "B ms", "AR ms", "send ms", "mem GB")]
     marks = any(s.recompute for s in plan.stages)  # a column only where some stage recomputes (older tables unchanged)
     if marks:
         rows[0] += ("recompute",)
@@ -79,7 +85,8 @@ def _table(plan: "Plan", per_stage: list) -> list[str]:
         def num(key: str, fmt: str = "{:.3f}") -> str:
             return fmt.format(d[key]) if key in d else "-"
 
-        rows.append((str(i), _layer_span(plan, *s.layers), f"{device_ranges(s.devices)} (x{len(s.devices)})",
+        chunk = (f"{layout.chunk_of(i)} of {layout.chunks}",) if chunked else ()
+        rows.append((str(i), _layer_span(plan, *s.layers), f"{device_ranges(s.devices)} (x{len(s.devices)})", *chunk,
                      str(s.warmup), num("forward_ms"), num("backward_ms"), num("allreduce_ms"),
                      num("send_forward_ms"), num("memory_gb", "{:.2f}")) + (("yes" if s.recompute else "no",)
                                                                               if marks else ()))

@@ -1,4 +1,5 @@
-"""Per-stage operation order of the dapple (early backward, paper V-C), gpipe and zero-bubble (zb-h1) schedules."""
+"""Per-stage operation order of the dapple (early backward, paper V-C), gpipe and zero-bubble (zb-h1) schedules; the
+names of the schedules of several chunks per device group too (their order: core.chunk_schedule)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from typing import NamedTuple, Sequence
 
 from .checks import is_int, positive_int
 
-SCHEDULES = ("dapple", "gpipe", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is an input-gradient B and a later weight-gradient W
+STAGE_SCHEDULES = ("dapple", "gpipe", "zb-h1")  # one stage per device group: stage_ops
+CHUNKED_SCHEDULES = ("interleaved-1f1b", "zb-v")  # several chunks per device group: core.chunk_schedule.rank_ops
+SCHEDULES = STAGE_SCHEDULES + CHUNKED_SCHEDULES
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # schedules whose backward is an input-gradient B and a later weight-gradient W
 WARMUP_POLICIES = ("A", "B")
 
 
@@ -100,7 +103,7 @@ def stage_ops(schedule: str, num_micro_batches: int, warmup: int, hold: int | No
     ``hold - K`` micro-batches wait for theirs, the rest after the last B (into the cool-down bubble).
 
     Args:
-        schedule: one of :data:`SCHEDULES`.
+        schedule: one of :data:`STAGE_SCHEDULES`.
         num_micro_batches: M.
         warmup: the stage's K_i (forwards before its first backward); above M acts as M.
         hold: zb-h1 only: the most micro-batches whose forward ran and whose W has not (their activations are
@@ -112,8 +115,10 @@ def stage_ops(schedule: str, num_micro_batches: int, warmup: int, hold: int | No
     positive_int("warmup", warmup)
     if schedule == "gpipe":
         return [Op("F", j) for j in range(m)] + [Op("B", j) for j in range(m)]
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in STAGE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {STAGE_SCHEDULES}, got {schedule!r}"
+                         + (" (a schedule of several chunks per device group: core.chunk_schedule.rank_ops, "
+                            "Plan.rank_ops)" if schedule in CHUNKED_SCHEDULES else ""))
     k = max(1, min(warmup, m))
     order = [Op("F", j) for j in range(k)]
     for j in range(m - k):
