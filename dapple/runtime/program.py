@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence, Union
 
 import torch
 
+from ..core.chunk_schedule import ChunkOp
 from ..core.plan import Plan
 from ..core.schedule import Op, pipeline_stage_ops
 from ..core.split_concat import Route, routes
+
+AnyOp = Union[Op, ChunkOp]  # a rank of one stage runs Ops; a rank of several chunks ChunkOps (their stage named)
 
 LOOKAHEAD = 1  # receives are posted for the current op and the next one, so transfers overlap compute
 
@@ -32,7 +35,8 @@ class Transfer(NamedTuple):
     """One message: rows ``[start, end)`` of boundary value ``value`` at cut ``cut`` for one micro-batch.
 
     ``kind`` "act" goes forward from stage ``cut`` to stage ``cut + 1``; "grad" is its gradient, going back.
-    ``src``/``dst`` are global ranks; ``rows`` is what both sides size their buffers from.
+    ``src``/``dst`` are global ranks; ``rows`` is what both sides size their buffers from. Between two chunks of one
+    device group ``src == dst``: a hand-off on the rank (:attr:`local`), not a message.
     """
 
     kind: str
@@ -52,13 +56,18 @@ class Transfer(NamedTuple):
     def channel(self) -> tuple[int, int, str]:
         return (self.src, self.dst, self.kind)
 
+    @property
+    def local(self) -> bool:
+        """Between two chunks on the same rank: the tensor itself is handed over, nothing crosses a link."""
+        return self.src == self.dst
+
 
 class Instr(NamedTuple):
     """One step of a rank's program: ``"recv"`` (post an irecv), ``"compute"`` (wait its recvs, run op),
     ``"send"`` (post an isend)."""
 
     action: str
-    op: Op | None = None
+    op: AnyOp | None = None
     transfer: Transfer | None = None
 
     def __str__(self) -> str:
@@ -104,15 +113,21 @@ def first_routes(plan: Plan, c: int) -> set[Route]:
     return set(firsts.values())
 
 
-def op_transfers(plan: Plan, layout: BoundaryLayout, rank: int, op: Op) -> tuple[list[Transfer], list[Transfer]]:
+def op_stage(plan: Plan, rank: int, op: AnyOp) -> int:
+    """The stage ``op`` runs on: its own (a chunk's op), or ``rank``'s one stage."""
+    return op.stage if isinstance(op, ChunkOp) else plan.stage_of_device(rank)
+
+
+def op_transfers(plan: Plan, layout: BoundaryLayout, rank: int, op: AnyOp) -> tuple[list[Transfer], list[Transfer]]:
     """(receives, sends) of ``rank`` for one op, in posting order: by route (sender, then receiver), then value.
 
     F receives activations from the previous stage and sends its own on (split-concat, paper V-B2); B receives
     the gradients of what it sent and sends those of what it received, back along the same routes. A
-    weight-gradient op (W) moves nothing: its B already sent the input gradients."""
+    weight-gradient op (W) moves nothing: its B already sent the input gradients. Between chunks of one device
+    group every route is the rank's own (:attr:`Transfer.local`)."""
     if op.kind == "W":
         return [], []
-    s = plan.stage_of_device(rank)
+    s = op_stage(plan, rank, op)
     me = plan.stages[s].devices.index(rank)
     grads = op.kind != "F"
     before = _cut_transfers(plan, layout, s - 1, op.micro_batch, me, grads, False) if s > 0 else []
@@ -137,23 +152,32 @@ def _cut_transfers(plan: Plan, layout: BoundaryLayout, c: int, j: int, me: int, 
 def rank_program(plan: Plan, layout: BoundaryLayout, rank: int, lookahead: int = LOOKAHEAD) -> list[Instr]:
     """The exact sequence of posts and computations ``rank`` runs in one training step.
 
-    Computations follow ``pipeline_stage_ops(plan.schedule, M, plan.warmup, stage)``. Receives of op t+``lookahead``
-    are posted before op t computes (irecv early); sends are posted right after the op that produced them and never
-    waited on before the end of the step, so only receives can block.
+    Computations follow ``pipeline_stage_ops(plan.schedule, M, plan.warmup, stage)`` (Ops), or on a rank of several
+    chunks ``plan.rank_ops(rank)`` (ChunkOps). Receives of op t+``lookahead`` are posted before op t computes (irecv
+    early); sends are posted right after the op that produced them and never waited on before the end of the step,
+    so only receives can block.
     """
-    s = plan.stage_of_device(rank)
-    ops = pipeline_stage_ops(plan.schedule, plan.num_micro_batches, plan.warmup, s)
+    if plan.chunks.chunks > 1:
+        ops: list[AnyOp] = list(plan.rank_ops(rank))
+    else:
+        ops = list(pipeline_stage_ops(plan.schedule, plan.num_micro_batches, plan.warmup, plan.stage_of_device(rank)))
     return _program(plan, layout, rank, ops, lookahead)
 
 
 def forward_program(plan: Plan, layout: BoundaryLayout, rank: int, micro_batches: int,
                     lookahead: int = LOOKAHEAD) -> list[Instr]:
     """``rank``'s program for a forward-only pass (evaluation) of ``micro_batches`` micro-batches: each forward
-    in order, its activations received and sent as in a training step, no backward."""
-    return _program(plan, layout, rank, [Op("F", j) for j in range(micro_batches)], lookahead)
+    in order (with several chunks: each micro-batch through them in pipeline order, which every rank follows, so
+    none waits on one that waits on it), its activations received and sent as in a training step, no backward."""
+    stages = plan.stages_of_device(rank)
+    if len(stages) == 1:
+        ops: list[AnyOp] = [Op("F", j) for j in range(micro_batches)]
+    else:
+        ops = [ChunkOp("F", j, s) for j in range(micro_batches) for s in stages]
+    return _program(plan, layout, rank, ops, lookahead)
 
 
-def _program(plan: Plan, layout: BoundaryLayout, rank: int, ops: list[Op], lookahead: int) -> list[Instr]:
+def _program(plan: Plan, layout: BoundaryLayout, rank: int, ops: list[AnyOp], lookahead: int) -> list[Instr]:
     per_op = [op_transfers(plan, layout, rank, op) for op in ops]
     prog: list[Instr] = []
     posted = 0
@@ -179,7 +203,8 @@ def format_program(program: Sequence[Instr]) -> str:
     return "\n".join(lines)
 
 
-def op_receives(program: Sequence[Instr], rank: int, plan: Plan, layout: BoundaryLayout) -> dict[Op, list[Transfer]]:
+def op_receives(program: Sequence[Instr], rank: int, plan: Plan, layout: BoundaryLayout
+                ) -> dict[AnyOp, list[Transfer]]:
     """For each compute of ``program``, the receives it waits for."""
     return {i.op: op_transfers(plan, layout, rank, i.op)[0] for i in program if i.action == "compute"}
 
@@ -194,7 +219,8 @@ def dry_run(plan: Plan, layout: BoundaryLayout, programs: dict[int, list[Instr]]
     Checks that on every channel (sender, receiver, kind) the sender's sends and the receiver's receives
     are the same messages in the same order with the same row counts, and that the ranks can all finish
     when a receive completes only once its matching send was posted (gloo semantics; as each channel is
-    matched in order, also NCCL's in-order pairing).
+    matched in order, also NCCL's in-order pairing). A rank's hand-offs between its own chunks are a channel
+    from it to itself: each is made before the op that takes it runs.
     """
     ranks = range(plan.num_devices)
     progs = programs if programs is not None else {r: rank_program(plan, layout, r) for r in ranks}
@@ -229,7 +255,7 @@ def _matched_channels(progs: dict[int, list[Instr]]) -> dict[tuple, list[Transfe
 
 
 def _play(ranks: Sequence[int], progs: dict[int, list[Instr]], sent: dict[tuple, list[Transfer]],
-          waits: dict[int, dict[Op, list[Transfer]]]) -> int:
+          waits: dict[int, dict[AnyOp, list[Transfer]]]) -> int:
     """Run the programs in rounds, a compute waiting until its receives' sends were posted; the rounds taken,
     or CommError when every unfinished rank waits."""
     position = {x: k for ch, xs in sent.items() for k, x in enumerate(xs)}  # each transfer's place in its channel

@@ -1,4 +1,5 @@
-"""Communication programs: every channel matches pairwise and no plan shape can deadlock (dry run)."""
+"""Communication programs: every channel matches pairwise and no plan shape can deadlock (dry run), with one stage
+per rank or several chunks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dapple.core.chunk_schedule import PLACEMENT_OF
+from dapple.core.chunks import group_order
 from dapple.core.schedule import pipeline_stage_ops
 from dapple.planner import Plan, Stage
 from dapple.runtime.program import (
@@ -157,3 +160,68 @@ def test_zb_h1_program_moves_nothing_for_w_and_prints():
                         "  send grad0 v0 1->0 rows 0:1", "F1"]
     w = [k for k, x in enumerate(text) if x.startswith("W")]
     assert all(not x.startswith("  send") for k in w for x in text[k + 1:k + 2])  # a W sends nothing
+
+
+@st.composite
+def chunked_plans(draw):
+    """Random device groups (1 to 3 replicas each) holding 2 or 3 chunks in the loop or V order, micro-batch counts,
+    value layouts: plans whose ranks run several stages."""
+    groups = draw(st.integers(1, 4))
+    schedule = draw(st.sampled_from(["interleaved-1f1b", "zb-v"]))
+    chunks = 2 if schedule == "zb-v" else draw(st.integers(2, 3))
+    replicas = [draw(st.integers(1, 3)) for _ in range(groups)]
+    devices, start = [], 0
+    for r in replicas:
+        devices.append(list(range(start, start + r)))
+        start += r
+    order = group_order(groups, chunks, PLACEMENT_OF[schedule])
+    mbs = draw(st.integers(max(replicas), 6))
+    m = draw(st.integers(1, 8))
+    plan = Plan(global_batch_size=mbs * m, micro_batch_size=mbs, schedule=schedule,
+                stages=[Stage((i, i + 1), devices[g]) for i, g in enumerate(order)])
+    cuts = plan.num_stages - 1
+    values = tuple(draw(st.integers(1, 3)) for _ in range(cuts))
+    grads = tuple(tuple(v for v in range(n) if draw(st.booleans())) for n in values)
+    whole = tuple(tuple(v for v in range(n) if draw(st.booleans())) for n in values)
+    return plan, BoundaryLayout(values=values, grads=grads, whole=whole)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunked_plans(), st.sampled_from([LOOKAHEAD, 0]))
+def test_chunked_programs_match_pairwise_and_never_deadlock(case, lookahead):
+    """Several chunks per rank: every channel matches and no rank waits forever, hand-offs between a rank's own
+    chunks included (each made before the op that takes it); the ops are the plan's order."""
+    plan, layout = case
+    programs = {r: rank_program(plan, layout, r, lookahead) for r in range(plan.num_devices)}
+    dry_run(plan, layout, programs)
+    chunks = plan.chunks
+    for r, prog in programs.items():
+        assert [i.op for i in prog if i.action == "compute"] == plan.rank_ops(r)
+        for i in prog:
+            if i.action != "compute":  # a hand-off stays on the rank exactly where both chunks are the rank's
+                t = i.transfer
+                assert t.local == chunks.same_group(t.cut, t.cut + 1), (r, t)
+    rows = Counter()
+    for prog in programs.values():
+        for i in prog:
+            t = i.transfer
+            if i.action == "send" and t.kind == "act" and t.value not in layout.whole[t.cut]:
+                rows[(t.cut, t.micro_batch, t.value)] += t.rows
+    split = sum(n - len(w) for n, w in zip(layout.values, layout.whole))
+    assert set(rows.values()) <= {plan.micro_batch_size} and len(rows) == split * plan.num_micro_batches
+    forwards = {r: forward_program(plan, layout, r, 3, lookahead) for r in range(plan.num_devices)}
+    dry_run(plan, layout, forwards)
+
+
+def test_a_hand_off_needed_before_it_is_made_is_a_deadlock():
+    """A rank's chunks wait on each other too: a V's middle group taking its up chunk's forward before its down chunk
+    made it cannot finish."""
+    plan = Plan(4, 1, [Stage((i, i + 1), [g]) for i, g in enumerate([0, 1, 1, 0])], schedule="zb-v")
+    layout = BoundaryLayout(values=(1, 1, 1), grads=((0,), (0,), (0,)))
+    programs = {r: rank_program(plan, layout, r) for r in range(2)}
+    compute = [k for k, i in enumerate(programs[1]) if i.action == "compute"]
+    first, second = compute[0], compute[1]  # F0@s1, then F0@s2 (which takes F0@s1's hand-off)
+    assert (str(programs[1][first].op), str(programs[1][second].op)) == ("F0@s1", "F0@s2")
+    programs[1][first], programs[1][second] = programs[1][second], programs[1][first]
+    with pytest.raises(CommError, match=r"deadlock: .*1: 'compute F0@s2'"):
+        dry_run(plan, layout, programs)
