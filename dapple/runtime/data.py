@@ -21,13 +21,14 @@ class RankData:
     global batch, in that order.
 
     Attributes:
-        rank, stage, replica: the rank and its place in the plan.
+        rank, stage, replica: the rank and its place in the plan (a rank of several chunks: its first stage).
         input_names: the model's inputs, in ``forward``'s order.
         reads: per model input, whether this rank's stage reads it (usually stage 0 only; a later stage may read
             one too, e.g. a head that takes a second input).
         targets: whether this rank computes the loss (the last stage), and so reads the targets.
         micro_batch_size, global_batch_size: the plan's.
         slice: ``(start, end)``, this replica's rows of every micro-batch.
+        stages: every stage the rank holds (its device group's chunks), in pipeline order.
     """
 
     rank: int
@@ -39,6 +40,7 @@ class RankData:
     micro_batch_size: int
     global_batch_size: int
     slice: tuple[int, int]
+    stages: tuple[int, ...] = ()
 
     @property
     def loads(self) -> bool:
@@ -80,25 +82,27 @@ def rank_data(plan: Plan, rank: int, input_stages: Sequence[Sequence[int]] = ((0
     Args:
         plan: the plan.
         rank: a rank of the plan (0 .. plan.num_devices - 1).
-        input_stages: per model input, the stages whose layers read it (default: one input, read by stage 0).
+        input_stages: per model input, the stages whose layers read it (default: one input, read by stage 0); a rank
+            of several chunks reads an input one of them reads, and the targets where it holds the last stage.
         input_names: the inputs' names (default: ``input0``, ``input1``, ...).
     """
     plan.validate()
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.num_devices:
         raise ValueError(f"rank: expected a rank of the plan, 0 to {plan.num_devices - 1}, got {rank!r}")
-    stages = [tuple(s) for s in input_stages]
-    for i, s in enumerate(stages):
+    readers = [tuple(s) for s in input_stages]
+    for i, s in enumerate(readers):
         bad = [v for v in s if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < plan.num_stages]
         if bad:
             raise ValueError(f"input_stages[{i}]: expected stage indices 0 to {plan.num_stages - 1}, got {bad}")
-    names = tuple(input_names) if input_names is not None else tuple(f"input{i}" for i in range(len(stages)))
-    if len(names) != len(stages):
-        raise ValueError(f"input_names: {len(names)} names for {len(stages)} inputs (input_stages)")
-    stage = plan.stage_of_device(rank)
-    replica = plan.stages[stage].devices.index(rank)
+    names = tuple(input_names) if input_names is not None else tuple(f"input{i}" for i in range(len(readers)))
+    if len(names) != len(readers):
+        raise ValueError(f"input_names: {len(names)} names for {len(readers)} inputs (input_stages)")
+    mine = plan.stages_of_device(rank)
+    replica = plan.stages[mine[0]].devices.index(rank)
     b = plan.micro_batch_size
-    return RankData(rank, stage, replica, names, tuple(stage in s for s in stages), stage == plan.num_stages - 1,
-                    b, plan.global_batch_size, slice_bounds(b, plan.stages[stage].replicas)[replica])
+    return RankData(rank, mine[0], replica, names, tuple(any(s in r for s in mine) for r in readers),
+                    plan.num_stages - 1 in mine, b, plan.global_batch_size,
+                    slice_bounds(b, plan.stages[mine[0]].replicas)[replica], tuple(mine))
 
 
 class CompactRows:

@@ -15,6 +15,8 @@ from ..core.checks import flag, number
 from ..core.dist import first_line, timeout_seconds
 from ..core.meta import InitFn, check_init_fn
 from ..core.plan import Plan
+from ..core.schedule import SPLIT_BACKWARD
+from ..core.split_concat import slice_bounds
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
 from ..profiler.trace_options import traced_as
@@ -22,6 +24,7 @@ from .agreement import agree, describe
 from .batch_check import BatchCheck
 from .batchnorm import stage_stats_sizes, stats_slot
 from .channels import handshake, open_channels
+from .chunk import StageChunk, StepState
 from .clipping import clip_grad_norm, counted_parameters, norm_group
 from .compiling import stage_compiler
 from .data import RankData, StepBatch, rank_data
@@ -31,11 +34,11 @@ from .meta_stage import materialise_stage
 from .modes import eval_graph
 from .p2p import PipelineError
 from .precision import LossScaler, Precision, allreduce_dtype
-from .program import Transfer
+from .program import Transfer, rank_place
 from .rank_batch import rank_batch
 from .recompute import check_recomputable, recomputing
 from .shapes import BoundaryShapes
-from .stages import StageGraph, layer_paths, model_inputs, node_places, split_stages, stage_module
+from .stages import StageGraph, layer_paths, model_inputs, node_places, rank_module, split_stages, stage_module
 from .state import LoadResult, held_keys, load_state, model_keys, own_tensors, stage_keys, state_names
 from .step import StepRunner
 from .tracing import KEEP_STEPS, Recorder, Trace, gather_trace, start_recorder, write_trace
@@ -87,25 +90,27 @@ class Pipeline:
         lg = trace_layers(model, **traced, layers=layer_paths(model, plan, layers))
         plan.check_layers(lg.names)
         self.plan, self.loss_fn = plan, loss_fn
-        graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours is kept below
+        graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours are kept below
         flags = recomputing(plan, recompute)
         for i in (i for i, on in enumerate(flags) if on):  # every rank checks every stage: all raise alike
             check_recomputable(graphs[i].module, i)
-        self.recompute = flags[plan.stage_of_device(self.ctx.rank)]
         self._compiler = stage_compiler(compile, plan.schedule, flags)  # None: eager
-        # deferred BatchNorm: each stage's slot in the vector of the loss AllReduce (every rank knows them all)
-        stats_sizes = stage_stats_sizes(model, [g.module for g in graphs], deferred_batch_norm)
-        self.stage = plan.stage_of_device(self.ctx.rank)
+        # this rank's stages: one, or its device group's chunks (the first names the rank in messages)
+        self.stages: list[int] = plan.stages_of_device(self.ctx.rank)
+        self.stage, self.recompute = self.stages[0], flags[self.stages[0]]
         self.replica = plan.stages[self.stage].devices.index(self.ctx.rank)
         self.graph: StageGraph = graphs[self.stage]
-        by_key = stage_keys(self.graph.module, model_keys(model))  # before buffers move to the device
+        place = rank_place(plan, self.ctx.rank)
+        self.who = f"rank {self.ctx.rank} ({place if isinstance(place, str) else f'stage {place}'})"  # for messages
+        # the stage's module, or a module holding every chunk's (parameters, state_dict, train/eval: all of them)
+        self.module: nn.Module = rank_module([graphs[s].module for s in self.stages], self.stages)
+        by_key = stage_keys(self.module, model_keys(model))  # before buffers move to the device
         order = held_keys(model, [g.module for g in graphs])
-        # a meta-device model: only this stage becomes real, on this rank's device (ids change: names come after)
-        materialise_stage(model, lg, graphs, self.stage, self.ctx.device, init_fn,
-                          f"rank {self.ctx.rank} (stage {self.stage}): dapple.pipeline")
-        self.module: nn.Module = stage_module(self.graph, lg.gm, self.ctx.device)
-        stats = stats_slot(self.module, stats_sizes, self.stage, deferred_batch_norm)  # same tensors, same names
-        # the model's state_dict keys of each of this stage's tensors, and all its keys in order (state_dict,
+        # a meta-device model: only this rank's stages become real, on its device (ids change: names come after)
+        materialise_stage(model, lg, graphs, self.stages, self.ctx.device, init_fn, f"{self.who}: dapple.pipeline")
+        for s in self.stages:
+            stage_module(graphs[s], lg.gm, self.ctx.device)  # (in place: ``self.module`` holds it)
+        # the model's state_dict keys of each of this rank's tensors, and all its keys in order (state_dict,
         # checkpoints; the other stages' modules are dropped below)
         self._state = state_names(self.module, by_key, order)
         self.state_names, self.state_order = self._state.names, self._state.order
@@ -128,24 +133,37 @@ class Pipeline:
                         "compile": None if self._compiler is None else self._compiler.describe()}),
               self.ctx.rank, self.ctx.world_size, self.ctx.device, self.timeout)
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
-        channels = open_channels(plan, graphs, self._names, self.ctx, self.stage, self.timeout, self.value_name,
+        channels = open_channels(plan, graphs, self._names, self.ctx, self.who, self.timeout, self.value_name,
                                  reduce_dtype=wire)
         self._p2p, self._reducer, self._groups = channels.p2p, channels.reducer, channels.groups
         self._counted: list[nn.Parameter] | None = None  # clip_grad_norm_'s share of the norm (on first use)
         self._norm_group: dist.ProcessGroup | None = None  # and the group of its AllReduce
-        self._runner = StepRunner(plan, self.ctx, self.stage, self.replica, self.graph, self.module, loss_fn, inputs,
-                                  shapes, channels, stats, self.timeout, precision=precision, scaler=self.scaler,
-                                  recompute=self.recompute)
+        state = StepState(plan, self.ctx, loss_fn, inputs, precision, self.scaler)
+        chunks = self._chunks(state, model, graphs, flags, deferred_batch_norm)
+        self._runner = StepRunner(state, chunks, shapes, channels, self.timeout)
         self.training = bool(model.training)  # the model's mode; pipe.train() / pipe.eval() change it
-        self._eval_module: nn.Module | None = None  # made on the first eval(): the stage with training flags off
-        self._runner.forward_module = self._forward_module()
-        handshake(plan, self.ctx, self.stage, channels, self.timeout)
+        self._eval_modules: dict[int, nn.Module] = {}  # made on the first eval(): each stage with training flags off
+        self._set_forward_modules()
+        handshake(plan, self.ctx, self.who, channels, self.timeout)
         self._own_rec: Recorder | None = start_recorder(self, KEEP_STEPS) if trace else None
         self.recorder: Recorder | None = self._own_rec  # tracing: None (off) or the recorder the steps log into
 
+    def _chunks(self, state: StepState, model: nn.Module, graphs: Sequence[StageGraph], recompute: list[bool],
+                deferred_batch_norm: bool) -> list[StageChunk]:
+        """This rank's stages as the step runs them, each with its deferred BatchNorms' slot (every rank knows every
+        stage's, so the vector of the loss AllReduce is laid out alike everywhere)."""
+        plan = self.plan
+        sizes = stage_stats_sizes(model, [g.module for g in graphs], deferred_batch_norm)
+        rows = slice_bounds(plan.micro_batch_size, plan.stages[self.stage].replicas)[self.replica]
+        split = plan.schedule in SPLIT_BACKWARD  # a recomputing stage runs its whole backward in B
+        return [StageChunk(state, s, graphs[s], graphs[s].module, rows,
+                           stats_slot(graphs[s].module, sizes, s, deferred_batch_norm),  # same tensors, same names
+                           recompute=recompute[s], split=split and not recompute[s]) for s in self.stages]
+
     # ---- public -------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's stage parameters (each once): give them to any torch optimizer."""
+        """This rank's parameters, of its stage or of every chunk it holds (each once): give them to any torch
+        optimizer."""
         return self.module.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -234,7 +252,7 @@ class Pipeline:
         """
         number("max_norm", max_norm, finite=True)
         number("norm_type", norm_type, positive=True)
-        who, moment = f"rank {self.ctx.rank} (stage {self.stage})", f"clip_grad_norm_ after step {self.step}"
+        who, moment = self.who, f"clip_grad_norm_ after step {self.step}"
         self._check_usable(moment)
         try:
             if self._norm_group is None:
@@ -291,7 +309,7 @@ class Pipeline:
         except (TypeError, ValueError) as e:
             mine, error = None, e
         try:  # a ValueError here is every rank's, with nothing in flight: no step ran, the pipeline is usable
-            return self._batch_check.check(mine, error, f"rank {self.ctx.rank} (stage {self.stage})", what,
+            return self._batch_check.check(mine, error, self.who, what,
                                            self.check_inputs)
         except PipelineError as e:
             self._failed = first_line(e)
@@ -319,24 +337,26 @@ class Pipeline:
             raise TypeError(f"train: expected True or False, got {mode!r}")
         self.module.train(mode)
         self.training = mode
-        self._runner.forward_module = self._forward_module()
+        self._set_forward_modules()
         return self
 
     def eval(self) -> "Pipeline":
         """Evaluation mode: ``train(False)``."""
         return self.train(False)
 
-    def _forward_module(self) -> nn.Module:
-        """What runs the forwards in the current mode: the stage, or its evaluation twin; compiled if asked."""
-        module = self.module if self.training else self._evaluation_module()
-        return module if self._compiler is None else self._compiler(module)
+    def _set_forward_modules(self) -> None:
+        """What runs each chunk's forwards in the current mode: the stage, or its evaluation twin; compiled if
+        asked."""
+        for c in self._runner.chunks.values():
+            module = c.module if self.training else self._evaluation_module(c.stage, c.module)
+            c.forward_module = module if self._compiler is None else self._compiler(module)
 
-    def _evaluation_module(self) -> nn.Module:
-        if self._eval_module is None:
-            twin = eval_graph(self.module) if isinstance(self.module, torch.fx.GraphModule) else None
-            self._eval_module = twin if twin is not None else self.module
-        self._eval_module.train(False)
-        return self._eval_module
+    def _evaluation_module(self, stage: int, module: nn.Module) -> nn.Module:
+        if stage not in self._eval_modules:
+            twin = eval_graph(module) if isinstance(module, torch.fx.GraphModule) else None
+            self._eval_modules[stage] = twin if twin is not None else module
+        self._eval_modules[stage].train(False)
+        return self._eval_modules[stage]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stage's entries of the original model's ``state_dict``, under its keys (a tied parameter
@@ -354,7 +374,7 @@ class Pipeline:
         Returns:
             ``(missing_keys, unexpected_keys)``.
         """
-        return load_state(self.module, self._state, state_dict, strict, f"rank {self.ctx.rank} (stage {self.stage})")
+        return load_state(self.module, self._state, state_dict, strict, self.who)
 
     def trace(self) -> Trace:
         """Record the steps run inside ``with pipe.trace() as t:`` (enter on every rank; it syncs clocks), then
@@ -383,6 +403,12 @@ class Pipeline:
 
     def __repr__(self) -> str:
         s = self.plan.stages[self.stage]
+        if len(self.stages) > 1:
+            chunks = ", ".join(f"{i}: [{self.plan.stages[i].layers[0]}, {self.plan.stages[i].layers[1]})"
+                               for i in self.stages)
+            return (f"Pipeline(rank={self.ctx.rank}, stages={self.stages}/{self.plan.num_stages} ({chunks}), "
+                    f"replica={self.replica}/{s.replicas}, device={self.ctx.device}, schedule={self.plan.schedule}, "
+                    f"K={[self.plan.stages[i].warmup for i in self.stages]})")
         return (f"Pipeline(rank={self.ctx.rank}, stage={self.stage}/{self.plan.num_stages}, replica={self.replica}"
                 f"/{s.replicas}, layers=[{s.layers[0]}, {s.layers[1]}), device={self.ctx.device}, "
                 f"schedule={self.plan.schedule}, K={s.warmup})")

@@ -35,15 +35,19 @@ def canonical_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def tied_owners(stages: Sequence[StageGraph], names: dict[int, str]) -> dict[tuple[int, ...], list[str]]:
-    """Parameters used by more than one stage, grouped by the set of stages using them."""
+def tied_owners(stages: Sequence[StageGraph], names: dict[int, str],
+                group_of: Sequence[int] | None = None) -> dict[tuple[int, ...], list[str]]:
+    """Parameters used by more than one stage, grouped by the set of stages using them; with ``group_of`` (each
+    stage's device group), only those whose stages lie on several device groups (one used by chunks of a single
+    group is one tensor on each of its ranks, summed over the group's replicas like any of its own)."""
     users: dict[int, list[int]] = {}
     for st in stages:
         for p in st.parameters():
             users.setdefault(id(p), []).append(st.index)
     tied: dict[tuple[int, ...], list[str]] = {}
     for pid, owners in users.items():
-        if len(owners) > 1:
+        spread = len(owners) if group_of is None else len({group_of[s] for s in owners})
+        if spread > 1:
             tied.setdefault(tuple(sorted(owners)), []).append(names[pid])
     return {k: sorted(v) for k, v in sorted(tied.items())}
 
@@ -52,23 +56,30 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
                      timeout: float, where: str) -> list[GradGroup]:
     """Create the gradient groups on every rank, in the same order; return those with their members.
 
-    Order: replicated stages by index, then tied-parameter owner sets in sorted order. A tied parameter is
-    summed once over the union of its owning stages' ranks (so not again within its stage's replicas).
+    Order: replicated device groups by their first stage (a group holds one stage, or several chunks, whose own
+    parameters it sums together), then tied-parameter owner sets in sorted order. A tied parameter is summed once
+    over the union of its owning stages' ranks (so not again within its stage's replicas); one tied between chunks
+    of a single device group is one tensor there, summed with the group's own.
     """
-    tied = tied_owners(stages, names)
+    layout = plan.chunks
+    tied = tied_owners(stages, names, layout.group_of)
     tied_names = {n for ns in tied.values() for n in ns}
     specs: list[GradGroup] = []
-    for s, st in enumerate(stages):
-        ranks = list(plan.stages[s].devices)
-        own = [names[id(p)] for p in st.parameters() if p.requires_grad and names[id(p)] not in tied_names]
-        if len(ranks) > 1 and any(True for _ in st.module.state_dict()):  # anything to reduce or make equal
-            specs.append(GradGroup(f"stage {s} replicas", ranks, own, root=ranks[0]))
+    for g, devices in enumerate(layout.groups):
+        chunks = [stages[s] for s in layout.stages_of(g)]
+        ranks = list(devices)
+        own = list(dict.fromkeys(names[id(p)] for st in chunks for p in st.parameters()
+                                 if p.requires_grad and names[id(p)] not in tied_names))
+        if len(ranks) > 1 and any(True for st in chunks for _ in st.module.state_dict()):  # anything to reduce
+            label = ", ".join(str(st.index) for st in chunks)
+            specs.append(GradGroup(f"stage{'s' if len(chunks) > 1 else ''} {label} replicas", ranks, own,
+                                   root=ranks[0]))
     for owners, ns in tied.items():
-        ranks = sorted(d for s in owners for d in plan.stages[s].devices)
+        ranks = sorted({d for s in owners for d in plan.stages[s].devices})
         specs.append(GradGroup(f"tied parameters of stages {','.join(map(str, owners))}", ranks, ns,
                                spans_stages=True, root=plan.stages[owners[0]].devices[0]))
-    my_stage = stages[plan.stage_of_device(rank)]
-    mine = {names[id(p)]: p for p in my_stage.parameters()}
+    mine_chunks = [stages[s] for s in plan.stages_of_device(rank)]
+    mine = {names[id(p)]: p for st in mine_chunks for p in st.parameters()}
     for spec in specs:
         group = bounded(timeout, f"{where}: creating the group of the {spec.label} (ranks {spec.ranks})",
                         dist.new_group, spec.ranks,  # every rank, in order
@@ -77,8 +88,9 @@ def make_grad_groups(plan: Plan, stages: Sequence[StageGraph], names: dict[int, 
             spec.group = group
             spec.params = [mine[n] for n in spec.names]
             if not spec.spans_stages:  # what the stage holds but does not reduce: buffers, frozen parameters
-                frozen = [p for p in my_stage.parameters() if not p.requires_grad and names[id(p)] not in tied_names]
-                spec.buffers = [*my_stage.module.buffers(), *frozen]
+                held = {id(t): t for st in mine_chunks for t in [*st.module.buffers(), *st.parameters()]
+                        if not isinstance(t, nn.Parameter) or (not t.requires_grad and names[id(t)] not in tied_names)}
+                spec.buffers = list(held.values())
     return [s for s in specs if s.group is not None]
 
 
@@ -135,6 +147,7 @@ class GradReducer:
         self._storages = {f.untyped_storage().data_ptr() for f in self._flat}
         self._touched: set[int] = set()  # id of the parameters autograd accumulated into this step
         self._armed = False
+        self._expect: dict[int, int] | None = None  # id(parameter) -> accumulations still to come (arm's)
         self._left: list[int] = []
         self._launched: list[tuple | None] = []
         self.rec: Any = None  # a tracing.Recorder while tracing, else None
@@ -158,24 +171,46 @@ class GradReducer:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
 
-    def arm(self) -> None:
-        """From now on (the step's last backward), launch each bucket once its gradients are final."""
+    def arm(self, expect: dict[int, int] | None = None) -> None:
+        """From now on, launch each bucket once its gradients are final.
+
+        Args:
+            expect: per id(parameter), the accumulations into it still to come (a rank of several chunks arms once
+                each has at most its last one left: a parameter used by two of them gets two, one whose chunks are
+                done 0, final already); None: one each (armed before the last backward of a rank's only stage).
+        """
         self._left = [len(b) for _, b in self.buckets]
         self._launched = [None] * len(self.buckets)
         self._next = [0] * len(self._in_group)
+        self._expect = None if expect is None else dict(expect)
         self._armed = True
         if self.rec is not None:
             self._launch_times = [(0.0, "")] * len(self.buckets)
+        if expect is not None:  # gradients already final count as done; their buckets may launch now
+            for i, (_, params) in enumerate(self.buckets):
+                self._left[i] -= sum(1 for p in params if not expect.get(id(p), 0))
+            for gi in range(len(self._in_group)):
+                self._advance(gi)
 
     def _ready(self, p: nn.Parameter) -> None:
         self._touched.add(id(p))
         i = self._bucket_of.get(id(p))
         if not self._armed or i is None or self.buckets[i][0].spans_stages:
             return
+        if self._expect is not None:
+            left = self._expect.get(id(p), 0)
+            if left <= 0:
+                return  # (not expected: counted as final when armed)
+            self._expect[id(p)] = left - 1
+            if left > 1:
+                return  # another chunk of this rank still adds to it
         self._left[i] -= 1
-        gi = self._group_of[i]
+        self._advance(self._group_of[i])
+
+    def _advance(self, gi: int) -> None:
+        """Launch group ``gi``'s buckets in order, while ready (never a tied group's that spans stages)."""
         ks, n = self._in_group[gi], self._next[gi]
-        while n < len(ks) and self._left[ks[n]] == 0:  # launch this group's buckets in order, while ready
+        while n < len(ks) and self._left[ks[n]] == 0 and not self.buckets[ks[n]][0].spans_stages:
             self._launch(ks[n])
             n += 1
         self._next[gi] = n

@@ -21,10 +21,12 @@ class P2P:
 
     Activations and gradients travel on two different process groups, so each direction between a pair
     of ranks is its own in-order channel (on NCCL a pair's sends and receives of one group share a stream;
-    keeping directions apart means a posted receive never sits in front of a send the peer waits for).
+    keeping directions apart means a posted receive never sits in front of a send the peer waits for). A transfer
+    between two chunks of this rank (``Transfer.local``) is a hand-off: the tensor itself, kept until it is taken.
+    ``stage_of(rank)`` is a rank's stage (an int) or, holding several chunks, their name ("stages 1,6"), for messages.
     """
 
-    def __init__(self, rank: int, stage_of: Callable[[int], int], act_group: dist.ProcessGroup | None,
+    def __init__(self, rank: int, stage_of: Callable[[int], object], act_group: dist.ProcessGroup | None,
                  grad_group: dist.ProcessGroup | None, timeout: float, value_name: Callable[[Transfer], str],
                  ahead: Callable[[int], int | None] = lambda stage: None):
         self.rank, self.stage_of, self.timeout = rank, stage_of, timeout
@@ -36,6 +38,7 @@ class P2P:
         self.step = 0
         self._recvs: dict[Transfer, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: list[tuple[Transfer, dist.Work, torch.Tensor]] = []
+        self._handed: dict[Transfer, torch.Tensor] = {}  # hand-offs between this rank's chunks, until taken
         self.rec: Any = None  # a tracing.Recorder while tracing, else None
 
     # ---- receives -----------------------------------------------------------------------------
@@ -49,6 +52,8 @@ class P2P:
             self.rec.posted[t] = self.rec.clock()
 
     def wait_recv(self, t: Transfer) -> torch.Tensor:
+        if t.local:
+            return self._take(t)
         work, buffer = self._recvs.pop(t)
         rec = self.rec
         start = rec.clock() if rec is not None else 0.0
@@ -63,6 +68,9 @@ class P2P:
 
     # ---- sends --------------------------------------------------------------------------------
     def send(self, t: Transfer, tensor: torch.Tensor) -> None:
+        if t.local:  # to a chunk of this rank: the tensor itself (the sender detached it), no copy, no link
+            self._handed[t] = tensor
+            return
         rec = self.rec
         start = rec.clock() if rec is not None else 0.0
         tensor = tensor.detach().contiguous()
@@ -75,13 +83,24 @@ class P2P:
             rec.transfer("send", t, tensor.numel() * tensor.element_size(), start, rec.clock())
         self._reap()
 
+    def _take(self, t: Transfer) -> torch.Tensor:
+        """A hand-off from a chunk of this rank; PipelineError if that chunk has not made it (the program runs
+        the chunk that makes it first: ``program.dry_run`` checks every order)."""
+        tensor = self._handed.pop(t, None)
+        if tensor is None:
+            raise PipelineError(f"rank {self.rank} ({self._place(self.rank)}), step {self.step}: the "
+                                f"{WHAT[t.kind]} of micro-batch {t.micro_batch} ({self.value_name(t)}) between its "
+                                f"stages {t.cut} and {t.cut + 1} are taken before they were made")
+        return tensor
+
     def _reap_answered(self, got: Transfer) -> None:
         """Forget the sends that message ``got`` proves delivered, so their tensors are freed during the step (a
         gloo send reports itself complete only once waited on; holding every send to the step's end grew memory
         with the number of micro-batches). The peer sent ``got`` only after receiving them:
 
         - a gradient of micro-batch j from the next stage: it ran the backward of j, so it had received the
-          activations of every micro-batch up to j;
+          activations of every micro-batch up to j (across the same cut: a peer holding several chunks takes each
+          cut's activations in its own order);
         - an activation of micro-batch j from the previous stage, which runs K forwards ahead of its backwards
           (early backward): it had run the backward of j - K, so it had received its gradients up to j - K.
         """
@@ -96,11 +115,11 @@ class P2P:
 
     def _delivered(self, sent: Transfer, got: Transfer) -> bool:
         """Whether receiving ``got`` proves that the peer already received ``sent`` (see :meth:`_reap_answered`)."""
-        if sent.dst != got.src:
+        if sent.dst != got.src or sent.cut != got.cut:
             return False
         if got.kind == "grad":
             return sent.kind == "act" and sent.micro_batch <= got.micro_batch
-        k = self.ahead(self.stage_of(got.src))
+        k = self.ahead(got.cut)  # the K of the stage that sent the activation
         return k is not None and sent.kind == "grad" and sent.micro_batch <= got.micro_batch - k
 
     def _reap(self) -> None:
@@ -124,18 +143,25 @@ class P2P:
         sends, self._sends = self._sends, []
         for t, work, _ in sends:
             self._check_sent(t, work)
-        if self._recvs:  # cannot happen with a well-formed program; never leave receives dangling silently
-            left = sorted(f"{t.kind} of micro-batch {t.micro_batch} from rank {t.src}" for t in self._recvs)
-            raise PipelineError(f"rank {self.rank} (stage {self.stage_of(self.rank)}), step {self.step}: "
-                                f"{len(left)} receives were posted but never waited on: {left[:4]}")
+        left = [*self._recvs, *self._handed]
+        self._handed = {}
+        if left:  # cannot happen with a well-formed program; never leave receives dangling silently
+            what = sorted(f"{t.kind} of micro-batch {t.micro_batch} from rank {t.src}" for t in left)
+            raise PipelineError(f"rank {self.rank} ({self._place(self.rank)}), step {self.step}: "
+                                f"{len(what)} receives were posted but never waited on: {what[:4]}")
 
     # ---- errors -------------------------------------------------------------------------------
+    def _place(self, rank: int) -> str:
+        """"stage 2" (or "stages 1,6", a rank of chunks): where ``rank`` is, for messages."""
+        where = self.stage_of(rank)
+        return f"stage {where}" if isinstance(where, int) else str(where)
+
     def _error(self, t: Transfer, peer: int, doing: str, e: BaseException) -> PipelineError:
         text = first_line(e)
         cause = "timed out" if "imeout" in text or "imed out" in text else "failed"
         what = (f"{WHAT[t.kind]} of micro-batch {t.micro_batch} ({self.value_name(t)}, rows {t.start}:{t.end})"
                 if t.micro_batch >= 0 else f"the {t.kind} channel check (before the first step)")
         return PipelineError(
-            f"rank {self.rank} (stage {self.stage_of(self.rank)}), step {self.step}: {cause} {doing} {what} "
-            f"{'from' if peer == t.src else 'to'} rank {peer} (stage {self.stage_of(peer)}), timeout "
+            f"rank {self.rank} ({self._place(self.rank)}), step {self.step}: {cause} {doing} {what} "
+            f"{'from' if peer == t.src else 'to'} rank {peer} ({self._place(peer)}), timeout "
             f"{self.timeout:g}s: {text}")

@@ -70,6 +70,21 @@ def stage_module(graph: StageGraph, traced: fx.GraphModule, device: torch.device
     return module
 
 
+class RankStages(nn.Module):
+    """The chunks a rank holds, as one module (``stage3``, ``stage4``, ...): its parameters (a tied one once), state
+    dict and train/eval mode are all of theirs. Each chunk still runs as its own module."""
+
+    def __init__(self, modules: Sequence[nn.Module], stages: Sequence[int]):
+        super().__init__()
+        for s, m in zip(stages, modules):
+            self.add_module(f"stage{s}", m)
+
+
+def rank_module(modules: Sequence[nn.Module], stages: Sequence[int]) -> nn.Module:
+    """What a rank holds: its one stage's module itself, or its chunks' in a :class:`RankStages`."""
+    return modules[0] if len(modules) == 1 else RankStages(modules, stages)
+
+
 def cuts_of(stage_layers: Sequence[tuple[int, int]]) -> list[int]:
     """Layer index where each stage starts."""
     return [lo for lo, _ in stage_layers]

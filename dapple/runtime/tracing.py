@@ -80,8 +80,9 @@ class Recorder:
             self._raw = [tuple(at(v) for v in raw) for raw in self._raw]
         self.steps.append((self._step, self._raw))
 
-    def compute(self, kind: str, micro_batch: int, start: float, end: float) -> None:
-        self._raw.append(("C", start, end, kind, micro_batch))
+    def compute(self, kind: str, micro_batch: int, start: float, end: float, stage: int | None = None) -> None:
+        """An op ran (``stage``: which of the rank's chunks; None where it holds one stage)."""
+        self._raw.append(("C", start, end, kind, micro_batch, stage))
 
     def idle(self, start: float, end: float, waiting_for: Any) -> None:
         """``waiting_for``: a description, or the Op whose receives were waited for."""
@@ -106,6 +107,8 @@ class Recorder:
             kind, name, mb = ("forward" if raw[3] == "F" else "backward"), f"{raw[3]}{raw[4]}", raw[4]
             if raw[3] == "W":
                 args["part"] = "weight"
+            if len(raw) > 5 and raw[5] is not None:  # a chunk of the rank: F3@s5
+                name, args["stage"] = f"{name}@s{raw[5]}", raw[5]
         elif tag == "I":
             kind, name = "idle", "idle"
             args["waiting_for"] = raw[3] if isinstance(raw[3], str) else f"receives of {raw[3]}"

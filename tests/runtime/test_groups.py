@@ -110,3 +110,21 @@ def test_parameters_without_gradients_keep_none_and_are_not_reduced(monkeypatch)
     red.finish(timeout=1.0, who="test", moment="step 1")
     assert [p.grad is None for p in a] == [True, False, True] and all(p.grad is None for p in b)
     assert launched == [1]
+
+
+def test_armed_with_expected_accumulations_a_bucket_waits_for_every_chunks_last(monkeypatch):
+    """A rank of several chunks arms once each has at most its last accumulation left: a parameter two of its chunks
+    use (tied) gets two and is final only after both; one whose chunks are done is final at once."""
+    red, (a,), launched = _reducer(monkeypatch, sizes=(3,))  # buckets [a2], [a1], [a0]
+    red.attach()
+    _grad(a[0])  # a0's chunk runs its last backward before the others' are down to their last
+    red.arm({id(a[2]): 2, id(a[1]): 1, id(a[0]): 0})  # a2 tied between two chunks, a0's chunk already done
+    assert launched == []  # bucket 0 (a2) is first in launch order and not final
+    _grad(a[2])
+    assert launched == []  # one chunk of two has added its part
+    _grad(a[1])
+    assert launched == []  # bucket 1 is ready but waits behind bucket 0
+    _grad(a[2])
+    assert launched == [0, 1, 2]  # a2 final: it, then a1, then a0 (final since arming)
+    red.finish(timeout=1.0, who="test", moment="step 1")
+    assert [p.grad.tolist() for p in a] == [[1.0] * 4, [1.0] * 4, [2.0] * 4]

@@ -108,10 +108,11 @@ def _chain_data(gbs: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(gbs, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (gbs,), generator=gen)
 
 
-def case_chain(stages, gbs, mbs, steps: int = 1, accumulate: bool = False, **kw) -> list[dict]:
-    """Chain model: each step compares loss and gradients; then SGD on both, so later steps check updates too."""
+def case_chain(stages, gbs, mbs, steps: int = 1, accumulate: bool = False, depth: int = 4, **kw) -> list[dict]:
+    """Chain model (``depth`` blocks and a head): each step compares loss and gradients; then SGD on both, so later
+    steps check updates too."""
     torch.manual_seed(0)
-    model = Chain().double()
+    model = Chain(depth).double()
     plan = _plan(model, stages, gbs, mbs, **kw)
     pipe = dapple.pipeline(model, plan, F.cross_entropy, timeout=30)
     launches = _watch_bucket_launches(pipe)
