@@ -91,7 +91,8 @@ def case_checkpoints(root: str) -> bytes:
 
 def _state(pipe: dapple.Pipeline, opt: torch.optim.Optimizer) -> dict:
     """Parameters and AdamW state by name (copies)."""
-    return {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for n, p in pipe.named_parameters()}
+    return {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for n, p in pipe.named_parameters()}
 
 
 def full_reference() -> dict:
