@@ -1,0 +1,149 @@
+"""What a traced run measured, set beside what the documents model: op times, runtime gaps, transfers, AllReduces."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..core.timeline import Event, lane_of
+from .traces import TracedRun, by_step
+
+if TYPE_CHECKING:
+    from ..core.cluster import Cluster
+    from ..planner.simulator.events import SimResult
+
+KINDS = ("F", "B", "W")  # forward, backward (split: input gradients), weight gradients
+TINY_MS = 1e-6  # a modelled op this short is none (zb-h1's first stage runs its whole backward in W)
+
+
+@dataclass(frozen=True)
+class OpRatio:
+    """Stage ``stage``'s ops of one kind in one step: measured over modelled time, the slowest replica per op."""
+
+    stage: int
+    kind: str  # "F", "B" or "W"
+    step: int
+    ratio: float  # mean over the step's micro-batches of max over replicas of measured / modelled
+    ops: int  # ops it was measured on
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One activation or gradient message: bytes and seconds from the send's post to its delivery."""
+
+    link: str  # "intra" (same server) or "inter"
+    nbytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One step's gradient AllReduce of one group: its buckets (bytes, last launch over the members, s) in order,
+    and when the last bucket completed (s)."""
+
+    replicas: int
+    spans_servers: bool
+    buckets: tuple[tuple[float, float], ...]
+    done: float
+
+
+def op_kind(e: Event) -> str | None:
+    """"F", "B" or "W" for a traced compute op, None for anything else."""
+    if e.kind == "forward":
+        return "F"
+    if e.kind == "backward":
+        return "W" if e.args.get("part") == "weight" else "B"
+    return None
+
+
+def modelled_ops(sim: "SimResult") -> dict[tuple[int, str], float]:
+    """(device, kind) -> the simulator's ms of one such op on that device (every micro-batch's is the same)."""
+    return {(o.device, o.kind): o.duration_ms for o in sim.ops if o.kind in KINDS}
+
+
+def op_ratios(run: TracedRun, modelled: dict[tuple[int, str], float]) -> list[OpRatio]:
+    """Per stage, kind and step: the slowest replica's measured / modelled time of each op, averaged over the
+    step's micro-batches (a stage's pace is its slowest replica's, op by op)."""
+    plan = run.plan
+    worst: dict[tuple[int, str, int, int], float] = {}  # (stage, kind, step, micro-batch) -> max ratio
+    for e in run.events:
+        kind = op_kind(e)
+        if kind is None or e.micro_batch is None:
+            continue
+        model = modelled.get((e.rank, kind), 0.0)
+        if model <= TINY_MS:
+            continue
+        key = (plan.stage_of_device(e.rank), kind, e.args.get("step"), e.micro_batch)
+        worst[key] = max(worst.get(key, 0.0), e.duration * 1e3 / model)
+    per: dict[tuple[int, str, int], list[float]] = {}
+    for (stage, kind, step, _), r in worst.items():
+        per.setdefault((stage, kind, step), []).append(r)
+    return [OpRatio(s, k, step, statistics.fmean(rs), len(rs)) for (s, k, step), rs in sorted(per.items())]
+
+
+def gaps_per_op(run: TracedRun) -> list[float]:
+    """Per rank and step: ms of the compute lane not covered by any event (the runtime's own work between ops:
+    posting transfers, bookkeeping) from its first event to its last, per F/B/W op."""
+    out = []
+    for events in by_step(run.events).values():
+        lanes: dict[int, list[Event]] = {}
+        for e in events:
+            if lane_of(e) == "compute":
+                lanes.setdefault(e.rank, []).append(e)
+        for lane in lanes.values():
+            lane.sort(key=lambda e: e.start)
+            ops = sum(1 for e in lane if op_kind(e) is not None)
+            if ops == 0:
+                continue
+            gap, reach = 0.0, lane[0].end
+            for e in lane[1:]:
+                gap += max(0.0, e.start - reach)
+                reach = max(reach, e.end)
+            out.append(gap * 1e3 / ops)
+    return out
+
+
+def transfers(run: TracedRun, cluster: "Cluster") -> list[Transfer]:
+    """Messages whose receiver was already waiting when the sender posted it: from the post to the end of the
+    wait is then the transfer itself. A receive waited for later may have arrived long before, so its wait says
+    nothing of the link; a send's own span is only the non-blocking post."""
+    sends = {(e.rank, e.args.get("peer"), e.args.get("what"), e.micro_batch, e.args.get("step"),
+              tuple(e.args.get("rows", ()))): e for e in run.events if e.kind == "send"}
+    out = []
+    for e in run.events:
+        if e.kind != "recv":
+            continue
+        src = e.args.get("peer")
+        s = sends.get((src, e.rank, e.args.get("what"), e.micro_batch, e.args.get("step"),
+                       tuple(e.args.get("rows", ()))))
+        if s is None or e.start > s.start or e.end <= s.start:
+            continue
+        link = "intra" if cluster.server_of(src) == cluster.server_of(e.rank) else "inter"
+        out.append(Transfer(link, float(e.args.get("bytes", 0)), e.end - s.start))
+    return out
+
+
+def reductions(run: TracedRun, cluster: "Cluster") -> list[Reduction]:
+    """Each step's gradient AllReduce per group: its buckets in launch order with their last launch over the
+    members, and the last bucket's completion (the latest a member saw; every member waits for the last bucket,
+    which the slowest member launches last, so that one is seen as it happens: earlier buckets' ends are only
+    when a member next looked)."""
+    # the cost model prices the gradients' own bytes (fp32), the runtime's bytes are the wire's: a reduce_dtype of
+    # half the width moved half of them
+    wire = 2.0 if run.plan.reduce_dtype in ("bf16", "fp16") else 1.0
+    out = []
+    for events in by_step(run.events).values():
+        groups: dict[tuple, dict[int, list[Event]]] = {}
+        for e in events:
+            if e.kind == "allreduce" and e.name.startswith("AR bucket"):
+                key = (e.args.get("group"), tuple(e.args.get("ranks", ())))
+                groups.setdefault(key, {}).setdefault(int(e.name.rsplit(" ", 1)[1]), []).append(e)
+        for (_, ranks), buckets in groups.items():
+            if len(ranks) < 2:
+                continue
+            order = [buckets[k] for k in sorted(buckets)]
+            launched = tuple((float(es[0].args.get("bytes", 0)) * wire, max(e.start for e in es)) for es in order)
+            out.append(Reduction(len(ranks), len(cluster.servers_of(ranks)) > 1, launched,
+                                 max(e.end for e in order[-1])))
+    return out
