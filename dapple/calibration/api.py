@@ -23,11 +23,13 @@ def calibrate(profile: "Profile", cluster: "Cluster", traces: TraceLike | Sequen
     From each trace (its plan is in its metadata) the documents' model of every op, transfer and AllReduce is
     set beside what was measured:
 
-    - compute: per stage and kind (F, B, and W under a split backward), the slowest replica's measured time over
-      the modelled one, op by op, averaged per step, median over steps; each layer of the stage is scaled by it
-      (a stage's layers share its ratio; the per-op call cost a stage pays once is kept once). The runtime's
-      own time between ops (posting transfers, bookkeeping: the compute lane's uncovered time per op, median over
-      ranks and steps) is added to every op through ``call_ms``.
+    - compute: per stage and kind (F, B, and W under a split backward), the measured time of a step's ops over
+      the modelled time, its slowest replica's, median over steps; each layer of the stage is scaled by it (a
+      stage's layers share its ratio; the per-op call cost a stage pays once is kept once). The runtime's own
+      time between ops (posting transfers, bookkeeping: the compute lane's uncovered time per op, median over
+      ranks and steps) is added to every op through ``call_ms``, and its fixed cost per step (checks before the
+      first op; the loss AllReduce, tied parameters' AllReduce and last sends after the last: the step's span
+      less its work, median over steps) becomes ``step_ms``.
     - links, per class (inside a server, between servers): ``seconds = latency + bytes / bandwidth`` by least
       squares over the messages whose receiver was already waiting when the sender posted them (from the post to
       the delivery; other receives may have waited on the peer's compute or not at all); with one message size,
@@ -55,7 +57,7 @@ def calibrate(profile: "Profile", cluster: "Cluster", traces: TraceLike | Sequen
             cluster's.
     """
     runs = traced_runs(traces, skip)
-    per_layer, gaps, messages = [], [], []
+    per_layer, gaps, fixed, messages = [], [], [], []
     ar_classes: dict[tuple[int, bool], list[samples.Reduction]] = {}
     stage_meta = []
     for run in runs:
@@ -66,17 +68,19 @@ def calibrate(profile: "Profile", cluster: "Cluster", traces: TraceLike | Sequen
         stage_meta.append([{"stage": s.stage, "kind": s.kind, "scale": round(s.scale, 4), "ops": s.ops}
                            for s in found])
         gaps += samples.gaps_per_op(run)
+        fixed += samples.step_overheads(run)
         messages += samples.transfers(run, cluster)
         for r in samples.reductions(run, cluster):
             ar_classes.setdefault((r.replicas, r.spans_servers), []).append(r)
-    overhead = median_or_zero(gaps)
+    overhead, step_ms = median_or_zero(gaps), median_or_zero(fixed)
     links = {kind: fit.fit_link([m for m in messages if m.link == kind], *_link(cluster, kind))
              for kind in ("intra", "inter")}
     factors = _allreduce_factors(cluster, ar_classes)
     common = {"traces": [run.source for run in runs], "steps": [run.steps for run in runs]}
-    prof = calibrated_profile(profile, combined(per_layer, profile.num_layers), overhead, {
+    prof = calibrated_profile(profile, combined(per_layer, profile.num_layers), overhead, step_ms, {
         **common, "base_profile": profile.path or profile.model, "stages": stage_meta,
-        "overhead_ms_per_op": round(overhead, 4), "plans": [run.plan.to_dict() for run in runs]})
+        "overhead_ms_per_op": round(overhead, 4), "step_ms": round(step_ms, 4),
+        "plans": [run.plan.to_dict() for run in runs]})
     clus = calibrated_cluster(cluster, links, factors, {
         **common, "links": {k: _link_meta(v) for k, v in links.items()},
         "allreduce": [{"replicas": r, "spans_servers": s, "factor": round(k, 4),

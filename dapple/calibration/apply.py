@@ -92,15 +92,17 @@ def scaled_layer(layer: LayerProfile, s: LayerScale, call: tuple[float, float], 
     return replace(layer, forward_ms=forward, backward_ms=backward, weight_ms=weight)
 
 
-def calibrated_profile(profile: Profile, per_layer: Sequence[LayerScale], overhead_ms: float, meta: dict) -> Profile:
+def calibrated_profile(profile: Profile, per_layer: Sequence[LayerScale], overhead_ms: float, step_ms: float,
+                       meta: dict) -> Profile:
     """A new Profile: every layer scaled (:func:`scaled_layer`), ``call_ms`` raised by the per-op overhead (so
-    the layers' net times stay as scaled and each stage op pays it once), ``meta["calibration"] = meta``."""
+    the layers' net times stay as scaled and each stage op pays it once), ``step_ms`` as measured,
+    ``meta["calibration"] = meta``."""
     call = (float(profile.call_ms[0]), float(profile.call_ms[1]))
     layers = [scaled_layer(layer, s, call, overhead_ms) for layer, s in zip(profile.layers, per_layer)]
     out_meta = copy.deepcopy(profile.meta)
     out_meta["calibration"] = meta
     return Profile(model=profile.model, device=profile.device, batch_sizes=list(profile.batch_sizes), layers=layers,
-                   meta=out_meta, call_ms=[call[0] + overhead_ms, call[1] + overhead_ms])
+                   meta=out_meta, call_ms=[call[0] + overhead_ms, call[1] + overhead_ms], step_ms=step_ms)
 
 
 def calibrated_cluster(cluster: "Cluster", links: dict[str, LinkFit], allreduce: dict[tuple[int, bool], float],

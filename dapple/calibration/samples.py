@@ -19,12 +19,12 @@ TINY_MS = 1e-6  # a modelled op this short is none (zb-h1's first stage runs its
 
 @dataclass(frozen=True)
 class OpRatio:
-    """Stage ``stage``'s ops of one kind in one step: measured over modelled time, the slowest replica per op."""
+    """Stage ``stage``'s ops of one kind in one step: measured over modelled time, its slowest replica's."""
 
     stage: int
     kind: str  # "F", "B" or "W"
     step: int
-    ratio: float  # mean over the step's micro-batches of max over replicas of measured / modelled
+    ratio: float  # max over replicas of (sum of measured / sum of modelled) over the step's ops
     ops: int  # ops it was measured on
 
 
@@ -63,10 +63,11 @@ def modelled_ops(sim: "SimResult") -> dict[tuple[int, str], float]:
 
 
 def op_ratios(run: TracedRun, modelled: dict[tuple[int, str], float]) -> list[OpRatio]:
-    """Per stage, kind and step: the slowest replica's measured / modelled time of each op, averaged over the
-    step's micro-batches (a stage's pace is its slowest replica's, op by op)."""
+    """Per stage, kind and step: each replica's measured time over modelled time of the step's ops of that kind
+    (a replica's own jitter from op to op evens out over the step, as the pipeline's queues even it out), the
+    slowest replica's (a stage runs at the pace of its slowest replica)."""
     plan = run.plan
-    worst: dict[tuple[int, str, int, int], float] = {}  # (stage, kind, step, micro-batch) -> max ratio
+    sums: dict[tuple[int, str, int, int], list[float]] = {}  # (stage, kind, step, rank) -> [measured, modelled, n]
     for e in run.events:
         kind = op_kind(e)
         if kind is None or e.micro_batch is None:
@@ -74,12 +75,30 @@ def op_ratios(run: TracedRun, modelled: dict[tuple[int, str], float]) -> list[Op
         model = modelled.get((e.rank, kind), 0.0)
         if model <= TINY_MS:
             continue
-        key = (plan.stage_of_device(e.rank), kind, e.args.get("step"), e.micro_batch)
-        worst[key] = max(worst.get(key, 0.0), e.duration * 1e3 / model)
-    per: dict[tuple[int, str, int], list[float]] = {}
-    for (stage, kind, step, _), r in worst.items():
-        per.setdefault((stage, kind, step), []).append(r)
-    return [OpRatio(s, k, step, statistics.fmean(rs), len(rs)) for (s, k, step), rs in sorted(per.items())]
+        acc = sums.setdefault((plan.stage_of_device(e.rank), kind, e.args.get("step"), e.rank), [0.0, 0.0, 0])
+        acc[0] += e.duration * 1e3
+        acc[1] += model
+        acc[2] += 1
+    per: dict[tuple[int, str, int], list[tuple[float, int]]] = {}
+    for (stage, kind, step, _), (measured, model, n) in sums.items():
+        per.setdefault((stage, kind, step), []).append((measured / model, n))
+    return [OpRatio(s, k, step, max(r for r, _ in rs), sum(n for _, n in rs))
+            for (s, k, step), rs in sorted(per.items())]
+
+
+def step_overheads(run: TracedRun) -> list[float]:
+    """Per step: ms of the step outside its work (every rank's F/B/W ops and its stages' gradient AllReduce), the
+    fixed cost the runtime adds to a step: its checks before the first op, and after the last the loss AllReduce,
+    tied parameters' AllReduce across stages (group "tied ...") and the last sends."""
+    out = []
+    for events in by_step(run.events).values():
+        spans = [e for e in events if lane_of(e) == "step"]
+        work = [e for e in events if op_kind(e) is not None or (e.name.startswith("AR bucket") and not str(
+            e.args.get("group", "")).startswith("tied"))]
+        if spans and work:
+            span = max(e.end for e in spans) - min(e.start for e in spans)
+            out.append(max(0.0, span - (max(e.end for e in work) - min(e.start for e in work))) * 1e3)
+    return out
 
 
 def gaps_per_op(run: TracedRun) -> list[float]:

@@ -8,14 +8,14 @@ from dapple.core.timeline import Event
 NAMES = {"F": "forward", "B": "backward", "W": "backward"}
 
 
-def simulated_trace(plan: dapple.Plan, profile: dapple.Profile, cluster: dapple.Cluster, steps: int = 3
-                    ) -> tuple[list[Event], dict]:
+def simulated_trace(plan: dapple.Plan, profile: dapple.Profile, cluster: dapple.Cluster, steps: int = 3,
+                    tail_ms: float = 0.0) -> tuple[list[Event], dict]:
     """``steps`` copies of the simulated iteration (AllReduce overlapped) as ``Trace.gather()`` would return them:
     F/B/W ops with idle spans between them, each send posted as the receiver starts waiting, AllReduce buckets from
-    their start, one step span per rank."""
+    their start, one step span per rank, ``tail_ms`` longer than the simulated step (the runtime's end of step)."""
     sim = dapple.simulate(plan, profile, cluster, overlap=True)
     events: list[Event] = []
-    period = (sim.latency_ms + 10.0) / 1e3
+    period = (sim.latency_ms + tail_ms + 10.0) / 1e3
     for step in range(1, steps + 1):
         t0 = step * period
         for o in sim.ops:
@@ -41,7 +41,7 @@ def simulated_trace(plan: dapple.Plan, profile: dapple.Profile, cluster: dapple.
             events.append(Event(t.peer, "recv", f"recv←{t.device}", at, t0 + t.end_ms / 1e3, t.micro_batch,
                                 {**common, "peer": t.device}))
         for d in sim.stage_of_device:
-            events.append(Event(d, "other", f"step {step}", t0, t0 + sim.latency_ms / 1e3, None,
+            events.append(Event(d, "other", f"step {step}", t0, t0 + (sim.latency_ms + tail_ms) / 1e3, None,
                                 {"lane": "step", "step": step}))
             ops = sorted((o for o in sim.ops if o.device == d and o.kind in NAMES), key=lambda o: o.start_ms)
             for a, b in zip(ops, ops[1:]):  # waits between ops, as the runtime records them

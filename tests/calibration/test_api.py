@@ -157,6 +157,15 @@ def test_runtime_gaps_between_ops_become_a_per_op_cost():
     assert net == pytest.approx([0.0] * 8, abs=1e-9)  # the layers' own times are as measured (unchanged)
 
 
+def test_the_steps_fixed_cost_after_its_work_becomes_step_ms():
+    base, c = profile(), cluster()
+    running = plan(HYBRID)
+    prof, cl = dapple.calibrate(base, c, simulated_trace(running, base, c, tail_ms=6.0))
+    assert prof.step_ms == pytest.approx(6.0) and prof.meta["calibration"]["step_ms"] == pytest.approx(6.0)
+    assert sim_ms(running, prof, cl) == pytest.approx(sim_ms(running, base, c) + 6.0)
+    assert prof.meta["calibration"]["accuracy"][0]["simulated_after_error"] == pytest.approx(0.0, abs=1e-4)
+
+
 def test_one_message_size_scales_the_link_and_no_message_leaves_it():
     base, c = profile(), cluster()
     one_size = dapple.Profile.from_dict(base.to_dict())
