@@ -31,7 +31,7 @@ from .groups import canonical_names
 from .p2p import PipelineError
 from .precision import LossScaler, Precision, allreduce_dtype
 from .recompute import check_recomputable, recomputing
-from .replan import StateMove, Switch, check_replan, close_groups
+from .replan import StateMove, Switch, check_replan, close_groups, rebuild_args
 from .program import Transfer
 from .rank_batch import rank_batch
 from .shapes import BoundaryShapes
@@ -64,8 +64,8 @@ class Pipeline:
                  mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
                  reduce_dtype: str | None = None, compile: bool | Mapping[str, Any] = False,
                  init_fn: InitFn | None = None):
-        # what replan() builds another plan's pipeline from: the same model, loss and options
-        self._rebuild = {k: v for k, v in locals().items() if k not in ("self", "plan", "__class__")}
+        # what replan() builds another plan's pipeline from: the same options, the model's structure (no data)
+        self._rebuild = rebuild_args({k: v for k, v in locals().items() if k not in ("self", "plan", "__class__")})
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
         check_init_fn(init_fn)
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
@@ -350,7 +350,9 @@ class Pipeline:
     def replan(self, plan: Plan, optimizer: torch.optim.Optimizer | None = None) -> Switch:
         """Continue under ``plan`` (call on every rank, between steps): this rank builds its stage of the new plan
         from the model it was given, every rank sends the parameters, buffers, gradients and ``optimizer`` state
-        it holds to their owners under the new plan, in memory, and the old plan's process groups are closed.
+        it holds to their owners under the new plan, in memory, and the old plan's process groups are closed (the
+        new stage is built from a copy of the model's structure taken when the pipeline was made, so it shares no
+        tensor with the model given to :func:`dapple.pipeline`).
         Training then goes on as if the new plan had run from the start with this state (as a checkpoint saved
         under one plan and loaded under the other). ``step``, fp16's loss scale and the mode carry over; what a
         rank reads of each batch follows the new plan (:meth:`rows`).
@@ -370,11 +372,12 @@ class Pipeline:
             PipelineError: a peer failed or timed out.
         """
         self._check_usable("replan")
-        check_replan(self, plan, optimizer, self._rebuild["model"])
-        move = StateMove(self, optimizer, self._rebuild["model"], time.perf_counter())  # collective: holdings
+        check_replan(self, plan, optimizer, self._rebuild)
+        move = StateMove(self, optimizer, time.perf_counter())  # collective: what every rank holds, checked
         new = Pipeline(plan=plan, **self._rebuild)
         switch = move.into(new)
         old = [self._p2p.groups["grad"], *(g.group for g in self._groups), self._norm_group]
+        self._reducer.close()
         vars(self).clear()  # this object becomes the new plan's pipeline (callers keep their reference)
         vars(self).update(vars(new))
         close_groups(old)

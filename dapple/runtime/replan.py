@@ -4,6 +4,7 @@ plan and loaded under another moves, without the disk)."""
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.dist import PipelineError, first_line
-from ..core.meta import is_meta_model
 from ..core.plan import Plan
 from .distributed import DistContext
 from .reshard import PARAMETER, Held, exchanges, holdings, sources, stage_state
@@ -60,7 +60,34 @@ class Switch:
     new_plan: str
 
 
-def check_replan(pipe: Replannable, plan: Any, optimizer: Any, model: nn.Module) -> None:
+def rebuild_args(args: dict[str, Any]) -> dict[str, Any]:
+    """What :meth:`Pipeline.replan` builds the next plan's pipeline from: ``args`` (the model, loss and options the
+    pipeline was made with) with the model replaced by its skeleton (:func:`skeleton`, or the reason there is none,
+    a string) and ``init_fn`` by :func:`zero_init` (every value of the new stage is received)."""
+    try:
+        model: Any = skeleton(args["model"])
+    except Exception as e:  # a model deepcopy refuses: replan says why
+        model = f"its model cannot be copied ({type(e).__name__}: {first_line(e)})"
+    return {**args, "model": model, "init_fn": zero_init}
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers lie on the meta device: its structure, no data (tied
+    tensors stay tied)."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def zero_init(module: nn.Module) -> None:
+    """Fill a materialised module's own tensors with zeros (a replan then copies every value in)."""
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        t.zero_()
+
+
+def check_replan(pipe: Replannable, plan: Any, optimizer: Any, rebuild: dict[str, Any]) -> None:
     """TypeError/ValueError naming the argument, before anything is built or sent (every rank finds the same)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"replan: expected a dapple.Plan, got {type(plan).__name__}")
@@ -72,9 +99,8 @@ def check_replan(pipe: Replannable, plan: Any, optimizer: Any, model: nn.Module)
                          f"{pipe.plan.global_batch_size} (a replan changes where the work runs, not what it is)")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"replan: optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    if is_meta_model(model):
-        raise ValueError("replan: the pipeline was built from a model on the meta device, whose other stages hold no "
-                         "values to build the new plan's stage from; save a checkpoint and load it under the new plan")
+    if isinstance(rebuild["model"], str):
+        raise ValueError(f"replan: {rebuild['model']}; save a checkpoint and load it under the new plan instead")
 
 
 class StateMove:
@@ -82,15 +108,11 @@ class StateMove:
     agreed before anything is built), :meth:`into` once the new plan's pipeline is built (what every rank needs,
     the transfers, the copies into the new stage, the optimizer)."""
 
-    def __init__(self, pipe: Replannable, optimizer: torch.optim.Optimizer | None, model: nn.Module, started: float):
+    def __init__(self, pipe: Replannable, optimizer: torch.optim.Optimizer | None, started: float):
         self.pipe, self.optimizer, self.started = pipe, optimizer, started
         self.who = f"rank {pipe.ctx.rank} (stage {pipe.stage})"
         self.group = _group(pipe, self.who)
         self.state = stage_state(pipe.module, pipe.state_names, {id(p): n for n, p in pipe.named_parameters()})
-        # the new stage is cut from the same model: where this stage shares its tensors with the model (on the
-        # CPU), building it may write them (a replicated stage starts from its first replica's values): keep copies
-        shared = {id(t) for t in (*model.parameters(), *model.buffers())}
-        self.values = {key: t.detach().clone() if id(t) in shared else t for key, (_, t) in self.state.items()}
         error, mine = None, None
         try:
             _check_optimizer(optimizer, self.state)
@@ -134,9 +156,9 @@ class StateMove:
         """(value, gradient, optimizer state tensors in :class:`Held` order) of a key this rank holds."""
         kind, t = self.state[key]
         if kind != PARAMETER:
-            return self.values[key], None, []
+            return t, None, []
         st = self.optimizer.state.get(t, {}) if self.optimizer is not None else {}
-        return self.values[key], t.grad, [st[k] for k, _ in self.held[self.pipe.ctx.rank][key].state]
+        return t, t.grad, [st[k] for k, _ in self.held[self.pipe.ctx.rank][key].state]
 
     def _transfer(self, pairs: dict[tuple[int, int], list[str]], device: torch.device
                   ) -> tuple[dict[str, tuple], int, int]:

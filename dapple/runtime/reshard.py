@@ -50,15 +50,17 @@ class Held:
 
 def stage_state(module: nn.Module, names: Mapping[int, list[str]], canonical: Mapping[int, str]
                 ) -> dict[str, tuple[str, torch.Tensor]]:
-    """This stage's tensors by key -> (kind, tensor): parameters under their canonical name, persistent buffers
-    under their smallest name in the model's state_dict (the same under any plan); non-persistent buffers, which
-    the model rebuilds, are left out."""
+    """This stage's tensors by key -> (kind, tensor): parameters under their canonical name, buffers under their
+    smallest name in the model's state_dict (``names``: id -> its names), or, not being in it (non-persistent),
+    under their smallest path in the stage (which keeps the model's paths): the same keys under any plan."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
     for p in module.parameters():
         out[canonical[id(p)]] = (PARAMETER, p)
+    paths: dict[int, list[str]] = {}
+    for path, b in module.named_buffers(remove_duplicate=False):
+        paths.setdefault(id(b), []).append(path)
     for b in module.buffers():
-        if id(b) in names:
-            out[min(names[id(b)])] = (BUFFER, b)
+        out[min(names.get(id(b)) or paths[id(b)])] = (BUFFER, b)
     return out
 
 

@@ -4,7 +4,9 @@ another in memory, against a checkpoint reloaded under it and against one proces
 from __future__ import annotations
 
 import copy
+import gc
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 
 import dapple
 from dapple.core.dist import PipelineError
+from dapple.models import GPT, lm_loss, random_tokens
 from tests.runtime.workers import _plan
 
 A = [((0, 2), [0, 1]), ((2, 4), [2]), ((4, 7), [3])]  # layers: blocks.0 .. blocks.5, head
@@ -22,14 +25,16 @@ GBS, MBS_A, MBS_B = 24, 4, 6
 
 
 class Scale(nn.Module):
-    """Multiplies by a persistent buffer drawn at construction: state that is no parameter, and must move."""
+    """Multiplies by a buffer drawn at construction and adds a non-persistent one (not in the state_dict; a
+    replan's new stage is built without values, so both must move)."""
 
     def __init__(self, width: int):
         super().__init__()
         self.register_buffer("scale", 0.5 + torch.rand(width))
+        self.register_buffer("offset", torch.linspace(-0.1, 0.1, width), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
+        return x * self.scale + self.offset
 
 
 class Net(nn.Module):
@@ -148,4 +153,34 @@ def run(root: str) -> dict[str, Any]:
     out["errors"] = errors
     out["usable_after_errors"] = pipe.train_step(*_data(20))
     out["stage_after_errors"] = pipe.stage
+    out["gpt"] = tied_gpt()
     return out
+
+
+def tied_gpt() -> dict[str, Any]:
+    """A GPT whose LM head shares the embedding (a parameter of the first and last stages) switched between plans
+    as one process trains it; afterwards no tensor of the model the pipeline was made from is held."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()  # layers: wte .. lm_head
+    reference = copy.deepcopy(model)
+    refs = [weakref.ref(t) for t in model.parameters()]
+    pipe = dapple.pipeline(model, _plan(model, [((0, 4), [0, 1]), ((4, 5), [2]), ((5, 7), [3])], 12, 4), lm_loss,
+                           timeout=60)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    losses, ref = [], []
+    for step in range(4):
+        if step == 2:
+            pipe.replan(_plan(model, [((0, 3), [0]), ((3, 7), [1, 2, 3])], 12, 3), opt)
+        x, y = random_tokens(12, 16, 32, generator=torch.Generator().manual_seed(step))
+        losses.append(pipe.train_step(x, y))
+        opt.step()
+        opt.zero_grad()
+        loss = lm_loss(reference(x), y)
+        loss.backward()
+        ref.append(float(loss.detach()))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    del model
+    gc.collect()
+    return {"losses": losses, "one_process": ref, "alive": sum(1 for r in refs if r() is not None)}

@@ -24,7 +24,7 @@ def test_the_losses_after_a_switch_are_those_of_a_checkpoint_reloaded_under_the_
         assert r["replanned"] == r["reloaded"]  # bit for bit: the same state, the same plan from step 4
         assert r["replanned"][3:] != r["replanned"][:3]
     state, reloaded = results[0]["state"], results[0]["reloaded_state"]
-    assert state.keys() == reloaded.keys() and any(k.endswith("scale") for k in state)
+    assert state.keys() == reloaded.keys() and any(k.endswith("scale") for k in state)  # (offset: not state)
     assert state == reloaded
 
 
@@ -33,6 +33,14 @@ def test_a_switched_run_trains_as_one_process_does(results):
     assert results[0]["replanned"] == pytest.approx(results[0]["one_process"], rel=1e-12, abs=1e-14)
     for r in results:
         assert r["accumulated_error"] < 1e-12
+
+
+@pytest.mark.slow
+def test_tied_parameters_across_stages_switch_and_the_model_given_is_not_held(results):
+    for r in results:
+        gpt = r["gpt"]
+        assert gpt["losses"] == pytest.approx(gpt["one_process"], rel=1e-12, abs=1e-14)
+        assert gpt["alive"] == 0  # built from the model's structure: none of its tensors is kept
 
 
 @pytest.mark.slow
