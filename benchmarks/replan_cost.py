@@ -18,7 +18,6 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,13 +63,14 @@ def run(args: argparse.Namespace, root: str) -> dict:
         o.step()
         o.zero_grad()
     step(pipe, opt)
-    replans, moved = [], []
+    replans, moved, parts = [], [], []
     for r in range(2 * args.rounds):
         dist.barrier()
         t0 = time.perf_counter()
         sw = pipe.replan(b if r % 2 == 0 else a, opt)
         step(pipe, opt)
         replans.append(_slowest(time.perf_counter() - t0))
+        parts.append((_slowest(sw.build_seconds), _slowest(sw.move_seconds)))
         total = torch.tensor([sw.sent_bytes], dtype=torch.float64)
         dist.all_reduce(total)
         moved.append(float(total))
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace, root: str) -> dict:
     for _ in range(3):
         step(pipe, opt)
     return {"replan_s": replans, "restart_s": restarts, "moved_mb": [m / 1e6 for m in moved],
+            "build_s": [b for b, _ in parts], "move_s": [m for _, m in parts],
             "step_s": _slowest((time.perf_counter() - t0) / 3),
             "state_mb": sum(p.numel() * p.element_size() * 3 for p in model.parameters()) / 1e6}
 
@@ -110,6 +111,8 @@ def main() -> None:
           f"{res['step_s'] * 1e3:.0f} ms; load average {os.getloadavg()[0]:.1f}")
     print("| switch, then one step | median s (of {}) | state moved, MB |\n|---|---:|---:|".format(2 * args.rounds))
     print(f"| pipe.replan (in memory) | {med(res['replan_s']):.2f} | {med(res['moved_mb']):.1f} |")
+    print(f"|   of which building the new stage / moving the state | {med(res['build_s']):.2f} / "
+          f"{med(res['move_s']):.2f} | |")
     print(f"| save_checkpoint + new pipeline + load_checkpoint | {med(res['restart_s']):.2f} | (all, via disk) |")
 
 

@@ -179,7 +179,8 @@ class Autotuner:
             trial, self._trial = self._trial, None
             if measured > trial.previous_ms:
                 self.rejected.add(_key(running))
-                return Decision(action="rollback", candidate=_key(trial.previous), before_ms=round(trial.previous_ms, 3),
+                return Decision(action="rollback", candidate=_key(trial.previous),
+                                before_ms=round(trial.previous_ms, 3),
                                 reason="the new plan measured slower than the one before", **base), trial.previous
             return Decision(action="keep", before_ms=round(trial.previous_ms, 3),
                             reason="the new plan measured no slower than the one before", **base), None

@@ -68,3 +68,18 @@ def test_a_forced_bad_switch_is_rolled_back(results):
 def test_training_through_three_switches_is_one_process_training(results):
     for r in results:
         assert r["losses"] == pytest.approx(r["one_process"], rel=1e-12, abs=1e-14)
+
+
+def test_bad_settings_are_named_before_anything_runs():
+    from dapple.runtime import Autotuner
+    with pytest.raises(ValueError, match="every must be an integer >= skip \\+ 2 = 3"):
+        Autotuner(None, None, None, every=2)
+    with pytest.raises(ValueError, match="margin must be a share in \\[0, 1\\), got 1.5"):
+        Autotuner(None, None, None, margin=1.5)
+
+
+def test_a_decision_reads_with_its_figures():
+    d = Decision(step=40, action="rollback", measured_ms=120.5, plan="0-4@0K4 b1 dapple", candidate="0-2@0K7 b1 dapple",
+                 before_ms=100.25, switch_seconds=0.5, reason="the new plan measured slower than the one before")
+    assert str(d) == ("step 40: rollback: the new plan measured slower than the one before; measured 120.5 ms on "
+                      "0-4@0K4 b1 dapple, candidate 0-2@0K7 b1 dapple, before the switch 100.2 ms, switch took 0.50 s")
