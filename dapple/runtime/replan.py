@@ -8,7 +8,7 @@ import copy
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 from weakref import WeakKeyDictionary
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from ..core.dist import PipelineError, first_line
 from ..core.plan import Plan
 from .distributed import DistContext
+from .replan_optimizer import check_groups, check_optimizer, hypers, rebuild_optimizer
 from .reshard import PARAMETER, Held, exchanges, holdings, sources, stage_state
 from .roll import called, waited
 
@@ -115,12 +116,12 @@ class StateMove:
         self.state = stage_state(pipe.module, pipe.state_names, {id(p): n for n, p in pipe.named_parameters()})
         error, mine = None, None
         try:
-            _check_optimizer(optimizer, self.state)
-            mine = (holdings(self.state, optimizer, pipe.ctx.device, pipe.replica == 0), _hypers(optimizer))
+            check_optimizer(optimizer, self.state)
+            mine = (holdings(self.state, optimizer, pipe.ctx.device, pipe.replica == 0), hypers(optimizer))
         except (TypeError, ValueError) as e:
             error = e
         every = self._gather(mine, error, "replan: describing what each rank holds")
-        _check_groups([g for _, g in every])  # the same on every rank: all raise alike
+        check_groups([g for _, g in every])  # the same on every rank: all raise alike
         self.held: list[dict[str, Held]] = [h for h, _ in every]
         self.described = time.perf_counter()
 
@@ -141,7 +142,7 @@ class StateMove:
                 if kind == PARAMETER and t.grad is not grad:
                     t.grad = grad
         if self.optimizer is not None:
-            _rebuild_optimizer(self.optimizer, target, {k: self.held[src_of[(rank, k)]][k] for k in target}, values)
+            rebuild_optimizer(self.optimizer, target, {k: self.held[src_of[(rank, k)]][k] for k in target}, values)
         new.step = self.pipe.step
         new.scaler.load_state_dict(self.pipe.scaler.state_dict())
         new.scaler.found_inf = self.pipe.scaler.found_inf
@@ -227,73 +228,6 @@ def _group(pipe: Replannable, who: str) -> dist.ProcessGroup:
     return _groups[pipe]
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer | None, state: dict[str, tuple[str, torch.Tensor]]) -> None:
-    if optimizer is None:
-        return
-    mine = {id(t) for kind, t in state.values() if kind == PARAMETER}
-    for i, g in enumerate(optimizer.param_groups):
-        for p in g["params"]:
-            if id(p) not in mine:
-                raise ValueError(f"replan: optimizer.param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that "
-                                 f"is not a parameter of this rank's stage (build the optimizer from "
-                                 f"pipe.parameters())")
-
-
-def _hypers(optimizer: torch.optim.Optimizer | None) -> list[dict] | None:
-    """The optimizer's param groups without their parameters (tensors on the CPU), or None."""
-    if optimizer is None:
-        return None
-    return [{k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
-
-
-def _check_groups(every: list[list[dict] | None]) -> None:
-    """ValueError unless every rank passed an optimizer with the same param groups' hyperparameters, or none did:
-    group i of the new optimizer takes the parameters that were in group i, so groups must mean the same."""
-    given = [r for r, g in enumerate(every) if g is not None]
-    if given and len(given) != len(every):
-        raise ValueError(f"replan: ranks {given} passed an optimizer, ranks "
-                         f"{sorted(set(range(len(every))) - set(given))} did not (pass it on every rank or on none)")
-    for r, groups in enumerate(every[1:], 1):
-        if groups is not None and not _same(groups, every[0]):
-            raise ValueError(f"replan: rank {r}'s optimizer has other param groups than rank 0's ({len(groups)} vs "
-                             f"{len(every[0] or [])} groups, or other hyperparameters): each rank's groups must be "
-                             f"the same list (an empty group where its stage has no such parameter)")
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
-            torch.equal(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
-
-
-def _rebuild_optimizer(optimizer: torch.optim.Optimizer, target: dict[str, tuple[str, torch.Tensor]],
-                       held: dict[str, Held], values: dict[str, tuple]) -> None:
-    """``optimizer`` made over the new stage's parameters, in place (an LR scheduler of it keeps working): the same
-    param groups and hyperparameters, each parameter in the group it was in, with its state."""
-    hypers = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    params: list[list[torch.Tensor]] = [[] for _ in hypers]
-    state: dict[torch.Tensor, dict] = {}
-    for key, (kind, t) in target.items():
-        h = held[key]
-        if kind != PARAMETER or h.group is None:
-            continue
-        params[h.group].append(t)
-        st = {**h.objects, **{name: v for (name, _), v in zip(h.state, values[key][2])}}
-        if st:
-            state[t] = st
-    optimizer.param_groups.clear()
-    optimizer.state.clear()
-    for hyper, ps in zip(hypers, params):
-        optimizer.add_param_group({**hyper, "params": ps})
-    optimizer.state.update(state)
-
-
 def _shape(plan: Plan) -> str:
     """``0-4x2 4-9x2 M8 dapple``: layer ranges x replicas, micro-batches, schedule."""
     return (" ".join(f"{s.layers[0]}-{s.layers[1]}x{s.replicas}" for s in plan.stages)
@@ -306,5 +240,3 @@ def close_groups(groups: list[Any]) -> None:
         if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(g)
 
-
-Build = Callable[[Plan], Any]  # plan -> the new plan's Pipeline, built from the same model and options
