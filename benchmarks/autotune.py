@@ -84,14 +84,17 @@ def run(prof: dapple.Profile, cluster: dapple.Cluster, first: dapple.Plan, best:
     pipe = dapple.pipeline(model, first, F.cross_entropy, timeout=300)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     tuner = dapple.runtime.Autotuner(pipe, prof, cluster, optimizer=opt, every=args.every, margin=args.margin)
-    steps, decisions = [], []
+    steps, decisions, windows = [], [], []
     for step in range(args.steps):
         if step == args.slow_at:
             for i in slow:
                 model.layers[i].slow_down(args.factor)
         steps.append(_step_ms(pipe, x, y, opt))
+        t0 = time.perf_counter()
         if (d := tuner.step()) is not None:
             decisions.append((step, d))
+            if d.action == "stay":  # the tuner's own cost at a window's end: gather, calibrate, plan, decide
+                windows.append((time.perf_counter() - t0) * 1e3)
     ref_model = make_model()
     for i in slow:
         ref_model.layers[i].slow_down(args.factor)
@@ -99,6 +102,7 @@ def run(prof: dapple.Profile, cluster: dapple.Cluster, first: dapple.Plan, best:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
     true_steps = [_step_ms(ref, x, y, ref_opt) for _ in range(args.every + 2)][2:]
     return {"steps": steps, "true_steps": true_steps, "decisions": [(s, str(d), d.action) for s, d in decisions],
+            "window_ms": windows, "switch_s": [d.switch_seconds for _, d in decisions if d.switch_seconds],
             "final_plan": str(pipe.plan).splitlines()[0]}
 
 
@@ -112,6 +116,8 @@ def report(result: dict, args: argparse.Namespace) -> dict:
     ph = phases(result["steps"], args)
     true = statistics.median(result["true_steps"])
     return {**{k: round(v, 1) for k, v in ph.items()}, "true_plan": round(true, 1),
+            "window_ms": round(statistics.median(result["window_ms"]), 1) if result["window_ms"] else None,
+            "switch_s": round(statistics.median(result["switch_s"]), 2) if result["switch_s"] else None,
             "after_over_true": round(ph["after"] / true - 1, 4), "during_over_true": round(ph["during"] / true - 1, 4)}
 
 
@@ -154,6 +160,7 @@ def main() -> None:
     for k in ("before", "during", "after"):
         print(f"| {k} | {rep[k]:.1f} | {rep[k] / rep['true_plan'] - 1:+.1%} |")
     print(f"| true-cost plan | {rep['true_plan']:.1f} | |")
+    print(f"the tuner at a window's end without a switch: {rep['window_ms']} ms (median); a switch: {rep['switch_s']} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "load": load, "report": rep, "slowed": slow,
                                                "first": first.to_dict(), "best": best.to_dict(), **result}, indent=1))

@@ -26,8 +26,9 @@ def calibrate(profile: "Profile", cluster: "Cluster", traces: TraceLike | Sequen
     - compute: per stage and kind (F, B, and W under a split backward), the measured time of a step's ops over
       the modelled time, its slowest replica's, median over steps; each layer of the stage is scaled by it (a
       stage's layers share its ratio; the per-op call cost a stage pays once is kept once). The runtime's own
-      time between ops (posting transfers, bookkeeping: the compute lane's uncovered time per op, median over
-      ranks and steps) is added to every op through ``call_ms``, and its fixed cost per step (checks before the
+      time that delays the pipeline (the compute lane's uncovered time right before an op, and after one until
+      its sends are posted; per op, median over ranks and steps) is added to every op through ``call_ms``, and
+      its fixed cost per step (checks before the
       first op; the loss AllReduce, tied parameters' AllReduce and last sends after the last: the step's span
       less its work, median over steps) becomes ``step_ms``.
     - links, per class (inside a server, between servers): ``seconds = latency + bytes / bandwidth`` by least

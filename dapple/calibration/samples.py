@@ -23,7 +23,7 @@ class OpRatio:
     stage: int
     kind: str  # "F", "B" or "W"
     step: int
-    ratio: float  # max over replicas of (sum of measured / sum of modelled) over the step's ops
+    ratio: float  # sum of measured / sum of modelled over the step's ops, on the stage's slowest replica
     ops: int  # ops it was measured on
 
 
@@ -62,11 +62,13 @@ def modelled_ops(sim: "SimResult") -> dict[tuple[int, str], float]:
 
 
 def op_ratios(run: TracedRun, modelled: dict[tuple[int, str], float]) -> list[OpRatio]:
-    """Per stage, kind and step: each replica's measured time over modelled time of the step's ops of that kind
-    (a replica's own jitter from op to op evens out over the step, as the pipeline's queues even it out), the
-    slowest replica's (a stage runs at the pace of its slowest replica)."""
+    """Per stage, kind and step: measured time over modelled time of the step's ops of that kind on the stage's
+    slowest replica (a stage runs at the pace of its slowest replica): the replica whose ops of all kinds together
+    took the longest against the model (a replica's jitter from op to op evens out over the step, as the
+    pipeline's queues even it out; taking each kind's slowest replica apart would add up slow Fs of one replica and
+    slow Bs of another)."""
     plan = run.plan
-    sums: dict[tuple[int, str, int, int], list[float]] = {}  # (stage, kind, step, rank) -> [measured, modelled, n]
+    sums: dict[tuple[int, int, int], dict[str, list[float]]] = {}  # (stage, step, rank) -> kind -> [meas, model, n]
     for e in run.events:
         kind = op_kind(e)
         if kind is None or e.micro_batch is None:
@@ -74,15 +76,18 @@ def op_ratios(run: TracedRun, modelled: dict[tuple[int, str], float]) -> list[Op
         model = modelled.get((e.rank, kind), 0.0)
         if model <= TINY_MS:
             continue
-        acc = sums.setdefault((plan.stage_of_device(e.rank), kind, e.args.get("step"), e.rank), [0.0, 0.0, 0])
+        acc = sums.setdefault((plan.stage_of_device(e.rank), e.args.get("step"), e.rank), {}).setdefault(
+            kind, [0.0, 0.0, 0])
         acc[0] += e.duration * 1e3
         acc[1] += model
         acc[2] += 1
-    per: dict[tuple[int, str, int], list[tuple[float, int]]] = {}
-    for (stage, kind, step, _), (measured, model, n) in sums.items():
-        per.setdefault((stage, kind, step), []).append((measured / model, n))
-    return [OpRatio(s, k, step, max(r for r, _ in rs), sum(n for _, n in rs))
-            for (s, k, step), rs in sorted(per.items())]
+    slowest: dict[tuple[int, int], tuple[float, dict[str, list[float]]]] = {}
+    for (stage, step, _), kinds in sums.items():
+        total = sum(m for m, _, _ in kinds.values()) / sum(m for _, m, _ in kinds.values())
+        if (stage, step) not in slowest or total > slowest[(stage, step)][0]:
+            slowest[(stage, step)] = (total, kinds)
+    return [OpRatio(stage, kind, step, measured / model, n)
+            for (stage, step), (_, kinds) in sorted(slowest.items()) for kind, (measured, model, n) in kinds.items()]
 
 
 def step_overheads(run: TracedRun) -> list[float]:
@@ -101,24 +106,34 @@ def step_overheads(run: TracedRun) -> list[float]:
 
 
 def gaps_per_op(run: TracedRun) -> list[float]:
-    """Per rank and step: ms of the compute lane not covered by any event (the runtime's own work between ops:
-    posting transfers, bookkeeping) from its first event to its last, per F/B/W op."""
+    """Per rank and step: ms per F/B/W op of the runtime's own time that delays the pipeline, from the compute lane's
+    uncovered time: before an op (it could have started: bookkeeping, time the process did not run) and after it
+    until its sends are posted (its messages leave that much later). Uncovered time before a wait is left out: the
+    rank would have waited for its message anyway."""
     out = []
     for events in by_step(run.events).values():
         lanes: dict[int, list[Event]] = {}
+        sends: dict[int, list[Event]] = {}
         for e in events:
             if lane_of(e) == "compute":
                 lanes.setdefault(e.rank, []).append(e)
-        for lane in lanes.values():
+            elif e.kind == "send":
+                sends.setdefault(e.rank, []).append(e)
+        for rank, lane in lanes.items():
             lane.sort(key=lambda e: e.start)
-            ops = sum(1 for e in lane if op_kind(e) is not None)
-            if ops == 0:
+            ops = [i for i, e in enumerate(lane) if op_kind(e) is not None]
+            if not ops:
                 continue
-            gap, reach = 0.0, lane[0].end
-            for e in lane[1:]:
-                gap += max(0.0, e.start - reach)
-                reach = max(reach, e.end)
-            out.append(gap * 1e3 / ops)
+            gap = 0.0
+            for i in ops:
+                e = lane[i]
+                if i > 0:  # before the op
+                    gap += max(0.0, e.start - max(x.end for x in lane[:i]))
+                until = lane[i + 1].start if i + 1 < len(lane) else e.end
+                posted = [s.end for s in sends.get(rank, ()) if e.end <= s.start <= until]
+                if posted and i + 1 < len(lane) and op_kind(lane[i + 1]) is None:  # after it, to its sends posted
+                    gap += max(0.0, min(max(posted), until) - e.end)
+            out.append(gap * 1e3 / len(ops))
     return out
 
 
