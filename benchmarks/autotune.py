@@ -6,7 +6,7 @@ Eight emulated-accelerator layers (each holds its rank 1.5 to 4 ms per row forwa
 ``dapple.plan`` for ``Cluster.local(4)`` (links and AllReduce measured with gloo) with ``--memory`` MB per device,
 so that no device holds the whole model and plans are pipelines. Training runs with AdamW and
 ``dapple.runtime.Autotuner(every=--every, margin=--margin)``; after ``--slow-at`` steps the layers of the first
-plan's longest stage slow down ``--factor`` x on every rank (``EmulatedLayer.slow_down``). The plan made from the
+plan's longest stage slow down ``--factor`` x, wherever they run (their ``slowdown`` buffers). The plan made from the
 true costs is ``dapple.plan`` on the profile with those layers' times multiplied by the factor; it runs after the
 tuned run in the same processes, slowed down alike. Step = ``train_step`` on rank 0 (the loss AllReduce ends it on
 every rank together); phases: "before" the slowdown, "during" (from the slowdown to the end of the second window
@@ -65,6 +65,15 @@ def true_profile(prof: dapple.Profile, layers: list[int], factor: float) -> dapp
     return out
 
 
+def slow_down(pipe: dapple.Pipeline, layers: list[int], factor: float) -> None:
+    """Slow the emulated ``layers`` this rank runs down ``factor`` x: their ``slowdown`` buffers in its stage (a
+    switch of plan moves them with the layers; the stage shares no module with the model once it has switched)."""
+    wanted = {f"layers.{i}.slowdown" for i in layers}
+    for name, buf in pipe.module.named_buffers():
+        if name in wanted:
+            buf.fill_(factor)
+
+
 def _step_ms(pipe: dapple.Pipeline, x, y, opt) -> float:
     t0 = time.perf_counter()
     pipe.train_step(x, y)
@@ -80,25 +89,21 @@ def run(prof: dapple.Profile, cluster: dapple.Cluster, first: dapple.Plan, best:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     x, y = batch(first.global_batch_size)
-    model = make_model()
-    pipe = dapple.pipeline(model, first, F.cross_entropy, timeout=300)
+    pipe = dapple.pipeline(make_model(), first, F.cross_entropy, timeout=300)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     tuner = dapple.runtime.Autotuner(pipe, prof, cluster, optimizer=opt, every=args.every, margin=args.margin)
     steps, decisions, windows = [], [], []
     for step in range(args.steps):
         if step == args.slow_at:
-            for i in slow:
-                model.layers[i].slow_down(args.factor)
+            slow_down(pipe, slow, args.factor)
         steps.append(_step_ms(pipe, x, y, opt))
         t0 = time.perf_counter()
         if (d := tuner.step()) is not None:
             decisions.append((step, d))
             if d.action == "stay":  # the tuner's own cost at a window's end: gather, calibrate, plan, decide
                 windows.append((time.perf_counter() - t0) * 1e3)
-    ref_model = make_model()
-    for i in slow:
-        ref_model.layers[i].slow_down(args.factor)
-    ref = dapple.pipeline(ref_model, best, F.cross_entropy, timeout=300)
+    ref = dapple.pipeline(make_model(), best, F.cross_entropy, timeout=300)
+    slow_down(ref, slow, args.factor)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
     true_steps = [_step_ms(ref, x, y, ref_opt) for _ in range(args.every + 2)][2:]
     return {"steps": steps, "true_steps": true_steps, "decisions": [(s, str(d), d.action) for s, d in decisions],
@@ -160,7 +165,8 @@ def main() -> None:
     for k in ("before", "during", "after"):
         print(f"| {k} | {rep[k]:.1f} | {rep[k] / rep['true_plan'] - 1:+.1%} |")
     print(f"| true-cost plan | {rep['true_plan']:.1f} | |")
-    print(f"the tuner at a window's end without a switch: {rep['window_ms']} ms (median); a switch: {rep['switch_s']} s")
+    print(f"the tuner at a window's end without a switch: {rep['window_ms']} ms (median); a switch: "
+          f"{rep['switch_s']} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "load": load, "report": rep, "slowed": slow,
                                                "first": first.to_dict(), "best": best.to_dict(), **result}, indent=1))

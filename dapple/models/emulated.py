@@ -89,7 +89,8 @@ class EmulatedLayer(nn.Module):
         self.weight_share = float(weight_share)
         self.linear = nn.Linear(width, width)
         # a factor on every hold, read at run time (a traced graph bakes ms_per_row in): slow_down() sets it on
-        # this process's copy, as a device that slows down mid-run; not part of the state_dict
+        # this process's copy; not part of the state_dict (a pipeline's stage holds it as the buffer
+        # "<layer path>.slowdown", which a switch of plan moves with the layer)
         self.register_buffer("slowdown", torch.ones(()), persistent=False)
 
     def slow_down(self, factor: float) -> None:
