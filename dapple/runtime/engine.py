@@ -349,13 +349,12 @@ class Pipeline:
 
     def replan(self, plan: Plan, optimizer: torch.optim.Optimizer | None = None) -> Switch:
         """Continue under ``plan`` (call on every rank, between steps): this rank builds its stage of the new plan
-        from the model it was given, every rank sends the parameters, buffers, gradients and ``optimizer`` state
-        it holds to their owners under the new plan, in memory, and the old plan's process groups are closed (the
-        new stage is built from a copy of the model's structure taken when the pipeline was made, so it shares no
-        tensor with the model given to :func:`dapple.pipeline`).
-        Training then goes on as if the new plan had run from the start with this state (as a checkpoint saved
-        under one plan and loaded under the other). ``step``, fp16's loss scale and the mode carry over; what a
-        rank reads of each batch follows the new plan (:meth:`rows`).
+        (from the model's structure, copied without data when the pipeline was made: it shares no tensor with the
+        model given to :func:`dapple.pipeline`), every rank sends the parameters, buffers, gradients and
+        ``optimizer`` state it holds to their owners under the new plan, in memory, and the old plan's process
+        groups are closed. Training then goes on as if the new plan had run from the start with this state (as a
+        checkpoint saved under one plan and loaded under the other). ``step``, fp16's loss scale and the mode carry
+        over; what a rank reads of each batch follows the new plan (:meth:`rows`).
 
         Args:
             plan: the new plan, for the same model, world size and global batch.
