@@ -1,6 +1,7 @@
 """dapple: synchronous pipelined data-parallel training for PyTorch (the DAPPLE approach)."""
 
-from . import planner, profiler
+from . import calibration, planner, profiler
+from .calibration import calibrate
 from .core.version import VERSION
 from .planner import Cluster, Plan, evaluate, plan, simulate
 from .profiler import Profile
@@ -12,6 +13,6 @@ from .runtime.weights import load_weights
 
 __version__ = VERSION
 
-__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "evaluate", "load_checkpoint", "load_full_state_dict",
-           "load_weights", "pipeline", "plan", "planner", "profile", "profiler", "save_checkpoint", "shard_optimizer",
-           "simulate"]
+__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "calibrate", "calibration", "evaluate", "load_checkpoint",
+           "load_full_state_dict", "load_weights", "pipeline", "plan", "planner", "profile", "profiler",
+           "save_checkpoint", "shard_optimizer", "simulate"]

@@ -76,6 +76,10 @@ class Profile:
     # layer in the same rounds: part of every layer's own times, but a stage running several layers as one op pays
     # it once (CostModel); [0, 0]: no such part (PipeDream's profiles, documents without the field)
     call_ms: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # ms a training step pays once beyond its stages' work: the runtime's checks and end-of-step collectives (the
+    # loss AllReduce, tied parameters' AllReduce across stages), added to every plan's latency; dapple.calibrate
+    # measures it, dapple.profile leaves it 0
+    step_ms: float = 0.0
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # the file it was loaded from or saved to (absolute; None: made in memory): a plan records it, so that
     # `dapple simulate plan.yaml` finds it (not part of the document)
@@ -169,6 +173,8 @@ class Profile:
                 or not all(is_finite(v) for v in self.call_ms)):
             raise ValueError(f"{where}.call_ms: expected [forward, backward], two finite numbers >= 0 (ms), got "
                              f"{self.call_ms!r:.120}")
+        if not is_finite(self.step_ms):
+            raise ValueError(f"{where}.step_ms: expected a finite number >= 0 (ms), got {self.step_ms!r:.120}")
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerProfile):
                 raise TypeError(f"{where}.layers[{i}]: expected a LayerProfile, got {type(layer).__name__}")
@@ -199,6 +205,8 @@ class Profile:
                      "batch_sizes": list(self.batch_sizes)}
         if any(self.call_ms):
             doc["call_ms"] = [round(float(v), 6) for v in self.call_ms]
+        if self.step_ms:
+            doc["step_ms"] = round(float(self.step_ms), 6)
         if self.meta:
             doc["meta"] = dict(self.meta)
         layers = []
@@ -234,7 +242,7 @@ class Profile:
     @classmethod
     def from_dict(cls, doc: dict, where: str = "Profile") -> "Profile":
         f = documents.Fields(doc, where).known("dapple_profile", "model", "device", "batch_sizes", "layers", "meta",
-                                         "call_ms")
+                                         "call_ms", "step_ms")
         batch_sizes = f.numbers("batch_sizes", integer=True, minimum=1)
         n = len(batch_sizes)
 
@@ -254,7 +262,8 @@ class Profile:
         meta = f.mapping("meta")
         try:
             return cls(model=f.str("model"), device=f.str("device"), batch_sizes=batch_sizes, layers=layers,
-                       meta=meta, call_ms=f.numbers("call_ms", 2, default=[0.0, 0.0]))
+                       meta=meta, call_ms=f.numbers("call_ms", 2, default=[0.0, 0.0]),
+                       step_ms=f.number("step_ms", default=0.0))
         except ValueError as e:
             raise documents.DocumentError(str(e).replace("Profile", where, 1)) from e
 
@@ -281,6 +290,9 @@ class Profile:
             f0, b0 = self.call_ms
             lines.append(f"  (each layer's times include {f0:.3f} / {b0:.3f} ms of calling it, which a stage pays "
                          f"once)")
+        if self.step_ms:
+            lines.append(f"  (a training step also pays {self.step_ms:g} ms once: the runtime's checks and end-of-step "
+                         f"collectives)")
         return "\n".join(lines)
 
     @classmethod

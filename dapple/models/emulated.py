@@ -36,10 +36,14 @@ class _Sleep(torch.autograd.Function):
         return grad.clone(), None, None
 
 
-def emulate(x: torch.Tensor, ms_per_row: float, backward_ms_per_row: float | None = None) -> torch.Tensor:
+def emulate(x: torch.Tensor, ms_per_row: float, backward_ms_per_row: float | None = None,
+            slowdown: torch.Tensor | None = None) -> torch.Tensor:
     """Hold for ``rows * ms_per_row`` ms forward and ``rows * backward_ms_per_row`` backward (default twice the
-    forward's); an opaque call under torch.fx."""
-    return _Sleep.apply(x, ms_per_row, 2 * ms_per_row if backward_ms_per_row is None else backward_ms_per_row)
+    forward's), both times ``slowdown`` (a one-element tensor read at each call; None: 1); an opaque call under
+    torch.fx."""
+    k = 1.0 if slowdown is None else float(slowdown)
+    backward = 2 * ms_per_row if backward_ms_per_row is None else backward_ms_per_row
+    return _Sleep.apply(x, ms_per_row * k, backward * k)
 
 
 class _WeightWork(torch.autograd.Function):
@@ -57,9 +61,10 @@ class _WeightWork(torch.autograd.Function):
         return grad, None
 
 
-def weight_work(w: torch.Tensor, ms: float) -> torch.Tensor:
-    """``w``, with ``ms`` ms of work in the backward of its gradient; an opaque call under torch.fx."""
-    return _WeightWork.apply(w, ms)
+def weight_work(w: torch.Tensor, ms: float, slowdown: torch.Tensor | None = None) -> torch.Tensor:
+    """``w``, with ``ms`` ms (times ``slowdown``, as :func:`emulate`) of work in the backward of its gradient; an
+    opaque call under torch.fx."""
+    return _WeightWork.apply(w, ms * (1.0 if slowdown is None else float(slowdown)))
 
 
 torch.fx.wrap("emulate")
@@ -82,16 +87,26 @@ class EmulatedLayer(nn.Module):
         self.ms_per_row = float(ms_per_row)
         self.weight_share = float(weight_share)
         self.linear = nn.Linear(width, width)
+        # a factor on every hold, read at run time (a traced graph bakes ms_per_row in): slow_down() sets it on
+        # this process's copy; not part of the state_dict (a pipeline's stage holds it as the buffer
+        # "<layer path>.slowdown", which a switch of plan moves with the layer)
+        self.register_buffer("slowdown", torch.ones(()), persistent=False)
+
+    def slow_down(self, factor: float) -> None:
+        """Hold ``factor`` times the set time from now on, in this process (1.0: back to normal)."""
+        if not factor > 0:
+            raise ValueError(f"slow_down: expected a factor > 0, got {factor!r}")
+        self.slowdown.fill_(float(factor))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, width) -> (B, width)
         # emulate after the Linear: its output always requires grad, so the backward sleeps even in a first
         # layer whose input needs no gradient (a GPU still computes the weight gradient there)
         backward = 2 * self.ms_per_row
         if self.weight_share == 0.0:
-            return torch.tanh(emulate(self.linear(x), self.ms_per_row))
-        w = weight_work(self.linear.weight, x.shape[0] * backward * self.weight_share)
+            return torch.tanh(emulate(self.linear(x), self.ms_per_row, None, self.slowdown))
+        w = weight_work(self.linear.weight, x.shape[0] * backward * self.weight_share, self.slowdown)
         h = nn.functional.linear(x, w, self.linear.bias)
-        return torch.tanh(emulate(h, self.ms_per_row, backward * (1 - self.weight_share)))
+        return torch.tanh(emulate(h, self.ms_per_row, backward * (1 - self.weight_share), self.slowdown))
 
 
 class EmulatedNet(nn.Module):

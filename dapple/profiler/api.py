@@ -94,13 +94,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     inputs = as_tensors(example_inputs, "example_inputs") if by_name is None else ()
     target_list = as_tensors(targets, "targets") if targets is not None else ()
     dev = resolve_device(device)
-
-    def cast(t: torch.Tensor) -> torch.Tensor:  # torch.export traces with these
-        return to_model(t, t.device, model_dtype(model))
-
-    lg = trace_layers(model, concrete_args=concrete_args, leaf_modules=leaf_modules, tracer=tracer,
-                      example_inputs={k: cast(t) for k, t in by_name.items()} if by_name else tuple(map(cast, inputs)),
-                      dynamic_shapes=dynamic_shapes, layers=layers)  # errors before any work
+    lg = _traced(model, inputs, by_name, concrete_args=concrete_args, leaf_modules=leaf_modules, tracer=tracer,
+                 dynamic_shapes=dynamic_shapes, layers=layers)  # errors before any work
     if by_name is not None:
         inputs = by_position(by_name, lg.inputs, "example_inputs", gaps=False)
     arity(lg.gm).check(len(inputs), "example_inputs")
@@ -123,24 +118,42 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     call_ms = [round(statistics.median([x for t in runs.calls for x in getattr(t.result, key)]) * 1e3, 6)
                for key in ("forward_s", "backward_s")]
     uncut = cut_problems(lg, dict(zip(sizes, runs.crossing)))  # per layer: why no plan may cut after it
-    result = _layer_profiles(lg, runs, uncut)
     meta = {"dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
             "loss": getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None,
             "example_batch_size": example, "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "profiling_seconds": round(time.perf_counter() - started, 3),
-            "tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
-            "layering": lg.layering.to_meta() if lg.layering is not None else None,
-            # the tracer, its options and the example's shapes: a plan carries them to dapple.pipeline
-            "tracing": record(lg, inputs, by_name is not None, concrete_args, leaf_modules, dynamic_shapes).to_dict()}
-    if any(uncut):
-        meta["uncuttable"] = {lg.names[k]: why for k, why in enumerate(uncut) if why}
+            **_how_traced(lg, inputs, by_name is not None, concrete_args, leaf_modules, dynamic_shapes, uncut)}
     if on_meta:  # which layers took an identical earlier layer's times
         meta.update(materialised="one layer at a time", reused=runs.reused)
-    prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes, layers=result,
-                   meta=meta, call_ms=call_ms)
+    prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes,
+                   layers=_layer_profiles(lg, runs, uncut), meta=meta, call_ms=call_ms)
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
         meta.update(_step_ratios(prof, runs.steps))
     return prof
+
+
+def _traced(model: nn.Module, inputs: tuple[torch.Tensor, ...], by_name: dict[str, torch.Tensor] | None,
+            **options: Any) -> LayerGraph:
+    """``model`` traced into layers (trace_layers' ``options``) on its example inputs, cast to its dtype as torch.export
+    traces them (by name where given so)."""
+    dtype = model_dtype(model)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return to_model(t, t.device, dtype)
+    example = {k: cast(t) for k, t in by_name.items()} if by_name else tuple(map(cast, inputs))
+    return trace_layers(model, example_inputs=example, **options)
+
+
+def _how_traced(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], by_name: bool, concrete_args: Any,
+                leaf_modules: LeafSpec, dynamic_shapes: Any, uncut: list[str | None]) -> dict[str, Any]:
+    """The profile's meta on tracing: the tracer, the layering rule, what a plan carries to dapple.pipeline
+    (``tracing``: the tracer, its options and the example's shapes) and the boundaries no plan may cut."""
+    meta = {"tracer": lg.gm.meta.get("dapple_trace", {}).get("method", "fx"),
+            "layering": lg.layering.to_meta() if lg.layering is not None else None,
+            "tracing": record(lg, inputs, by_name, concrete_args, leaf_modules, dynamic_shapes).to_dict()}
+    if any(uncut):
+        meta["uncuttable"] = {lg.names[k]: why for k, why in enumerate(uncut) if why}
+    return meta
 
 
 def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup: Any, check_step: Any,

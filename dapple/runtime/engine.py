@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -37,6 +38,7 @@ from .precision import LossScaler, Precision, allreduce_dtype
 from .program import Transfer, rank_place
 from .rank_batch import rank_batch
 from .recompute import check_recomputable, recomputing
+from .replan import StateMove, Switch, check_replan, close_groups, rebuild_args
 from .shapes import BoundaryShapes
 from .stages import StageGraph, layer_paths, model_inputs, node_places, rank_module, split_stages, stage_module
 from .state import LoadResult, held_keys, load_state, model_keys, own_tensors, stage_keys, state_names
@@ -66,6 +68,8 @@ class Pipeline:
                  mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
                  reduce_dtype: str | None = None, compile: bool | Mapping[str, Any] = False,
                  init_fn: InitFn | None = None):
+        # what replan() builds another plan's pipeline from: the same options, the model's structure (no data)
+        self._rebuild = rebuild_args({k: v for k, v in locals().items() if k not in ("self", "plan", "__class__")})
         self.timeout = _checked_options(loss_fn, timeout, trace, deferred_batch_norm)
         check_init_fn(init_fn)
         flag("check_inputs", check_inputs, "compare a checksum of each step's batch across ranks")
@@ -375,6 +379,41 @@ class Pipeline:
             ``(missing_keys, unexpected_keys)``.
         """
         return load_state(self.module, self._state, state_dict, strict, self.who)
+
+    def replan(self, plan: Plan, optimizer: torch.optim.Optimizer | None = None) -> Switch:
+        """Continue under ``plan`` (call on every rank, between steps): this rank builds its stage of the new plan
+        (from the model's structure, copied without data when the pipeline was made: it shares no tensor with the
+        model given to :func:`dapple.pipeline`), every rank sends the parameters, buffers, gradients and
+        ``optimizer`` state it holds to their owners under the new plan, in memory, and the old plan's process
+        groups are closed. Training then goes on as if the new plan had run from the start with this state (as a
+        checkpoint saved under one plan and loaded under the other). ``step``, fp16's loss scale and the mode carry
+        over; what a rank reads of each batch follows the new plan (:meth:`rows`).
+
+        Args:
+            plan: the new plan, for the same model, world size and global batch.
+            optimizer: an optimizer over :meth:`parameters` (on every rank, or none): rebuilt in place over the
+                new stage's parameters, each in the param group it was in, with its state; an LR scheduler of it
+                goes on working. Its param groups must be the same list on every rank.
+
+        Returns:
+            This rank's :class:`~dapple.runtime.replan.Switch`: the seconds it took (building, moving) and the
+            bytes it sent and received.
+
+        Raises:
+            TypeError, ValueError: a bad plan or optimizer (every rank raises before anything changed).
+            PipelineError: a peer failed or timed out.
+        """
+        self._check_usable("replan")
+        check_replan(self, plan, optimizer, self._rebuild)
+        move = StateMove(self, optimizer, time.perf_counter())  # collective: what every rank holds, checked
+        new = Pipeline(plan=plan, **self._rebuild)
+        switch = move.into(new)
+        old = [self._p2p.groups["grad"], *(g.group for g in self._groups), self._norm_group]
+        self._reducer.close()
+        vars(self).clear()  # this object becomes the new plan's pipeline (callers keep their reference)
+        vars(self).update(vars(new))
+        close_groups(old)
+        return switch
 
     def trace(self) -> Trace:
         """Record the steps run inside ``with pipe.trace() as t:`` (enter on every rank; it syncs clocks), then

@@ -152,9 +152,14 @@ class GradReducer:
         self._launched: list[tuple | None] = []
         self.rec: Any = None  # a tracing.Recorder while tracing, else None
         self._launch_times: list[tuple[float, str]] = []
-        for _, params in self.buckets:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for _, params in self.buckets for p in params]
+
+    def close(self) -> None:
+        """Take the hooks off the parameters (a replaced pipeline's: they would keep the reducer, and through it the
+        parameters and buckets, alive)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether tensor ``t`` lives in a bucket (a gradient attached earlier: :meth:`attach` overwrites it)."""

@@ -50,6 +50,16 @@ def test_call_ms_round_trips_and_is_left_out_when_zero(tmp_path):
     assert "0.050 / 0.125 ms of calling it" in str(p)
 
 
+def test_step_ms_round_trips_is_left_out_when_zero_and_is_checked(tmp_path):
+    p = _profile()
+    assert p.step_ms == 0.0 and "step_ms" not in p.to_dict()  # documents without it load as before
+    p.step_ms = 2.5
+    p.save(tmp_path / "p.yaml")
+    assert Profile.load(tmp_path / "p.yaml").step_ms == 2.5 and "2.5 ms" in str(p)
+    with pytest.raises(ValueError, match="step_ms: expected a finite number >= 0"):
+        Profile(model="toy", device="cpu", batch_sizes=[4, 8], layers=_profile().layers, step_ms=-1.0)
+
+
 def test_net_ms_takes_the_call_off_each_layer_and_none_below_zero():
     p = _profile()  # at batch 4: forward 1, 2, 3 ms; backward 2 ms each
     assert p.net_ms(4) == (p.costs(4).forward_ms, p.costs(4).backward_ms)  # no call cost: the layers' own

@@ -50,3 +50,23 @@ def test_weight_share_is_held_in_the_weight_gradient_backward():
     ref(x).sum().backward()
     torch.testing.assert_close(layer.linear.weight.grad, ref.linear.weight.grad)
     torch.testing.assert_close(out["b"][0][0], x.grad)
+
+
+def test_slow_down_takes_effect_in_a_traced_graph_and_is_not_state():
+    """The factor is read at run time (a traced graph bakes ms_per_row in as a constant), on this copy only."""
+    from dapple.profiler import trace_layers
+    torch.manual_seed(0)
+    layer = EmulatedLayer(4, ms_per_row=1.0)
+    gm = trace_layers(torch.nn.Sequential(layer)).gm
+    x = torch.randn(2, 4)
+    gm(x)  # first call: autograd's one-off costs
+    normal = min(_elapsed_ms(lambda: gm(x)) for _ in range(3))
+    layer.slow_down(4.0)
+    slow = min(_elapsed_ms(lambda: gm(x)) for _ in range(3))
+    assert normal >= 2.0 and slow >= 8.0 and slow > 2.5 * normal, (normal, slow)
+    assert "slowdown" not in "".join(layer.state_dict())
+    try:
+        layer.slow_down(0.0)
+        raise AssertionError("a factor of 0 was accepted")
+    except ValueError as e:
+        assert "factor > 0" in str(e)

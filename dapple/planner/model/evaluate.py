@@ -240,6 +240,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         flags = [s.recompute for s in sts] if recompute is None else None
     pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, given, recompute=flags)
     lat = pc.latency(opt.model, opt.overlap)
+    lat = lat._replace(ending=lat.ending + profile.step_ms)  # the step's own fixed cost (Profile.step_ms)
     if opt.schedule in SPLIT_BACKWARD:
         rc = flags if flags is not None else [bool(recompute)] * len(sts)
         played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k, r) for s, k, r in zip(sts, pc.K, rc)],

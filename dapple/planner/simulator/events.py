@@ -349,6 +349,7 @@ class _Sim:
                              f"{self.ops[d][self.ptr[d]]}; warmup {self.plan.warmup}")
         self.allreduce()
         latency = max([o.end_ms for o in self.timeline] + [o.end_ms for o in self.transfers] + [0.0])
+        latency += self.cm.profile.step_ms  # the step's own fixed cost (Profile.step_ms), after its last op
         return SimResult(latency, self.timeline, self.transfers, self.schedule, self.overlap, self.M,
                          {d: i for d, (i, _) in self.where.items()}, "held" if self.net is None else "shared")
 

@@ -37,6 +37,22 @@ def test_two_stage_plan_by_hand():
     assert 0 < est.details["bubble_fraction"] < 1 and est.details["acr"] > 0
 
 
+@pytest.mark.parametrize("schedule, model", [("dapple", "paper"), ("dapple", "refined"), ("zb-h1", "refined")])
+def test_a_profiles_step_cost_is_paid_once_per_step(schedule, model):
+    """Profile.step_ms (the runtime's fixed cost per step) adds to the estimate and the simulated step, once."""
+    from dapple import simulate
+    prof, c = _setup()
+    stages = [Stage((0, 2), [0, 1]), Stage((2, 4), [2])]
+    plan = Plan(32, 8, stages, schedule=schedule)
+    before = evaluate(prof, c, plan, model=model, overlap=True)
+    sim = simulate(plan, prof, c, overlap=True).latency_ms
+    prof.step_ms = 7.0
+    after = evaluate(prof, c, plan, model=model, overlap=True)
+    assert after.latency_ms == pytest.approx(before.latency_ms + 7.0)
+    assert after.ending_ms == pytest.approx(before.ending_ms + 7.0) and after.warmup_ms == before.warmup_ms
+    assert simulate(plan, prof, c, overlap=True).latency_ms == pytest.approx(sim + 7.0)
+
+
 def test_stage_forms_and_plans_are_accepted():
     prof, c = _setup()
     a = evaluate(prof, c, [(0, 2, [0, 1]), (2, 4, [2, 3])], 32, 8)
