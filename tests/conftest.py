@@ -34,6 +34,8 @@ def _seed_and_threads():
     random.seed(0)
     torch.set_num_threads(1)
     yield
+    # a test that leaves float64 as the default dtype changes every later test in this process
+    assert torch.get_default_dtype() == torch.float32, f"the test left {torch.get_default_dtype()} as default dtype"
 
 
 def pipedream_path(name: str) -> Path:

@@ -98,6 +98,13 @@ def _state(pipe: dapple.Pipeline, opt: torch.optim.Optimizer) -> dict:
 def full_reference() -> dict:
     """The single-process model's state after 2 AdamW steps on the same batches, and its third step's loss."""
     torch.set_default_dtype(torch.float64)
+    try:
+        return _train_reference()
+    finally:  # (called in pytest's own process: later tests build float32 models)
+        torch.set_default_dtype(torch.float32)
+
+
+def _train_reference() -> dict:
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
