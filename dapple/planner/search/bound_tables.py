@@ -75,18 +75,20 @@ def _ring_floor(rings: list, reps: np.ndarray, params: np.ndarray) -> np.ndarray
 
 
 def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: bool = False,
-               bar: float = INF, overlap: bool = False) -> np.ndarray:
+               bar: float = INF, overlap: bool = False, chain_allreduce: bool = True) -> np.ndarray:
     """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every split
     into stages of at most ``cm.micro`` replicas, since every stage's own chain is part of L (docs/planner.md,
     "The bounds": the proof, and ``fill``, ``allreduce``, ``overlap``). Stages that do not fit in memory are left
-    out, and with ``bar`` those whose own chain reaches it (the bound holds for every plan below ``bar``). Numpy
+    out, and with ``bar`` those whose own chain reaches it (the bound holds for every plan below ``bar``): M T and,
+    with ``chain_allreduce`` (the refined model), its least AllReduce; formula 2 hides the AllReduce of a stage
+    after its pivot behind the backwards, so there a stage's own chain is M T alone. Numpy
     over all (c, r, R) at once per j, or per replica count from SearchTuning.row_wise_devices devices on
     (:func:`_rest_row`, faster there).
     """
     N, G = cm.num_layers, devices
     Q = np.full((N + 1, G + 2), INF)  # column G + 1: INF, what a stage of r replicas leaves for R < r
     Q[N, : G + 1] = 0.0
-    first = _FirstStages(cm, M, G, bar, overlap)
+    first = _FirstStages(cm, M, G, bar, overlap, chain_allreduce)
     row_wise = G >= tuning.TUNING.row_wise_devices
     if not row_wise:
         left = np.arange(G + 1)[None, :] - first.r[:, None]  # (reps, G + 1): R - r, the devices left for the rest
@@ -227,8 +229,10 @@ class _FirstStages:
     """The candidate first stages [j, c) of the bounds' DPs over the rest of the model, for c = j+1..N, on each
     replica count r of ``reps`` (rows of (reps, N + 1) arrays of prefix sums: F, B, F + B, saved bytes)."""
 
-    def __init__(self, cm: "CostModel", M: int, devices: int, bar: float, overlap: bool = False):
+    def __init__(self, cm: "CostModel", M: int, devices: int, bar: float, overlap: bool = False,
+                 chain_allreduce: bool = True):
         self.cm, self.M, self.bar, self.overlap = cm, M, bar, overlap
+        self.chain_allreduce = chain_allreduce  # a stage's own chain below the bar counts its AllReduce
         self.reps = efficient_replicas(cm.micro, devices)  # replica counts r <= min(micro, devices)
         self.row = {r: i for i, r in enumerate(self.reps)}
         sums = [cm.prefix_sums(cm.rows(r)) for r in self.reps]
@@ -256,14 +260,14 @@ class _FirstStages:
         """:meth:`__call__` for every r at once: (T, ok, AR term) as (reps, N - j) arrays, n: the largest span."""
         T = self.fb2[:, j + 1:] - self.fb2[:, j:j + 1]  # (reps, N - j)
         ar = None
-        if allreduce or self.bar < INF:
+        if allreduce or (self.bar < INF and self.chain_allreduce):
             ar = _ring_floor(self.rings, self.r, self.params[j + 1:] - self.params[j])
             if self.overlap:  # E - B >= AR - B: the part of the AllReduce after the last backward
                 ar = np.maximum(ar - (self.b2[:, j + 1:] - self.b2[:, j:j + 1]), 0.0)
         ok = (self.static[:, j + 1:] - self.static[:, j:j + 1]) + (self.saved2[:, j + 1:] - self.saved2[:, j:j + 1]) \
             <= self.cm.cluster.device_memory
         if self.bar < INF:
-            ok &= self.M * T + ar < self.bar
+            ok &= self.M * T + ar < self.bar if ar is not None else self.M * T < self.bar
         cols = np.flatnonzero(ok.any(axis=0))
         return T, ok, ar, int(cols[-1]) + 1 if len(cols) else 0
 

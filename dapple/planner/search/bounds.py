@@ -111,7 +111,7 @@ class Pruner:
             return  # the same tables
         self.tables_bar = bar
         ov = self.overlap
-        q = rest_bound(self.cm, self.M, self.G, fill=self.refined, bar=bar, overlap=ov)
+        q = rest_bound(self.cm, self.M, self.G, fill=self.refined, bar=bar, overlap=ov, chain_allreduce=self.refined)
         self.Q = q.tolist()
         self.Qcol = (-q.T).tolist()
         qa = (rest_bound(self.cm, self.M, self.G, fill=True, allreduce=True, bar=bar, overlap=ov)

@@ -12,6 +12,8 @@ from dapple.core.schedule import warmup_counts
 from dapple.planner import tuning
 from dapple.planner.baselines.exhaustive import every_plan, exhaustive_search
 from dapple.planner.model.cost import CostModel
+from dapple.planner.model.evaluate import pipeline_costs
+from dapple.planner.model.pivot import paper_latency
 from dapple.planner.search import bounds
 from dapple.planner.search.bound_tables import (
     allreduce_floor,
@@ -20,9 +22,10 @@ from dapple.planner.search.bound_tables import (
 )
 from dapple.planner.search.bounds import prefix_u_table
 from dapple.planner.search.dp import DPSearch, SearchConfig
+from dapple.planner.search.exact import priced_plans
 from dapple.planner.search.records import Prefix
 
-from ..helpers import cluster, random_profile, small_instances
+from ..helpers import cluster, hidden_allreduce_instances, pivot_hides_allreduce, random_profile, small_instances
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -43,6 +46,38 @@ def test_root_bounds_are_below_every_plan(overlap):
         assert dp.pruner.Qar[0][dp.G] <= best * (1 + 1e-9)
         checked += 1
     assert checked >= 20
+
+
+def _hides_allreduce(cm: CostModel, spans: tuple, M: int) -> bool:
+    """Whether formula 2 prices the plan below M (F + B) + AllReduce of a stage after its pivot (Te subtracts the
+    backwards from that stage's AllReduce)."""
+    pc, _ = pipeline_costs(cm, spans, M, "A", check=False)
+    lat = paper_latency(pc.F, pc.B, pc.AR, M)
+    return any(M * (pc.F[s] + pc.B[s]) + pc.AR[s] > lat.total for s in range(lat.pivot + 1, len(pc.F)))
+
+
+def test_formula_2_bounds_hold_where_the_pivot_hides_an_allreduce():
+    """Under formula 2 a plan's L can be below M (F + B) + AllReduce of a stage after its pivot, so the rest bound
+    below a bar keeps the stages whose M (F + B) alone is below it: with the bar just above the optimum and 5% above
+    it, Q of every plan's rest (after each of its stages) and the root bound stay at most the plan's L, on
+    pivot_hides_allreduce and instances of its kind (whose optimum mostly hides an AllReduce so)."""
+    hidden, config = 0, SearchConfig("paper")
+    for prof, c, g, b in [pivot_hides_allreduce(), *hidden_allreduce_instances(2, 40)]:
+        M, cm = g // b, CostModel(prof, c, b)
+        plans = priced_plans(cm, M, config)  # lowest first
+        best = plans[0][0]
+        hidden += _hides_allreduce(cm, plans[0][1], M)
+        for bar in (best * (1 + 1e-9), best * 1.05):
+            dp = DPSearch(prof, c, g, b, config, bar)
+            dp.bound_tables()
+            assert dp.root_bound <= best, (c.name, bar, dp.root_bound, best)
+            for lat, spans, _ in plans:
+                if lat >= bar:
+                    break
+                for k in range(len(spans)):  # stages [0, k) planned, [k, S) the rest on the devices they leave
+                    j, R = spans[k][0], sum(len(lay) for _, _, lay in spans[k:])
+                    assert dp.pruner.Q[j][R] <= lat * (1 + 1e-9), (c.name, bar, spans, k)
+    assert hidden >= 8, hidden
 
 
 def test_the_allreduce_bound_sees_what_replication_costs():
@@ -80,9 +115,10 @@ def test_rest_bound_is_monotone():
 
 
 
-def _rest_bound_by_loops(cm, M, G, fill, allreduce, bar, overlap):
+def _rest_bound_by_loops(cm, M, G, fill, allreduce, bar, overlap, chain_allreduce=True):
     """rest_bound's docstring as plain loops: Q[j][R] = min over the first stage [j, c) on r <= R replicas
-    (r among efficient_replicas) of max(M T + AR, F + Q[c][R - r]) (allreduce) or max(M T, T + Q[c][R - r])."""
+    (r among efficient_replicas) of max(M T + AR, F + Q[c][R - r]) (allreduce) or max(M T, T + Q[c][R - r]) (or
+    max(M T, Q[c][R - r]) without ``fill``), over stages whose M T (+ AR with ``chain_allreduce``) is below ``bar``."""
     N, inf = cm.num_layers, float("inf")
     Q = [[inf] * (G + 1) for _ in range(N)] + [[0.0] * (G + 1)]
     for j in range(N - 1, -1, -1):
@@ -94,7 +130,7 @@ def _rest_bound_by_loops(cm, M, G, fill, allreduce, bar, overlap):
                 ar = float(allreduce_floor(cm, r, np.array([cm.params(j, c)]))[0])
                 if overlap:
                     ar = max(ar - b, 0.0)
-                if M * (f + b) + ar >= bar:
+                if M * (f + b) + (ar if chain_allreduce else 0.0) >= bar:
                     continue
                 for R in range(r, G + 1):
                     if allreduce:
@@ -121,6 +157,10 @@ def test_rest_bound_equals_its_definition(allreduce, overlap, row_wise, monkeypa
             q = rest_bound(cm, 4, c.num_devices, fill=True, allreduce=allreduce, bar=bar, overlap=overlap)
             ref = _rest_bound_by_loops(cm, 4, c.num_devices, True, allreduce, bar, overlap)
             assert np.allclose(q, np.array(ref), rtol=1e-12, atol=0), (k, bar)
+            if not allreduce:  # formula 2's: no fill, a stage's own chain without its AllReduce
+                q = rest_bound(cm, 4, c.num_devices, fill=False, bar=bar, overlap=overlap, chain_allreduce=False)
+                ref = _rest_bound_by_loops(cm, 4, c.num_devices, False, False, bar, overlap, chain_allreduce=False)
+                assert np.allclose(q, np.array(ref), rtol=1e-12, atol=0), (k, bar)
 
 def test_rest_bound_row_wise_gives_the_same_table(monkeypatch):
     """Both ways of computing the table (all replica counts at once; one at a time from row_wise_devices devices
@@ -172,6 +212,32 @@ def test_the_rest_chain_bound_is_below_the_plans_latency(overlap):
         dp.run()
         checks += getattr(dp, "checks", 0)
     assert checks >= 500, checks
+
+
+def test_formula_2_quick_floor_is_below_the_plans_latency():
+    """Under formula 2 the DP rejects a completed plan unpriced by quick_floor (M (F + B) of its stages and
+    transfers): turned into an assertion, it stays at most formula 2's L of every plan the DP meets, on
+    pivot_hides_allreduce and instances of its kind."""
+    checks = 0
+    for prof, c, g, b in [pivot_hides_allreduce(), *hidden_allreduce_instances(4, 8)]:
+        dp = DPSearch(prof, c, g, b, SearchConfig("paper"), float("inf"))
+        quick_floor, latency = dp.pruner.quick_floor, dp.costs.latency
+
+        def checked_quick_floor(*args, dp=dp, quick_floor=quick_floor):
+            dp.pending = quick_floor(*args)
+            return -float("inf")
+
+        def checked_latency(*args, dp=dp, latency=latency, **kwargs):
+            nonlocal checks
+            lat, pol = latency(*args, **kwargs)
+            bound, dp.pending = getattr(dp, "pending", None), None
+            if bound is not None:
+                assert bound <= lat * (1 + 1e-9), (bound, lat)
+                checks += 1
+            return lat, pol
+        dp.pruner.quick_floor, dp.costs.latency = checked_quick_floor, checked_latency
+        dp.run()
+    assert checks >= 100, checks
 
 
 def _every_plan(prof, c, g, b, overlap=False):

@@ -11,10 +11,12 @@ import pytest
 import dapple
 from dapple.planner.baselines.exhaustive import assignments, exhaustive_search
 from dapple.planner.model.cost import CostModel
+from dapple.planner.search.dp import DPSearch
 from dapple.planner.search.exact import Walk, exact_search, layout_count, plan_count, server_sequences
 from dapple.planner.search.records import SearchConfig
+from dapple.planner.search.reference import reference_search
 
-from ..helpers import cluster, random_profile
+from ..helpers import cluster, hidden_allreduce_instances, pivot_hides_allreduce, random_profile
 
 SHAPES = ((1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (2, 2), (4, 1), (2, 3), (3, 2), (1, 6), (2, 4), (4, 2))
 
@@ -102,6 +104,41 @@ def test_the_plan_is_the_model_s_best_where_it_says_so(model, overlap):
             assert est == pytest.approx(best, rel=1e-9, abs=1e-5), (c.name, g, b, est, best, p)
     assert planned >= 150 and claims >= planned - 3, (planned, claims)
     assert time.perf_counter() - t0 < 120  # (about 20 s on a quiet machine)
+
+
+def test_formula_2_certificate_where_the_pivot_hides_an_allreduce():
+    """Formula 2 prices [0, 1) | [1, 5) on 2 | [5, 6) at 97.03 ms: its pivot is stage 0, and Te hides most of stage
+    1's 29.5 ms AllReduce, far below that stage's M (F + B) + AllReduce. The plan is the brute force's optimum and
+    the reference DP's; dapple.plan finds it (verify=0) and, with the simulator choosing, claims no bound above it
+    (a bound that counts that stage's AllReduce in its chain prunes the plan and certifies 104.37 ms as the best)."""
+    prof, c, g, b = pivot_hides_allreduce()
+    kw = dict(model="paper", overlap=False, warmup_policy="A")
+    best = exhaustive_search(prof, c, g, b, **kw)
+    assert best.latency == pytest.approx(97.029352, abs=1e-6)
+    assert reference_search(prof, c, g, b, SearchConfig("paper", warmup_policy="A"))[0] == pytest.approx(best.latency)
+    p = dapple.plan(prof, c, g, b, verify=0, **kw)
+    assert p.estimate.latency_ms == pytest.approx(best.latency, abs=1e-5)
+    assert [(s.layers, s.devices) for s in p.stages] == [((0, 1), [0]), ((1, 5), [1, 2]), ((5, 6), [3])]
+    assert p.meta["latency_lower_bound_ms"] == pytest.approx(best.latency, abs=1e-4)  # (rounded to 1e-4)
+    p = dapple.plan(prof, c, g, b, **kw)
+    assert p.meta["latency_lower_bound_ms"] <= best.latency + 1e-4
+    if "this one is the model's best" in str(p):
+        assert p.estimate.latency_ms == pytest.approx(best.latency, abs=1e-5)
+
+
+def test_formula_2_certificates_of_its_kind():
+    """On instances of pivot_hides_allreduce's kind, against every stage split x device assignment: the certificate
+    of a bar just above the optimum (DPSearch.certify, root bound or enumeration) finds the optimum rather than
+    proving nothing is below the bar, and dapple.plan (verify=0) returns the optimum with a bound that holds."""
+    kw = dict(model="paper", overlap=False, warmup_policy="A")
+    for prof, c, g, b in hidden_allreduce_instances(2, 12):
+        best = exhaustive_search(prof, c, g, b, **kw).latency
+        dp = DPSearch(prof, c, g, b, SearchConfig("paper", warmup_policy="A"), best * (1 + 1e-9))
+        dp.bound_tables()
+        assert dp.certify(dp.bar) and dp.best.latency == pytest.approx(best, rel=1e-12), (c.name, best)
+        p = dapple.plan(prof, c, g, b, verify=0, **kw)
+        assert p.estimate.latency_ms == pytest.approx(best, abs=1e-5), (c.name, best)  # (rounded to 1e-6)
+        assert p.meta["latency_lower_bound_ms"] == pytest.approx(best, abs=1e-4)
 
 
 def test_the_exact_search_prunes_nothing_it_should_not():
