@@ -143,15 +143,19 @@ def chunk_warmups(ops: Sequence[ChunkOp]) -> dict[int, int]:
     return forwards
 
 
-def peak_held(ops: Sequence[ChunkOp], weight: Callable[[int], float] = lambda stage: 1.0) -> float:
+def peak_held(ops: Sequence[ChunkOp], weight: Callable[[int], float] = lambda stage: 1.0,
+              release: Callable[[int], str] | None = None) -> float:
     """The most a group holds at once of micro-batches whose forward ran and whose backward has not (a split
-    backward: whose W has not; W needs what the forward saved), each counted ``weight(stage)`` (1: chunks)."""
-    release = "W" if any(op.kind == "W" for op in ops) else "B"
+    backward: whose W has not; W needs what the forward saved), each counted ``weight(stage)`` (1: chunks).
+    ``release(stage)``: the op that frees a stage's micro-batch ("B": a recomputing stage runs its whole backward
+    in B); default "W" where the ops have W, else "B"."""
+    kind = "W" if any(op.kind == "W" for op in ops) else "B"
+    frees = release or (lambda stage: kind)
     alive = peak = 0.0
     for op in ops:
         if op.kind == "F":
             alive += weight(op.stage)
             peak = max(peak, alive)
-        elif op.kind == release:
+        elif op.kind == frees(op.stage):
             alive -= weight(op.stage)
     return peak
