@@ -13,6 +13,7 @@ from dapple.core.chunks import group_order
 from dapple.planner import Stage, simulate
 from dapple.planner.model.cost import CostModel
 from dapple.planner.simulator.floor import latency_floor
+from dapple.planner.simulator.gantt import device_labels
 
 from ..helpers import cluster, linear_profile, random_profile
 
@@ -124,3 +125,8 @@ def test_no_chunked_simulation_is_faster_than_the_floor():
         cm = CostModel(prof, c, plan.micro_batch_size)
         sim = simulate(plan, prof, c, overlap=overlap).latency_ms
         assert latency_floor(plan, cm, overlap) <= sim * (1 + 1e-9), plan
+
+
+def test_the_chart_names_every_chunk_of_a_device():
+    sim = simulate(chunked_plan("zb-v", [[0], [1]], 2), linear_profile([1.0] * 4), cluster(1, 2))
+    assert device_labels(sim) == {0: "device 0 · stages 0, 3", 1: "device 1 · stages 1, 2"}
