@@ -3,6 +3,7 @@ simulates faster (and recording what it tried), a schedule of chunks asked for b
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -120,3 +121,13 @@ def test_trials_say_why_a_layout_was_not_simulated():
     tight = cluster(1, 4, intra=1e10, memory=8.1e9)  # two layers' parameters x 4 = 16 GB per device
     records, plans = chunked_trials(PROF, tight, one, CHUNKED_SCHEDULES, overlap=True, optimizer_factor=4.0)
     assert not plans and all("refused" in r for r in records)
+
+
+def test_chunks_never_cut_where_the_profile_forbids():
+    base = linear_profile([1.0] * 12, params=2e9, boundary=1e3, saved=1e5)
+    layers = [dataclasses.replace(layer, cuttable=i not in (0, 5)) for i, layer in enumerate(base.layers)]
+    prof = dapple.Profile(base.model, base.device, base.batch_sizes, layers)
+    p = dapple.plan(prof, C, 32, micro_batch_size=4, schedule="zb-v", workers=1)
+    assert p.chunks.chunks == 2 and p.num_layers == 12
+    assert not {s.layers[1] - 1 for s in p.stages} & set(prof.uncuttable)
+    assert evaluate(prof, C, p).latency_ms == pytest.approx(p.estimate.latency_ms)
