@@ -17,7 +17,7 @@ from .model.chunks import chunked_unfit
 from .model.cost import CostModel, layout_of
 from .model.evaluate import evaluate
 from .model.memory import NoFitError
-from .simulator.events import simulate
+from .simulator.events import Deadlock, simulate
 
 if TYPE_CHECKING:
     from ..core.cluster import Cluster
@@ -108,7 +108,11 @@ def chunked_trials(profile: "Profile", cluster: "Cluster", p: Plan, schedules: S
             if why := chunked_unfit(cm, q.stages, M, schedule, cluster.device_memory):
                 rec["refused"] = why
                 continue
-            rec["simulated_ms"] = round(simulate(q, profile, cluster, overlap=overlap).latency_ms, 6)
+            try:
+                rec["simulated_ms"] = round(simulate(q, profile, cluster, overlap=overlap).latency_ms, 6)
+            except Deadlock as e:  # an order that cannot run (its runtime would wait forever too)
+                rec["refused"] = str(e)
+                continue
             plans[len(records) - 1] = q
     return records, plans
 

@@ -12,8 +12,9 @@ import pytest
 import dapple
 from dapple import Plan
 from dapple.core.schedule import CHUNKED_SCHEDULES
-from dapple.planner import evaluate, simulate, tuning
+from dapple.planner import chunked, evaluate, simulate, tuning
 from dapple.planner.chunked import LAYOUTS, balanced_cuts, chunked_trials, variant
+from dapple.planner.simulator.events import Deadlock
 
 from .helpers import cluster, linear_profile
 
@@ -131,3 +132,13 @@ def test_chunks_never_cut_where_the_profile_forbids():
     assert p.chunks.chunks == 2 and p.num_layers == 12
     assert not {s.layers[1] - 1 for s in p.stages} & set(prof.uncuttable)
     assert evaluate(prof, C, p).latency_ms == pytest.approx(p.estimate.latency_ms)
+
+
+def test_a_variant_whose_order_deadlocks_is_refused(monkeypatch):
+    def stuck(*args, **kwargs):
+        raise Deadlock("schedule deadlocks: device 0 (stage 5) waits forever at F6@s5")
+
+    monkeypatch.setattr(chunked, "simulate", stuck)
+    one = Plan(32, 4, [dapple.planner.Stage((2 * i, 2 * i + 2), [i]) for i in range(4)])
+    records, plans = chunked_trials(PROF, C, one, CHUNKED_SCHEDULES, overlap=True, optimizer_factor=4.0)
+    assert not plans and all(r["refused"].startswith("schedule deadlocks") for r in records)

@@ -133,6 +133,10 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
 
 
+class Deadlock(ValueError):
+    """The plan's op orders wait on each other: some device never runs its next op."""
+
+
 class _Pending(NamedTuple):
     """A transfer that is ready and waits for its links (held) or its pair's earlier transfer (shared)."""
 
@@ -385,8 +389,8 @@ class _Sim:
         if stuck:
             d = stuck[0]
             i, op = self.ops[d][self.ptr[d]]
-            raise ValueError(f"schedule deadlocks: device {d} (stage {i}) waits forever at {op}; warmup "
-                             f"{self.plan.warmup}")
+            raise Deadlock(f"schedule deadlocks: device {d} (stage {i}) waits forever at {op}; warmup "
+                           f"{self.plan.warmup}")
         self.allreduce()
         latency = max([o.end_ms for o in self.timeline] + [o.end_ms for o in self.transfers] + [0.0])
         latency += self.cm.profile.step_ms  # the step's own fixed cost (Profile.step_ms), after its last op
