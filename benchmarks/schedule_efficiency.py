@@ -7,9 +7,11 @@ with a GPU kernel), so a micro-batch of b rows costs F = b*ms forward and B = 2F
 B/2 weight gradients) on every stage, and the ideal 1F1B step is (M + S - 1)(F + B). Efficiency = ideal /
 measured median step ("vs ops": the ideal from the measured durations of the emulated ops, which overshoot their
 nominal time). dapple and PiPPy run the same layers and micro-batches: one stage of two layers per rank
-(Schedule1F1B, ScheduleGPipe), or two stages of one layer per rank (ScheduleInterleavedZeroBubble: layers r and
-r + 4 on rank r; ScheduleZBVZeroBubble and ScheduleDualPipeV: layers r and 7 - r). Ratios: ZB / X = X's median
-step over dapple zb-h1's; the simulated ones from ``dapple.planner.simulate`` on the nominal costs.
+(Schedule1F1B, ScheduleGPipe), or two stages of one layer per rank (ScheduleInterleaved1F1B and
+ScheduleInterleavedZeroBubble: layers r and r + 4 on rank r; ScheduleZBVZeroBubble and ScheduleDualPipeV: layers r
+and 7 - r); dapple's interleaved-1f1b and zb-v run the same two chunks per rank (a Plan of 8 stages, two per
+device). Ratios: ZB / X = X's median step over dapple zb-h1's; "dapple / PiPPy" = dapple's median step over PiPPy's
+on the same placement; the simulated ones from ``dapple.planner.simulate`` on the nominal costs.
 
     PYTHONPATH=$PWD python benchmarks/schedule_efficiency.py --micro-batches 8      # 4 processes, prints a table
 """
@@ -36,7 +38,10 @@ from dapple.profiler import trace_layers
 S = 4
 LAYERS = 2 * S  # two emulated layers per rank, then the head on the last
 DAPPLE = (("dapple/A", "dapple", "A"), ("dapple/B", "dapple", "B"), ("dapple/gpipe", "gpipe", "A"),
-          ("dapple/zb-h1", "zb-h1", "A"))
+          ("dapple/zb-h1", "zb-h1", "A"), ("dapple/interleaved-1f1b", "interleaved-1f1b", "A"),
+          ("dapple/zb-v", "zb-v", "A"))
+CHUNKED = {"interleaved-1f1b": "loop", "zb-v": "v"}  # dapple's schedules of two chunks per rank: their placement
+PAIRS = (("dapple/interleaved-1f1b", "pippy/Interleaved1F1B"), ("dapple/zb-v", "pippy/ZBV"))  # same placement
 
 
 def _model(ms: float, width: int) -> EmulatedNet:
@@ -44,8 +49,16 @@ def _model(ms: float, width: int) -> EmulatedNet:
     return EmulatedNet([ms / 2] * LAYERS, width=width, weight_share=0.5)
 
 
+def _rank_of(stage: int, kind: str) -> int:
+    """The rank of two-chunk stage ``stage`` (one layer each): loop (r, r + S) or V (r, 2S - 1 - r)."""
+    return stage % S if kind == "loop" or stage < S else 2 * S - 1 - stage
+
+
 def _plan(model: EmulatedNet, b: int, m: int, schedule: str, policy: str) -> dapple.Plan:
-    stages = [Stage((2 * i, 2 * i + 2 + (i == S - 1)), [i]) for i in range(S)]  # the head with the last stage
+    if schedule in CHUNKED:  # one layer a stage, two stages a rank; the head with the last
+        stages = [Stage((i, i + 1 + (i == LAYERS - 1)), [_rank_of(i, CHUNKED[schedule])]) for i in range(LAYERS)]
+    else:
+        stages = [Stage((2 * i, 2 * i + 2 + (i == S - 1)), [i]) for i in range(S)]  # the head with the last stage
     return dapple.Plan(global_batch_size=b * m, micro_batch_size=b, schedule=schedule, warmup_policy=policy,
                        stages=stages, layer_names=trace_layers(model).names)
 
@@ -58,13 +71,13 @@ def _pippy_stages(model: EmulatedNet, rank: int, kind: str) -> list[tuple[int, n
         return nn.Sequential(*mods, model.head) if LAYERS - 1 in layers else nn.Sequential(*mods)
     if kind == "single":
         return [(rank, mod([2 * rank, 2 * rank + 1]))]
-    second = rank + S if kind == "loop" else 2 * S - 1 - rank
-    return [(rank, mod([rank])), (second, mod([second]))]
+    return [(i, mod([i])) for i in range(LAYERS) if _rank_of(i, kind) == rank]
 
 
 def _pippy_engines() -> tuple:
     from torch.distributed import pipelining as pp
     engines = [("pippy/1F1B", "single", pp.Schedule1F1B), ("pippy/GPipe", "single", pp.ScheduleGPipe),
+               ("pippy/Interleaved1F1B", "loop", pp.ScheduleInterleaved1F1B),
                ("pippy/InterleavedZB", "loop", pp.ScheduleInterleavedZeroBubble),
                ("pippy/ZBV", "v", pp.ScheduleZBVZeroBubble)]
     if hasattr(pp, "ScheduleDualPipeV"):
@@ -215,9 +228,9 @@ def main() -> None:
     print(f"ideal from measured ops (M + S - 1)(F' + B') = {ideal_ops:.1f} ms")
     med = {name: statistics.median(ts) for name, ts in res.items()}
     zb = med["dapple/zb-h1"]
-    print(f"{'engine':<20}{'median ms':>10}{'min ms':>9}{'efficiency':>12}{'vs ops':>9}{'ZB / it':>9}")
+    print(f"{'engine':<24}{'median ms':>10}{'min ms':>9}{'efficiency':>12}{'vs ops':>9}{'ZB / it':>9}")
     for name, ts in res.items():
-        print(f"{name:<20}{med[name]:>10.1f}{min(ts):>9.1f}{ideal / med[name]:>12.3f}{ideal_ops / med[name]:>9.3f}"
+        print(f"{name:<24}{med[name]:>10.1f}{min(ts):>9.1f}{ideal / med[name]:>12.3f}{ideal_ops / med[name]:>9.3f}"
               f"{med[name] / zb:>9.3f}")
     sim = simulated(args)
     kinds = {name: kind for name, kind, _ in _pippy_engines()[1]}
@@ -226,7 +239,12 @@ def main() -> None:
             sim[name] = replay(acts, f / 2)
     print("simulated (nominal costs, no transfer time; PiPPy: its own action lists, replay()):")
     for name, t in sim.items():
-        print(f"  {name:<20}{t:>8.1f} ms   ZB / it {t / sim['dapple/zb-h1']:.3f}")
+        print(f"  {name:<24}{t:>8.1f} ms   ZB / it {t / sim['dapple/zb-h1']:.3f}")
+    print("dapple / PiPPy on the same two chunks per rank (median step ratio; simulated):")
+    for mine, theirs in PAIRS:
+        if theirs in med:
+            simmed = f"   ({sim[mine] / sim[theirs]:.3f})" if theirs in sim else ""
+            print(f"  {mine:<24} / {theirs:<22} {med[mine] / med[theirs]:.3f}{simmed}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "ideal_ms": ideal, "ideal_ops_ms": ideal_ops, "op_ms": ops, "step_ms": res,

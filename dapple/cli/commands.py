@@ -156,7 +156,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     schedule = args.schedule or plan.schedule
     sim = simulate(plan, prof, cluster, overlap=args.overlap, schedule=schedule, link_sharing=args.link_sharing)
     print(sim)
-    for model in ("refined", "paper"):  # the plan's batch sizes, warmup policy and (unless given) overlap
+    chunked = plan.chunks.chunks > 1  # formula 2 prices one stage per device group: not a plan of chunks
+    for model in ("refined",) if chunked else ("refined", "paper"):  # the plan's sizes, policy and overlap
         est = evaluate(prof, cluster, plan, schedule=schedule, model=model, overlap=args.overlap).latency_ms
         print(f"  {model} model estimate: {est:.3f} ms ({(est - sim.latency_ms) / sim.latency_ms:+.1%} vs simulated "
               f"{sim.latency_ms:.3f} ms)")

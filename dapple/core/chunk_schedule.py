@@ -6,7 +6,9 @@ with index g of P groups of v chunks runs (``rank_ops``):
 - ``interleaved-1f1b`` (Narayanan et al., SC'21, Megatron-LM's order; loop placement): forwards in rounds of P
   micro-batches, chunk after chunk (micro-batches 0..P-1 on chunk 0, the same on chunk 1, ..., then the next P),
   backwards in the same rounds with the chunks reversed; ``(v - 1) P + 2 (P - 1 - g)`` forwards first, then one
-  forward and one backward alternately, then the remaining backwards. The last round may hold fewer than P.
+  forward and one backward alternately, then the remaining backwards. Where P does not divide M: max(1, M // P)
+  rounds of R or R + 1 micro-batches (R = M // rounds, as torch.distributed.pipelining makes them where they come
+  out even), ``(v - 1) R + 2 (P - 1 - g)`` forwards first.
 - ``zb-v`` (Qi et al., ICLR'24, section 6, as torch.distributed.pipelining's ScheduleZBVZeroBubble builds it; V
   placement, two chunks): each backward split into B (input gradients) and W (weight gradients); the chunk on the
   way down (stage g) warms up with 2(P - g) - 1 forwards, the chunk on the way up (stage 2P - 1 - g) joins, and in
@@ -68,19 +70,28 @@ def rank_ops(schedule: str, num_micro_batches: int, groups: int, chunks: int, gr
     raise ValueError(f"schedule: expected one of {CHUNKED_SCHEDULES}, got {schedule!r}")
 
 
+def round_sizes(m: int, groups: int) -> list[int]:
+    """The micro-batches of each round: max(1, M // P) rounds, as even as may be, the larger first (R = M // rounds
+    each where that divides M, as torch.distributed.pipelining's ScheduleInterleaved1F1B makes them). Never fewer
+    than P a round where M >= P: Megatron's rounds of P with a short last one deadlock (e.g. P = 5, M = 7)."""
+    rounds = max(1, m // groups)
+    return [m // rounds + (1 if r < m % rounds else 0) for r in range(rounds)]
+
+
 def forward_order(m: int, groups: int, chunks: int) -> list[tuple[int, int]]:
-    """Megatron's order of a group's forwards, as (micro-batch, chunk): rounds of ``groups`` micro-batches (the last
-    may hold fewer), chunk after chunk within each."""
-    out = []
-    for first in range(0, m, groups):
-        last = min(first + groups, m)
-        out += [(j, c) for c in range(chunks) for j in range(first, last)]
+    """Megatron's order of a group's forwards, as (micro-batch, chunk): in rounds (:func:`round_sizes`), chunk after
+    chunk within each."""
+    out, first = [], 0
+    for size in round_sizes(m, groups):
+        out += [(j, c) for c in range(chunks) for j in range(first, first + size)]
+        first += size
     return out
 
 
 def interleaved_warmup(m: int, groups: int, chunks: int, group: int) -> int:
-    """The forwards group ``group`` runs before its first backward's turn: (v - 1) P + 2 (P - 1 - g), at most v M."""
-    return min(chunks * m, (chunks - 1) * groups + 2 * (groups - 1 - group))
+    """The forwards group ``group`` runs before its first backward's turn: (v - 1) R + 2 (P - 1 - g) with R the first
+    round's micro-batches (P where P divides M), at most v M."""
+    return min(chunks * m, (chunks - 1) * round_sizes(m, groups)[0] + 2 * (groups - 1 - group))
 
 
 def interleaved_ops(m: int, groups: int, chunks: int, group: int) -> list[ChunkOp]:
@@ -143,15 +154,19 @@ def chunk_warmups(ops: Sequence[ChunkOp]) -> dict[int, int]:
     return forwards
 
 
-def peak_held(ops: Sequence[ChunkOp], weight: Callable[[int], float] = lambda stage: 1.0) -> float:
+def peak_held(ops: Sequence[ChunkOp], weight: Callable[[int], float] = lambda stage: 1.0,
+              release: Callable[[int], str] | None = None) -> float:
     """The most a group holds at once of micro-batches whose forward ran and whose backward has not (a split
-    backward: whose W has not; W needs what the forward saved), each counted ``weight(stage)`` (1: chunks)."""
-    release = "W" if any(op.kind == "W" for op in ops) else "B"
+    backward: whose W has not; W needs what the forward saved), each counted ``weight(stage)`` (1: chunks).
+    ``release(stage)``: the op that frees a stage's micro-batch ("B": a recomputing stage runs its whole backward
+    in B); default "W" where the ops have W, else "B"."""
+    kind = "W" if any(op.kind == "W" for op in ops) else "B"
+    frees = release or (lambda stage: kind)
     alive = peak = 0.0
     for op in ops:
         if op.kind == "F":
             alive += weight(op.stage)
             peak = max(peak, alive)
-        elif op.kind == release:
+        elif op.kind == frees(op.stage):
             alive -= weight(op.stage)
     return peak

@@ -128,7 +128,10 @@ def _planning_lines(plan: "Plan") -> list[str]:
                 f"plan found so far (time_limit= searches longer)" if meta.get("search_complete") is False else "")
              + (f"; optimality gap {meta['gap']:.1%}" if meta.get("gap") else "")]
     searched = meta.get("search_schedule")
-    if searched and searched != plan.schedule:  # the search's bound is one of the 1F1B model: none is claimed here
+    if plan.chunks.chunks > 1:
+        lines.append(f"  the search models one stage per device group under the {searched or 'dapple'} schedule; "
+                     f"these chunks were not searched: no lower bound or optimality is claimed")
+    elif searched and searched != plan.schedule:  # the search's bound is one of the 1F1B model: none is claimed here
         lines.append(f"  the search models the {searched} schedule; the simulator judged its candidates under "
                      f"{plan.schedule}: no lower bound is claimed")
     bound = meta.get("latency_lower_bound_ms")
@@ -136,7 +139,26 @@ def _planning_lines(plan: "Plan") -> list[str]:
         off = plan.estimate.latency_ms / bound - 1
         lines.append(f"  no plan on all {plan.num_devices} devices is modelled below {bound:.1f} ms: " + (
             "this one is the model's best" if off < 5e-5 else f"this one is within {off:.1%} of the best possible"))
-    return lines
+    return lines + _chunk_lines(plan)
+
+
+def _chunk_lines(plan: "Plan") -> list[str]:
+    """What ``dapple.plan`` tried of two chunks per device group (``meta["schedule_choice"]["chunked"]``)."""
+    choice = plan.meta.get("schedule_choice")
+    tried = choice.get("chunked") if isinstance(choice, dict) else None
+    if not tried:
+        return []
+    ran = [f"{t['schedule']} on {t['layout']} {t['simulated_ms']:.3f} ms" for t in tried if "simulated_ms" in t]
+    refused = [f"{t['schedule']} on {t['layout']}: {t['refused']}" for t in tried if "refused" in t]
+    verdict = ("this plan simulated fastest" if plan.chunks.chunks > 1
+               else "none simulated faster than this plan" if ran else "none was simulated")
+    own = choice.get("simulated_ms")
+    if isinstance(own, dict) and own:
+        verdict += "; one stage per device group: " + ", ".join(f"{k} {v:.3f} ms" for k, v in own.items())
+    return ([f"  two chunks per device group (the search's device groups and one device per group, the layers re-cut "
+             f"to balance each chunk's compute and transfers; simulated, not searched): {verdict}"]
+            + ([f"    simulated: {'; '.join(ran)}"] if ran else [])
+            + ([f"    not tried: {'; '.join(refused)}"] if refused else []))
 
 
 def _limit(seconds: object) -> str:

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
 from ..core.plan import Plan, Stage
-from ..core.schedule import SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
+from ..core.schedule import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
 from . import tuning
 from .checks import profile_and_cluster
+from .chunked import chunked_schedules, settle_chunks
 from .judge import (
     AUTO,
     Candidate,
@@ -76,7 +77,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             (formula 2 as printed).
         overlap: gradient AllReduce overlapped with the last backward, bucket by bucket, as dapple's runtime runs
             every plan (the default). ``model="paper", overlap=False`` is the paper's planner, for its tables.
-        schedule: core.schedule.SCHEDULES, or "auto": dapple or zb-h1, whichever is faster (:func:`_settled`).
+        schedule: core.schedule.SCHEDULES, or "auto": dapple or zb-h1, whichever is faster, or (refined model) a
+            plan of two chunks per device group under interleaved-1f1b or zb-v where one simulates faster
+            (:func:`_settled`, planner/chunked.py); "interleaved-1f1b" or "zb-v": the best plan of two chunks per
+            device group in that order.
         warmup_policy: "A" or "B"; None: the better one under the refined model (A on ties: it holds fewer
             activations). K_i is recorded per stage.
         optimizer_factor: bytes held per parameter byte (weights, gradients, optimizer state).
@@ -114,7 +118,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         ValueError: a bad argument (naming it); NoFitError (a ValueError): no plan fits in device memory.
         TypeError: ``profile`` or ``cluster`` is not a loaded Profile / Cluster.
     """
-    if schedule in (AUTO, *SPLIT_BACKWARD) or _check_activations(recompute, mixed_precision) == "auto":
+    if schedule in (AUTO, *SPLIT_BACKWARD, *CHUNKED_SCHEDULES) or \
+            _check_activations(recompute, mixed_precision) == "auto":
         return _where_memory_binds(dict(locals())) if recompute == "auto" else _settled(dict(locals()))
     return _planned(**locals())
 
@@ -183,24 +188,36 @@ def _settled(args: dict) -> Plan:
     it faster (only where every stage can hold K_0 micro-batches until their W; ``meta["schedule_choice"]``
     records it); zb-h1 asked for by name must fit so (NoFitError naming the stage). Re-estimated (and
     re-simulated if it was) where that changed the schedule. A zb-h1 plan claims no lower bound: the search's
-    is one of the 1F1B model (``meta["search_schedule"]``)."""
-    p = _planned(**args)
+    is one of the 1F1B model (``meta["search_schedule"]``). Then (refined model) "auto" also simulates the plan's
+    two-chunk variants under interleaved-1f1b and zb-v and takes one that is faster (chunked.settle_chunks;
+    ``SearchTuning.chunked_variants``); a schedule of chunks by name: the fastest variant of the search's plan."""
+    named = args["schedule"] in CHUNKED_SCHEDULES  # chunks asked for by name: the search's plan is a start
+    p = _planned(**(dict(args, schedule="dapple") if named else args))
     profile, cluster = args["profile"], args["cluster"]
-    schedule, record = settle_schedule(args["schedule"], p, profile, cluster, overlap=bool(p.meta.get("overlap")),
-                                       optimizer_factor=args["optimizer_factor"])
+    if named:
+        schedule, record = p.schedule, None
+    else:
+        schedule, record = settle_schedule(args["schedule"], p, profile, cluster,
+                                           overlap=bool(p.meta.get("overlap")),
+                                           optimizer_factor=args["optimizer_factor"])
     meta = {**p.meta, **({"schedule_choice": record} if record is not None else {})}
     if schedule in SPLIT_BACKWARD:
         meta.pop("latency_lower_bound_ms", None)
         meta["search_schedule"] = "dapple"
     if schedule == p.schedule:
         p.meta = meta
-        return p
-    est = evaluate(profile, cluster, p, schedule=schedule, optimizer_factor=args["optimizer_factor"])
-    out = Plan(p.global_batch_size, p.micro_batch_size, p.stages, schedule=schedule, warmup_policy=p.warmup_policy,
-               layer_names=p.layer_names, estimate=est, meta=meta, mixed_precision=p.mixed_precision,
-               shard_optimizer=p.shard_optimizer)
-    if "simulated_ms" in meta:
-        meta["simulated_ms"] = round(simulate(out, profile, cluster, overlap=bool(meta.get("overlap"))).latency_ms, 4)
+        out = p
+    else:
+        est = evaluate(profile, cluster, p, schedule=schedule, optimizer_factor=args["optimizer_factor"])
+        out = Plan(p.global_batch_size, p.micro_batch_size, p.stages, schedule=schedule,
+                   warmup_policy=p.warmup_policy, layer_names=p.layer_names, estimate=est, meta=meta,
+                   mixed_precision=p.mixed_precision, shard_optimizer=p.shard_optimizer)
+        if "simulated_ms" in meta:
+            meta["simulated_ms"] = round(simulate(out, profile, cluster,
+                                                  overlap=bool(meta.get("overlap"))).latency_ms, 4)
+    tries = chunked_schedules(args["schedule"]) if args["model"] == "refined" else ()
+    if named or (tries and tuning.TUNING.chunked_variants):
+        return settle_chunks(out, args, tries, named)
     return out
 
 
@@ -233,7 +250,10 @@ def _where_memory_binds(args: dict) -> Plan:
 
 def _reflagged(p: Plan, profile: "Profile", cluster: "Cluster", optimizer_factor: float) -> Plan:
     """``p`` with each stage recomputing as auto_recompute says (K_i from its policy again), re-estimated (and
-    re-simulated if it was simulated and a stage changed)."""
+    re-simulated if it was simulated and a stage changed); a plan of chunks as it is (its chunks recompute as
+    planned: all or none)."""
+    if p.chunks.chunks > 1:
+        return p
     overlap = bool(p.meta.get("overlap"))
     est = evaluate(profile, cluster, [Stage(s.layers, s.devices) for s in p.stages], p.global_batch_size,
                    p.micro_batch_size, schedule=p.schedule, warmup_policy=p.warmup_policy,
@@ -275,6 +295,9 @@ def _checked(profile: "Profile", cluster: "Cluster", g: int, *, model: str, sche
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if schedule not in SCHEDULES and schedule != AUTO:
         raise ValueError(f"schedule: expected one of {SCHEDULES} or {AUTO!r}, got {schedule!r}")
+    if schedule in CHUNKED_SCHEDULES and model != "refined":
+        raise ValueError(f"schedule={schedule!r}: a plan of chunks is priced by simulating it; use model='refined' "
+                         f"(got model={model!r})")
     if not is_real(gap) or not 0 <= gap < 1:
         raise ValueError(f"gap: expected a fraction in [0, 1), e.g. 0.01 for 1%, got {gap!r}")
     if search not in SEARCHES:

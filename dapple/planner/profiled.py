@@ -3,6 +3,7 @@ carry the profile's tracing (``Profile.meta["tracing"]``) into the plan, for ``d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -24,9 +25,8 @@ def profiled(reprice: Callable[..., Any] | None = None) -> Callable[[Callable[..
             j = joined(profile)
             p = planner(profile if j is None else j.profile, cluster, *args, **kwargs)
             if j is not None:
-                p = Plan(p.global_batch_size, p.micro_batch_size, j.original(p.stages), schedule=p.schedule,
-                         warmup_policy=p.warmup_policy, layer_names=list(profile.layer_names), estimate=p.estimate,
-                         meta={**p.meta, **profile.source()}, mixed_precision=p.mixed_precision)
+                p = dataclasses.replace(p, stages=j.original(p.stages), layer_names=list(profile.layer_names),
+                                        meta={**p.meta, **profile.source()})  # (every other field as planned)
                 if reprice is not None:
                     p.estimate = reprice(profile, cluster, p, **kwargs)
             tracing = profile.meta.get("tracing") if isinstance(profile, Profile) else None

@@ -34,6 +34,7 @@ class SearchTuning:
     verify_within: float = 0.1  # candidates modelled more than this fraction above the DP's plan are not simulated
     simulate_limit: int = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
     tie: float = 1e-3  # a later candidate or schedule must simulate this fraction faster to be taken
+    chunked_variants: bool = True  # schedule="auto" (refined model): also the plan's two-chunk variants (chunked.py)
     # worker processes (workers.py)
     worker_memory: float = 2e9  # bytes a worker may need: workers="auto" starts no more than fit
     fork_worth: float = 0.1  # seconds of in-process work from which workers="auto" forks a full search's steps too

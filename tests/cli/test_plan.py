@@ -100,6 +100,22 @@ def test_a_notebook_plan_of_a_loaded_profile_simulates_from_the_command_line(tmp
     assert loaded.path == made.meta["profile_file"] and loaded == prof
 
 
+def test_plan_and_simulate_a_plan_of_chunks(tmp_path, capsys):
+    """`dapple plan --schedule auto` may return two chunks per device group; `dapple simulate` prices it with the
+    refined model only (formula 2 knows one stage per device group)."""
+    from tests.planner.helpers import cluster, linear_profile
+
+    linear_profile([1.0] * 8, params=2e9, boundary=1e3, saved=1e5).save(tmp_path / "p.yaml")
+    cluster(1, 4, intra=1e10).save(tmp_path / "c.yaml")
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", str(tmp_path / "p.yaml"), "--cluster", str(tmp_path / "c.yaml"), "--global-batch", "32",
+                 "--micro-batch", "4", "--schedule", "auto", "--workers", "1", "-o", str(out)]) == 0
+    assert Plan.load(out).chunks.chunks == 2 and "simulated, not searched" in capsys.readouterr().out
+    assert main(["simulate", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "simulated zb-v iteration" in text and "refined model estimate" in text and "paper" not in text
+
+
 def test_a_plan_moved_with_its_profile_finds_it_beside_itself(tmp_path, capsys):
     """Plan and profile copied together elsewhere (another machine): the recorded path is gone, the file beside
     the plan is used."""

@@ -14,6 +14,7 @@ from dapple.core.chunk_schedule import (
     interleaved_ops,
     peak_held,
     rank_ops,
+    round_sizes,
     zbv_ops,
 )
 
@@ -34,21 +35,28 @@ def test_zbv_is_torch_pipelinings_order(groups):
                 ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, g)), (m, g)
 
 
-@pytest.mark.parametrize("groups, chunks", [(1, 2), (2, 2), (4, 2), (2, 3), (3, 3), (4, 4)])
-def test_interleaved_is_torch_pipelinings_order_where_rounds_are_full(groups, chunks):
-    """Megatron's order (rounds of P micro-batches); torch.distributed.pipelining's ScheduleInterleaved1F1B makes the
-    same where M is a multiple of P (otherwise it makes rounds of M // (M // P) micro-batches)."""
+@pytest.mark.parametrize("groups, chunks", [(1, 2), (2, 2), (4, 2), (2, 3), (3, 3), (4, 4), (5, 2)])
+def test_interleaved_is_torch_pipelinings_order(groups, chunks):
+    """Megatron's order in torch.distributed.pipelining's rounds: ScheduleInterleaved1F1B makes the same for every M
+    it accepts (rounds of M // (M // P) micro-batches that divide M)."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
-    for m in range(groups, 4 * groups + 1, groups):
+    for m in range(1, 4 * groups + 2):
+        rounds = max(1, m // groups)
+        if m % rounds:
+            continue  # torch refuses it: uneven rounds
         for g in range(groups):
             fake = SimpleNamespace(pp_group_size=groups, _n_microbatches=m, n_local_stages=chunks,
-                                   microbatches_per_round=groups)
+                                   microbatches_per_round=m // rounds)
             assert [tuple(op) for op in interleaved_ops(m, groups, chunks, g)] == _pippy(
                 ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, g)), (m, g)
 
 
-def test_megatrons_rounds_keep_a_short_last_round():
-    assert forward_order(5, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1), (4, 0), (4, 1)]
+def test_rounds_hold_at_least_p_micro_batches():
+    """Megatron's rounds of P with a short last one deadlock (P = 5, M = 7: tests/runtime/test_program.py); rounds of
+    M // (M // P), the larger first, do not."""
+    assert round_sizes(7, 5) == [7] and round_sizes(13, 5) == [7, 6] and round_sizes(12, 4) == [4, 4, 4]
+    assert round_sizes(3, 5) == [3]
+    assert forward_order(5, 2, 2) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
 
 
 @pytest.mark.parametrize("schedule, groups, chunks", [("interleaved-1f1b", 3, 2), ("interleaved-1f1b", 2, 3),

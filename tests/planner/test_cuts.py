@@ -75,3 +75,13 @@ def test_the_profile_document_keeps_the_flag(tmp_path):
     doc["layers"][0]["cuttable"] = "no"
     with pytest.raises(ValueError, match=r"layers\[0\] \(l0\).cuttable: expected true or false, got 'no'"):
         Profile.from_dict(doc)
+
+
+def test_a_plan_of_a_joined_profile_keeps_what_it_was_planned_for():
+    """Mapped back onto the profile's layers, the plan keeps every field: sharded optimizer state (its estimate
+    priced so), mixed precision, the schedule."""
+    prof = _uncut(random_profile(random.Random(4), 6), {2})
+    c = cluster(1, 4, inter=1e9)
+    p = make_plan(prof, c, 32, shard_optimizer=True, mixed_precision="bf16", workers=1)
+    assert p.shard_optimizer and p.mixed_precision == "bf16" and p.estimate.details["shard_optimizer"]
+    assert p.estimate.latency_ms == evaluate(prof, c, p).latency_ms

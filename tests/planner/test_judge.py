@@ -7,7 +7,7 @@ import pytest
 
 import dapple
 from dapple.core.plan import Plan, Stage
-from dapple.core.schedule import SPLIT_BACKWARD, warmup_counts
+from dapple.core.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD, warmup_counts
 from dapple.planner import evaluate, simulate, tuning
 from dapple.planner.baselines.exhaustive import every_plan
 from dapple.planner.judge import choose_schedule, devices_of
@@ -74,7 +74,8 @@ def test_the_simulator_judges_every_plan_under_the_schedules_asked_for(schedule,
             continue
         checked += 1
         p = dapple.plan(prof, c, g, b, schedule=schedule)
-        assert p.schedule in schedules, (i, p.schedule)
+        # "auto" may also take a plan of two chunks per device group, where it simulates faster (test_chunked.py)
+        assert p.schedule in schedules + (CHUNKED_SCHEDULES if schedule == "auto" else ()), (i, p.schedule)
         assert simulate(p, prof, c, overlap=True).latency_ms <= best * (1 + 1e-3), (i, c.name, g, b, p)
     assert checked >= 10
 
@@ -82,7 +83,9 @@ def test_the_simulator_judges_every_plan_under_the_schedules_asked_for(schedule,
 STAGES = [Stage((0, 2), [0], 4), Stage((2, 4), [1], 3), Stage((4, 6), [2], 2), Stage((6, 8), [3], 1)]
 
 
-def test_auto_picks_zero_bubble_for_a_pipeline_and_records_why(tmp_path):
+def test_auto_picks_zero_bubble_for_a_pipeline_and_records_why(tmp_path, monkeypatch):
+    # one stage per device group: here two chunks per group simulate faster still (test_chunked.py)
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(chunked_variants=False))
     prof = linear_profile([1.0] * 8, params=2e9, boundary=1e3)  # big parameters: a pipeline beats data parallel
     c = cluster(1, 4, intra=1e10)
     plan = dapple.plan(prof, c, 64, schedule="auto", overlap=True)
@@ -127,8 +130,10 @@ def test_the_refined_model_of_zb_h1_is_its_simulation():
     assert est.warmup_ms > 0 and est.steady_ms > 0 and est.ending_ms > 0
 
 
-def test_an_explicit_zero_bubble_plan_that_does_not_fit_is_refused():
-    """The last stage's activations fit once (K_3 = 1 under dapple) but not K_0 = 4 times (zb-h1)."""
+def test_an_explicit_zero_bubble_plan_that_does_not_fit_is_refused(monkeypatch):
+    """The last stage's activations fit once (K_3 = 1 under dapple) but not K_0 = 4 times (zb-h1). (One stage per
+    device group: zb-v, whose V puts the last layers beside the first, fits here and simulates faster.)"""
+    monkeypatch.setattr(tuning, "TUNING", tuning.TUNING.replace(chunked_variants=False))
     prof = linear_profile([1.0] * 8, params=2e9, boundary=1e3, saved=[1e3] * 6 + [1e9] * 2)
     c = cluster(1, 4, intra=1e10, memory=5e10)
     plan = dapple.plan(prof, c, 64, 8, overlap=True, schedule="auto")

@@ -225,3 +225,15 @@ def test_a_hand_off_needed_before_it_is_made_is_a_deadlock():
     programs[1][first], programs[1][second] = programs[1][second], programs[1][first]
     with pytest.raises(CommError, match=r"deadlock: .*1: 'compute F0@s2'"):
         dry_run(plan, layout, programs)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_interleaved_orders_never_deadlock_however_many_groups(chunks):
+    """Every M up to 3P + 1 on up to 8 groups, where P does not divide M too (Megatron's short last round deadlocked
+    at P = 5, M = 7: 'every unfinished rank waits on a receive nobody will send')."""
+    for groups in range(1, 9):
+        layout = BoundaryLayout(values=(1,) * (chunks * groups - 1), grads=((0,),) * (chunks * groups - 1))
+        for m in range(1, 3 * groups + 2):
+            plan = Plan(m, 1, [Stage((i, i + 1), [i % groups]) for i in range(chunks * groups)],
+                        schedule="interleaved-1f1b")
+            dry_run(plan, layout)

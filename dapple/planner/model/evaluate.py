@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 from ...core.checks import flag, positive_int
 from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
 from ...core.schedule import (
+    CHUNKED_SCHEDULES,
     SCHEDULES,
     SPLIT_BACKWARD,
     WARMUP_POLICIES,
@@ -18,6 +19,7 @@ from ...core.schedule import (
 from ..checks import profile_and_cluster
 from ..cuts import check_cuts
 from ..simulator.latency import simulated_latency
+from .chunks import chunked_unfit, stage_memory
 from .cost import CostModel, Span, layout_of
 from .memory import (
     RECOMPUTE_MODES,
@@ -196,7 +198,9 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
             every stage gives one), or a Plan.
         global_batch_size, micro_batch_size: samples per iteration and per micro-batch.
         schedule: "dapple" (default), "gpipe" or "zb-h1" (the refined model simulates its split backward,
-            :mod:`dapple.planner.simulator.latency`; the paper's formula 2 knows only 1F1B).
+            :mod:`dapple.planner.simulator.latency`; the paper's formula 2 knows only 1F1B); for stages that are
+            several chunks per device group, "interleaved-1f1b" or "zb-v" (simulated; their K_i the order's, each
+            device's memory every chunk's, :mod:`dapple.planner.model.chunks`).
         warmup_policy: "A" (default) or "B", for K_i when the stages give none.
         optimizer_factor: static bytes per parameter byte.
         model: "refined" (default: :mod:`dapple.planner.model.refined`, as :func:`dapple.plan`) or "paper"
@@ -226,6 +230,12 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     sts = stage_list(stages, profile.num_layers, cluster, b)
     check_cuts(profile, sts, "evaluate")
     M = opt.global_batch_size // b
+    if opt.schedule in CHUNKED_SCHEDULES:
+        recompute_mode(recompute, (None, False, True))
+        cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=bool(recompute),
+                       mixed_precision=opt.mixed_precision, shard_optimizer=shard_optimizer)
+        flags = [s.recompute for s in sts] if recompute is None else [bool(recompute)] * len(sts)
+        return _chunked(profile, cluster, cm, sts, opt, flags)
     given = _given_warmup(sts, M, opt.schedule)
     recompute_mode(recompute, (None,) + RECOMPUTE_MODES)
     auto = recompute == "auto"
@@ -250,6 +260,26 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         if opt.model == "refined":  # the closed form is 1F1B's: simulate the split
             lat = simulated_latency(played, profile, cluster, opt.overlap)
     return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule)
+
+
+def _chunked(profile: "Profile", cluster: "Cluster", cm: CostModel, stages: list[Stage], opt: _Options,
+             recompute: list[bool]) -> Estimate:
+    """evaluate() of stages that are chunks (a schedule of :data:`CHUNKED_SCHEDULES`): the simulated iteration (no
+    closed form prices them), each chunk's costs, each device's memory (every chunk's activations in flight)."""
+    if opt.model != "refined":
+        raise ValueError(f"model={opt.model!r}: formula 2 prices one stage per device; a plan of chunks "
+                         f"({opt.schedule}) is priced by simulating it (model='refined')")
+    played = Plan(opt.global_batch_size, opt.micro_batch_size,
+                  [Stage(s.layers, s.devices, None, r) for s, r in zip(stages, recompute)], schedule=opt.schedule,
+                  mixed_precision=opt.mixed_precision, shard_optimizer=cm.shard_optimizer)  # K_i: the order's
+    M = played.num_micro_batches
+    if why := chunked_unfit(cm, played.stages, M, opt.schedule, cluster.device_memory):
+        raise NoFitError(f"schedule={opt.schedule!r}: the plan does not fit: {why}")
+    spans = [Span(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in stages]
+    pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, played.warmup, check=False, recompute=recompute)
+    lat = simulated_latency(played, profile, cluster, opt.overlap)
+    return make_estimate(cm, spans, pc, D, lat, model=opt.model, overlap=opt.overlap, schedule=opt.schedule,
+                         memory=stage_memory(cm, played.stages, M, opt.schedule), devices=played.num_devices)
 
 
 def auto_recompute(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "A",
@@ -332,16 +362,19 @@ def _given_warmup(stages: list[Stage], M: int, schedule: str) -> list[int] | Non
 
 
 def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Sequence[int], lat: Latency, *,
-                  model: str, overlap: bool, schedule: str) -> Estimate:
-    """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot."""
+                  model: str, overlap: bool, schedule: str, memory: Sequence[float] | None = None,
+                  devices: int | None = None) -> Estimate:
+    """An Estimate with ``details``: per-stage F/B/AR/comm/K_i/D/memory, bubble fraction, ACR, pivot. Stages that
+    are chunks give ``memory`` (per stage: its devices' peak bytes, all their chunks) and ``devices`` (distinct)."""
     # a split backward holds each micro-batch until its W: stage i holds stage_holds' count, not K_i
-    held = stage_holds(pc.K, pc.M) if schedule in SPLIT_BACKWARD else list(pc.K)
-    per = [_stage_details(cm, pc, i, span, D[i], overlap=overlap, held=held[i])
-           for i, span in enumerate(spans)]
+    held = stage_holds(pc.K, pc.M) if schedule in SPLIT_BACKWARD and memory is None else list(pc.K)
+    per = [_stage_details(cm, pc, i, span, D[i], overlap=overlap, held=held[i],
+                          memory=None if memory is None else memory[i]) for i, span in enumerate(spans)]
     busy = 0.0
     for i, (_, _, lay) in enumerate(spans):
         busy += len(lay) * pc.M * (pc.F[2 * i] + pc.B[2 * i])
-    devices = sum(len(lay) for _, _, lay in spans)
+    if devices is None:
+        devices = sum(len(lay) for _, _, lay in spans)
     comm = [pc.F[j] + pc.B[j] for j in range(1, len(pc.F), 2)]
     compute = [pc.F[j] + pc.B[j] for j in range(0, len(pc.F), 2)]
     acr = (sum(comm) / len(comm)) / (sum(compute) / len(compute)) if comm and sum(compute) > 0 else 0.0
@@ -358,16 +391,18 @@ def make_estimate(cm: CostModel, spans: Sequence[Span], pc: PipelineCosts, D: Se
 
 
 def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int, *, overlap: bool,
-                   held: int) -> dict:
+                   held: int, memory: float | None = None) -> dict:
     """``details["stages"][i]``: stage i's costs, rounded as Estimate.to_dict writes them (``memory_gb`` with
-    ``held`` micro-batches' activations: K_i, or more under a split backward)."""
+    ``held`` micro-batches' activations: K_i, or more under a split backward; ``memory``: bytes given, a chunk's
+    device's)."""
     a, c, lay = span
     k = pc.K[i]
     rc = bool(pc.recompute and pc.recompute[i])
     out = {"layers": [a, c], "replicas": len(lay), "rows": cm.rows(len(lay)),
            "forward_ms": round(pc.F[2 * i], 6), "backward_ms": round(pc.B[2 * i], 6),
            "allreduce_ms": round(pc.AR[2 * i], 6), "warmup": k, "max_in_flight": int(min(d, 1 << 20)),
-           "memory_gb": round(cm.stage_bytes(a, c, len(lay), rc).peak(k if rc else held) / 1e9, 4)}
+           "memory_gb": round((cm.stage_bytes(a, c, len(lay), rc).peak(k if rc else held) if memory is None
+                               else memory) / 1e9, 4)}
     if rc:
         out["recompute"] = True
     if overlap and len(lay) > 1:

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ...core.buckets import BUCKET_BYTES
 from ...core.checks import flag
+from ...core.chunk_schedule import ChunkOp, peak_held, rank_ops
 from ...core.cluster import LINK_SHARING
 from ...core.plan import Plan, check_fit
-from ...core.schedule import SPLIT_BACKWARD, Op, peak_in_flight, pipeline_stage_ops
+from ...core.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD, pipeline_stage_ops
 from ...core.split_concat import routes, slice_bounds
 from ...core.timeline import Event, lane_of
 from ..checks import instance, profile_and_cluster
@@ -57,8 +58,9 @@ class SimResult:
     schedule: str
     overlap: bool
     num_micro_batches: int
-    stage_of_device: dict[int, int] = field(default_factory=dict)
+    stage_of_device: dict[int, int] = field(default_factory=dict)  # a device of several chunks: its first stage
     link_sharing: str = "held"  # transfers hold their links whole, or share them ("shared")
+    stages_of_device: dict[int, list[int]] = field(default_factory=dict)  # every stage (chunk) of each device
 
     def device_timeline(self, device: int) -> list[TimelineOp]:
         """Compute and AllReduce intervals of one device, in time order."""
@@ -66,9 +68,9 @@ class SimResult:
 
     def max_alive(self, device: int) -> int:
         """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held; split
-        backward: until their W)."""
-        return peak_in_flight([Op(o.kind, o.micro_batch) for o in self.device_timeline(device)
-                              if o.kind in COMPUTE_KINDS])
+        backward: until their W), every chunk's counted."""
+        return int(peak_held([ChunkOp(o.kind, o.micro_batch, o.stage) for o in self.device_timeline(device)
+                              if o.kind in COMPUTE_KINDS]))
 
     def busy_fraction(self) -> float:
         """Share of device time spent in forward/backward compute."""
@@ -121,11 +123,18 @@ def simulate(plan: "Plan", profile: "Profile", cluster: "Cluster", *, overlap: b
     if link_sharing not in LINK_SHARING:
         raise ValueError(f"link_sharing: expected one of {LINK_SHARING}, got {link_sharing!r}")
     schedule = schedule or plan.schedule
+    if (schedule in CHUNKED_SCHEDULES) != (plan.schedule in CHUNKED_SCHEDULES):
+        raise ValueError(f"schedule: {schedule!r} cannot run the plan's stages, made for {plan.schedule!r} (one runs "
+                         f"several chunks per device group, the other one stage)")
     check_fit(plan.stages, profile.num_layers, cluster.num_devices, "simulate")
     plan.check_layers(profile.layer_names, f"the profile of {profile.model}")
     cm = CostModel(profile, cluster, plan.micro_batch_size, bucket_bytes=bucket_bytes,
                    mixed_precision=plan.mixed_precision)
     return _Sim(plan, cm, cluster, schedule, overlap, link_sharing == "shared").run()
+
+
+class Deadlock(ValueError):
+    """The plan's op orders wait on each other: some device never runs its next op."""
 
 
 class _Pending(NamedTuple):
@@ -141,15 +150,18 @@ class _Pending(NamedTuple):
     links: tuple  # transfers.route_links
     src_server: int
     dst_server: int
+    stage: int  # the sending stage (the receiving one: the next for "F", the one before for "B")
 
 
 class _Arrival(NamedTuple):
-    """A transfer's end: ``dst`` has one more of the ``kind`` tensors of micro-batch ``mb``, ``links`` are free."""
+    """A transfer's end: stage ``stage`` on ``dst`` has one more of the ``kind`` tensors of micro-batch ``mb``,
+    ``links`` are free."""
 
     dst: int
     kind: str
     mb: int
     links: tuple
+    stage: int
 
 
 class _Sim:
@@ -170,17 +182,17 @@ class _Sim:
             for r in rs:
                 self.need_f[i + 1][r.dst] += 1
                 self.need_b[i][r.src] += 1
-        self.ops = {d: pipeline_stage_ops(schedule, self.M, plan.warmup, i) for i, st in enumerate(plan.stages)
-                    for d in st.devices}
+        self.ops = device_ops(plan, schedule)  # per device: (stage, op) in the runtime's order
         self.split = schedule in SPLIT_BACKWARD
         # the op whose run for the last micro-batch makes a stage's gradients final (a recomputing stage runs its
         # whole backward in B under a split schedule too)
         self.grad_kind = ["W" if self.split and not st.recompute else "B" for st in plan.stages]
         self.shares: dict[tuple[int, int], float | None] = {}  # (stage, replica) -> profiled weight share
-        self.where = {d: (i, k) for i, st in enumerate(plan.stages) for k, d in enumerate(st.devices)}
+        self.replica = {d: k for st in plan.stages for k, d in enumerate(st.devices)}  # (every chunk: the same)
+        self.stages_of = {d: sorted({i for i, _ in ops}) for d, ops in self.ops.items()}
         self.ptr = {d: 0 for d in self.ops}
         self.busy = {d: False for d in self.ops}
-        self.arrived: dict[tuple, int] = {}  # (device, kind, micro_batch) -> transfers arrived
+        self.arrived: dict[tuple, int] = {}  # (device, stage, kind, micro_batch) -> transfers arrived
         self.link_busy: set = set()
         self.waiting: list = []  # ready transfers waiting for a busy link
         self.blocked = 0  # waiting[:blocked] found their links busy at the last dispatch (held links)
@@ -189,15 +201,15 @@ class _Sim:
         self.seq = 0
         self.timeline: list[TimelineOp] = []
         self.transfers: list[TimelineOp] = []
-        self.last_b_start: dict[int, float] = {}
+        self.last_b_start: dict[tuple[int, int], float] = {}  # (device, stage) -> start of its last B (or W)
         self.done_at: dict[int, float] = {}
 
     def push(self, t: float, kind: str, payload: tuple) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, payload))
 
-    def duration(self, d: int, kind: str) -> float:
-        i, k = self.where[d]
+    def duration(self, d: int, i: int, kind: str) -> float:
+        k = self.replica[d]
         a, c = self.plan.stages[i].layers
         f, b = self.cm.compute_rows(a, c, self.rows[i][k], self.plan.stages[i].recompute)
         if kind == "F":
@@ -216,30 +228,35 @@ class _Sim:
         return self.shares[(i, k)]
 
     def ready(self, d: int) -> bool:
-        i, k = self.where[d]
-        op = self.ops[d][self.ptr[d]]
+        i, op = self.ops[d][self.ptr[d]]
+        k = self.replica[d]
         if op.kind == "F":
-            return i == 0 or self.arrived.get((d, "F", op.micro_batch), 0) >= self.need_f[i][k]
+            return i == 0 or self.arrived.get((d, i, "F", op.micro_batch), 0) >= self.need_f[i][k]
         if op.kind == "W":  # after its own B, earlier in the device's order
             return True
-        return i == self.S - 1 or self.arrived.get((d, "B", op.micro_batch), 0) >= self.need_b[i][k]
+        return i == self.S - 1 or self.arrived.get((d, i, "B", op.micro_batch), 0) >= self.need_b[i][k]
 
     def try_start(self, d: int, t: float) -> None:
         if self.busy[d] or self.ptr[d] >= len(self.ops[d]) or not self.ready(d):
             return
-        op = self.ops[d][self.ptr[d]]
-        i, k = self.where[d]
-        end = t + self.duration(d, op.kind)
+        i, op = self.ops[d][self.ptr[d]]
+        k = self.replica[d]
+        end = t + self.duration(d, i, op.kind)
         self.busy[d] = True
         if op.kind == self.grad_kind[i] and op.micro_batch == self.M - 1:
-            self.last_b_start[d] = t
+            self.last_b_start[(d, i)] = t
         self.timeline.append(TimelineOp(d, i, op.kind, op.micro_batch, t, end, rows=self.rows[i][k]))
         self.push(end, "op", (d,))
 
-    def send(self, src: int, dst: int, kind: str, mb: int, layer: int, rows: int) -> None:
+    def send(self, src: int, dst: int, kind: str, mb: int, layer: int, rows: int, stage: int) -> None:
+        if src == dst:  # between two chunks of one device: there at once, on no link
+            to = stage + 1 if kind == "F" else stage - 1
+            self.arrived[(dst, to, kind, mb)] = self.arrived.get((dst, to, kind, mb), 0) + 1
+            return
         si, ti = self.cluster.server_of(src), self.cluster.server_of(dst)
         self.seq += 1
-        self.waiting.append(_Pending(self.seq, src, dst, kind, mb, layer, rows, route_links(src, dst, si, ti), si, ti))
+        self.waiting.append(_Pending(self.seq, src, dst, kind, mb, layer, rows, route_links(src, dst, si, ti), si, ti,
+                                     stage))
 
     def dispatch(self, t: float) -> None:
         """Start every waiting transfer whose links are all free, in order of readiness (a transfer that
@@ -248,7 +265,7 @@ class _Sim:
         skip = self.blocked if self.net is None and not self.freed else 0
         still = self.waiting[:skip]
         for item in self.waiting[skip:]:
-            seq, src, dst, kind, _, layer, rows, links, si, ti = item
+            seq, src, dst, kind, _, layer, rows, links, si, ti, _ = item
             if self.net is not None:  # shared links: on its way at once, after the pair's earlier transfers
                 if (src, dst, kind) in self.streams:
                     still.append(item)
@@ -262,29 +279,29 @@ class _Sim:
             self.link_busy.update(links)
             end = t + self.cm.route_ms(layer, rows, si, ti)
             self.record(item, t, end)
-            self.push(end, "xfer", _Arrival(dst, kind, item.mb, links))
+            self.push(end, "xfer", _Arrival(dst, kind, item.mb, links, _receiver(item)))
         self.waiting = still
         self.blocked, self.freed = len(still), False
 
     def record(self, item: _Pending, start: float, end: float) -> None:
         nbytes = self.cm.profile.costs(item.rows).boundary_bytes[item.layer] * self.cm.activation_scale
-        self.transfers.append(TimelineOp(item.src, self.where[item.src][0], "send_" + item.kind, item.mb, start, end,
+        self.transfers.append(TimelineOp(item.src, item.stage, "send_" + item.kind, item.mb, start, end,
                                          item.dst, item.rows, nbytes))
 
     def finish(self, d: int, t: float) -> None:
-        op = self.ops[d][self.ptr[d]]
+        i, op = self.ops[d][self.ptr[d]]
         self.ptr[d] += 1
         self.busy[d] = False
-        i, k = self.where[d]
+        k = self.replica[d]
         st = self.plan.stages
         if op.kind == "F" and i < self.S - 1:
             for r in self.routes[i]:
                 if r.src == k:
-                    self.send(d, st[i + 1].devices[r.dst], "F", op.micro_batch, st[i].layers[1] - 1, r.rows)
+                    self.send(d, st[i + 1].devices[r.dst], "F", op.micro_batch, st[i].layers[1] - 1, r.rows, i)
         if op.kind == "B" and i > 0:
             for r in self.routes[i - 1]:
                 if r.dst == k:
-                    self.send(d, st[i - 1].devices[r.src], "B", op.micro_batch, st[i - 1].layers[1] - 1, r.rows)
+                    self.send(d, st[i - 1].devices[r.src], "B", op.micro_batch, st[i - 1].layers[1] - 1, r.rows, i)
         if self.ptr[d] == len(self.ops[d]):
             self.done_at[d] = t
         self.try_start(d, t)
@@ -294,7 +311,11 @@ class _Sim:
         for i, st in enumerate(self.plan.stages):
             if st.replicas <= 1:
                 continue
-            layout = layout_of(self.cluster, st.devices)
+            chunks = self.stages_of[st.devices[0]]
+            if len(chunks) > 1:  # a device group's chunks: one AllReduce of all their gradients, by its first chunk
+                if i == chunks[0]:
+                    self.chunk_allreduce(chunks)
+                continue
             a, c = st.layers
             if not self.overlap:
                 t0 = max(self.done_at[d] for d in st.devices)
@@ -303,13 +324,35 @@ class _Sim:
                 per = [self.bucket_ready(i, a, c, self.rows[i][k]) for k in range(len(st.devices))]  # per replica
                 steps = []
                 for n, (_, nbytes) in enumerate(per[0]):
-                    steps.append((max(self.last_b_start[d] + per[k][n][0] for k, d in enumerate(st.devices)), nbytes))
-            end = 0.0
-            for ready, nbytes in steps:
-                start = max(end, ready)
-                end = start + self.cm.ring_allreduce_ms(nbytes, layout)
-                for d in st.devices:
-                    self.timeline.append(TimelineOp(d, i, "AR", None, start, end, nbytes=nbytes))
+                    steps.append((max(self.last_b_start[(d, i)] + per[k][n][0] for k, d in enumerate(st.devices)),
+                                  nbytes))
+            self.play_allreduce(i, st.devices, steps)
+
+    def chunk_allreduce(self, chunks: list[int]) -> None:
+        """The AllReduce of a device group's chunks (the runtime's buckets hold them all, the last chunk's first):
+        once every replica is done, or (overlap) bucket by bucket as each chunk's last backward makes them."""
+        devices = self.plan.stages[chunks[0]].devices
+        if not self.overlap:
+            t0 = max(self.done_at[d] for d in devices)
+            steps = [(t0, sum(self.cm.params(*self.plan.stages[i].layers) for i in chunks))]
+        else:
+            steps = []
+            for i in reversed(chunks):
+                a, c = self.plan.stages[i].layers
+                per = [self.bucket_ready(i, a, c, self.rows[i][k]) for k in range(len(devices))]
+                steps += [(max(self.last_b_start[(d, i)] + per[k][n][0] for k, d in enumerate(devices)), nbytes)
+                          for n, (_, nbytes) in enumerate(per[0])]
+        self.play_allreduce(chunks[0], devices, steps)
+
+    def play_allreduce(self, i: int, devices: list[int], steps: list[tuple[float, float]]) -> None:
+        """Buckets (ready ms, bytes) one after another on ``devices``' ring, drawn under stage ``i``."""
+        layout = layout_of(self.cluster, devices)
+        end = 0.0
+        for ready, nbytes in steps:
+            start = max(end, ready)
+            end = start + self.cm.ring_allreduce_ms(nbytes, layout)
+            for d in devices:
+                self.timeline.append(TimelineOp(d, i, "AR", None, start, end, nbytes=nbytes))
 
     def bucket_ready(self, stage: int, a: int, c: int, rows: int) -> list[tuple[float, float]]:
         """CostModel.bucket_ready from the start of the op that makes the stage's gradients final (split: its last
@@ -330,28 +373,47 @@ class _Sim:
                 start, item = self.net.finish(*done)
                 self.streams.discard((item.src, item.dst, item.kind))
                 self.record(item, start, done[0])
-                t, kind, payload = done[0], "xfer", _Arrival(item.dst, item.kind, item.mb, item.links)
+                t, kind, payload = done[0], "xfer", _Arrival(item.dst, item.kind, item.mb, item.links, _receiver(item))
             else:
                 t, _, kind, payload = heapq.heappop(self.events)
             if kind == "op":
                 self.finish(payload[0], t)
             else:
-                d, k, mb, links = payload
+                d, k, mb, links, i = payload
                 self.link_busy.difference_update(links)
                 self.freed = True
-                self.arrived[(d, k, mb)] = self.arrived.get((d, k, mb), 0) + 1
+                self.arrived[(d, i, k, mb)] = self.arrived.get((d, i, k, mb), 0) + 1
                 self.try_start(d, t)
                 self.dispatch(t)
         stuck = [d for d in self.ops if self.ptr[d] < len(self.ops[d])]
         if stuck:
             d = stuck[0]
-            raise ValueError(f"schedule deadlocks: device {d} (stage {self.where[d][0]}) waits forever at "
-                             f"{self.ops[d][self.ptr[d]]}; warmup {self.plan.warmup}")
+            i, op = self.ops[d][self.ptr[d]]
+            raise Deadlock(f"schedule deadlocks: device {d} (stage {i}) waits forever at {op}; warmup "
+                           f"{self.plan.warmup}")
         self.allreduce()
         latency = max([o.end_ms for o in self.timeline] + [o.end_ms for o in self.transfers] + [0.0])
         latency += self.cm.profile.step_ms  # the step's own fixed cost (Profile.step_ms), after its last op
         return SimResult(latency, self.timeline, self.transfers, self.schedule, self.overlap, self.M,
-                         {d: i for d, (i, _) in self.where.items()}, "held" if self.net is None else "shared")
+                         {d: ss[0] for d, ss in self.stages_of.items()}, "held" if self.net is None else "shared",
+                         dict(self.stages_of))
+
+
+def _receiver(item: _Pending) -> int:
+    """The stage a transfer goes to: the next for activations, the one before for gradients."""
+    return item.stage + 1 if item.kind == "F" else item.stage - 1
+
+
+def device_ops(plan: Plan, schedule: str) -> dict[int, list[tuple[int, object]]]:
+    """Each device's (stage, op) in the runtime's order under ``schedule``: its stage's ``pipeline_stage_ops``, or
+    its device group's chunks in ``core.chunk_schedule.rank_ops``'s order."""
+    if schedule in CHUNKED_SCHEDULES:
+        layout = plan.chunks
+        groups = [rank_ops(schedule, plan.num_micro_batches, len(layout.groups), layout.chunks, g)
+                  for g in range(len(layout.groups))]
+        return {d: [(op.stage, op) for op in groups[g]] for g, ds in enumerate(layout.groups) for d in ds}
+    return {d: [(i, op) for op in pipeline_stage_ops(schedule, plan.num_micro_batches, plan.warmup, i)]
+            for i, st in enumerate(plan.stages) for d in st.devices}
 
 
 def from_simulation(sim: SimResult) -> list[Event]:

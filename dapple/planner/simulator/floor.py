@@ -30,11 +30,15 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
     (``split.split_backward``), while the device still runs all of f and b M times (its W's may come after its
     last B, so the stages above wait only for the B's).
 
+    A plan of several chunks per device group gets the floor of :func:`chunked_floor`.
+
     Args:
         plan: the plan to bound.
         cm: the CostModel of its micro-batch size, as the simulator makes it.
         overlap: AllReduce overlapped with the last backward.
     """
+    if plan.chunks.chunks > 1:
+        return chunked_floor(plan, cm, overlap)
     M = plan.num_micro_batches
     slices = []  # per stage, per replica: (F, B) ms of its slice
     for st in plan.stages:
@@ -67,3 +71,27 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
 def _chained(stage: int, backward_ms: float, split: bool, share: float | None) -> float:
     """The part of a backward that the next stage up waits for: all of it, or a split backward's B."""
     return split_backward(stage, backward_ms, share)[0] if split else backward_ms
+
+
+def chunked_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
+    """A lower bound on the simulated latency of a plan of chunks: each device runs all its chunks' 2M ops (3M: B
+    and W) one at a time, after micro-batch 0's forwards through the stages before its first chunk (the fastest
+    replica of each), and (not ``overlap``) its device group's AllReduce after that."""
+    M, layout = plan.num_micro_batches, plan.chunks
+    fmin = []
+    for st in plan.stages:
+        a, c = st.layers
+        fmin.append(min(cm.compute_rows(a, c, e - s, st.recompute)[0]
+                        for s, e in slice_bounds(plan.micro_batch_size, st.replicas)))
+    floor = 0.0
+    for g, devices in enumerate(layout.groups):
+        chunks = layout.stages_of(g)
+        ar = 0.0
+        if not overlap and len(devices) > 1:
+            ar = cm.ring_allreduce_ms(sum(cm.params(*plan.stages[i].layers) for i in chunks),
+                                      layout_of(cm.cluster, devices))
+        for s, e in slice_bounds(plan.micro_batch_size, len(devices)):
+            work = sum(M * sum(cm.compute_rows(*plan.stages[i].layers, e - s, plan.stages[i].recompute))
+                       for i in chunks)
+            floor = max(floor, sum(fmin[:chunks[0]]) + work + ar)
+    return floor

@@ -168,5 +168,7 @@ def draw_plan(plan: "Plan", profile: "Profile", cluster: "Cluster", path: str | 
 
 
 def device_labels(sim: "SimResult") -> dict[int, str]:
-    """Row labels of a simulated timeline: "device d · stage s"."""
-    return {d: f"device {d} · stage {s}" for d, s in sim.stage_of_device.items()}
+    """Row labels of a simulated timeline: "device d · stage s" (several chunks: "stages s, t")."""
+    chunks = sim.stages_of_device
+    return {d: (f"device {d} · stages {', '.join(map(str, chunks[d]))}" if len(chunks.get(d, ())) > 1
+                else f"device {d} · stage {s}") for d, s in sim.stage_of_device.items()}
