@@ -55,7 +55,7 @@ def calibrate(profile: "Profile", cluster: "Cluster", traces: TraceLike | Sequen
 
     Raises:
         ValueError: a trace without a plan, a plan for other layers than the profile's or more devices than the
-            cluster's.
+            cluster's, or of several chunks per device.
     """
     runs = traced_runs(traces, skip)
     per_layer, gaps, fixed, messages = [], [], [], []
@@ -123,6 +123,10 @@ def _check(run: TracedRun, profile: "Profile", cluster: "Cluster") -> None:
     if plan.num_layers != profile.num_layers:
         raise ValueError(f"calibrate: {run.source}: its plan covers {plan.num_layers} layers, the profile of "
                          f"{profile.model} has {profile.num_layers}")
+    chunked = [d for d in range(plan.num_devices) if len(plan.stages_of_device(d)) > 1]
+    if chunked:  # the samples pair each rank's ops with one stage's model
+        raise ValueError(f"calibrate: {run.source}: its plan puts several chunks on a device (device {chunked[0]}: "
+                         f"{plan.device_label(chunked[0])}); calibration reads traces of one stage per device")
     if plan.num_devices > cluster.num_devices:
         raise ValueError(f"calibrate: {run.source}: its plan uses {plan.num_devices} devices, the cluster has "
                          f"{cluster.num_devices}")

@@ -194,6 +194,11 @@ class Plan:
             raise ValueError(f"device {device} is in no stage of this plan (devices 0..{self.num_devices - 1})")
         return found
 
+    def device_label(self, device: int) -> str:
+        """``"stage 2"``, or ``"stages 0, 3"`` for a device holding several chunks (for messages)."""
+        found = self.stages_of_device(device)
+        return f"stage {found[0]}" if len(found) == 1 else f"stages {', '.join(map(str, found))}"
+
     def stage_of_device(self, device: int) -> int:
         """The stage ``device`` holds; ValueError where it holds several chunks (:meth:`stages_of_device`)."""
         found = self.stages_of_device(device)

@@ -71,7 +71,7 @@ def all_or_none(pipe: Pipeline, group: dist.ProcessGroup, payload: Any, error: B
     if failed:
         r0 = failed[0][0]
         more = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise PipelineError(f"{who}: {what} stopped because rank {r0} (stage {pipe.plan.stage_of_device(r0)}) "
+        raise PipelineError(f"{who}: {what} stopped because rank {r0} ({pipe.plan.device_label(r0)}) "
                             f"failed{more}: {failed[0][1]}")
     return [p for p, _ in out]
 

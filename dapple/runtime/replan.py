@@ -212,8 +212,8 @@ class StateMove:
             raise error
         failed = [(r, m) for r, (_, m) in enumerate(out) if m is not None]
         if failed:
-            raise PipelineError(f"{self.who}: {place}: rank {failed[0][0]} (stage "
-                                f"{pipe.plan.stage_of_device(failed[0][0])}) cannot: {failed[0][1]}")
+            raise PipelineError(f"{self.who}: {place}: rank {failed[0][0]} ("
+                                f"{pipe.plan.device_label(failed[0][0])}) cannot: {failed[0][1]}")
         return [p for p, _ in out]
 
 

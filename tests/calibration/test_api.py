@@ -218,3 +218,7 @@ def test_bad_traces_are_named():
         dapple.calibrate(other, c, (events, meta))
     with pytest.raises(ValueError, match="expected at least one trace"):
         dapple.calibrate(base, c, [])
+    chunks = dapple.Plan(32, 4, [Stage((0, 2), [0]), Stage((2, 4), [1]), Stage((4, 6), [1]), Stage((6, 8), [0])],
+                         schedule="zb-v", layer_names=[f"l{i}" for i in range(8)])
+    with pytest.raises(ValueError, match=r"several chunks on a device \(device 0: stages 0, 3\)"):
+        dapple.calibrate(base, c, (events, {**meta, "plan": chunks.to_dict()}))

@@ -58,6 +58,9 @@ def test_a_chunked_plan_round_trips_through_yaml_and_derives_its_warmups(tmp_pat
     plan = Plan(16, 2, _stages([0, 1, 2, 2, 1, 0]), schedule="zb-v", layer_names=[f"l{i}" for i in range(6)])
     assert plan.num_devices == 4 and plan.num_stages == 6 and plan.placement == "V"
     assert plan.stages_of_device(1) == [0, 5] and plan.stages_of_device(3) == [2, 3]
+    assert (plan.device_label(1), plan.device_label(3)) == ("stages 0, 5", "stages 2, 3")  # (for messages)
+    straight = Plan(4, 2, [Stage((0, 1), [0]), Stage((1, 2), [1])], layer_names=["a", "b"])
+    assert straight.device_label(1) == "stage 1"
     assert plan.warmup == [6, 5, 4, 3, 2, 1]  # each chunk's forwards before its first backward, in ZB-V's order
     assert plan.shape == "2:1:1 x2 V"
     plan.save(tmp_path / "p.yaml")
