@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -110,9 +111,8 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                desc=f"profiling {name or type(model).__name__}",
                disable=not (sys.stderr.isatty() if progress is None else progress))
     try:
-        runs = (_measure_meta(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, init_fn,
-                              bar) if on_meta else
-                _measure(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, check_step, bar))
+        job = _Job(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, bar)
+        runs = _measure_meta(job, init_fn) if on_meta else _measure(job, check_step)
     finally:
         bar.close()
     call_ms = [round(statistics.median([x for t in runs.calls for x in getattr(t.result, key)]) * 1e3, 6)
@@ -178,10 +178,27 @@ def _check_options(model: Any, loss_fn: Any, targets: Any, repeats: Any, warmup:
                          "*targets)), or drop targets")
 
 
-def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...],
-             sizes: list[int], loss_fn: Callable | None, dev: torch.device, dtype: torch.dtype, warmup: int,
-             repeats: int, check_step: bool, bar: Any) -> Measured:
-    """Record every batch size's layer inputs, then time all layers in interleaved rounds, on ``dev``."""
+@dataclass(frozen=True)
+class _Job:
+    """What profile() measures, and how: the model, its layers, the example batch, the timing rounds."""
+
+    model: nn.Module
+    lg: LayerGraph
+    inputs: tuple[torch.Tensor, ...]
+    targets: tuple[torch.Tensor, ...]
+    sizes: list[int]
+    loss_fn: Callable | None
+    dev: torch.device
+    dtype: torch.dtype
+    warmup: int
+    repeats: int
+    bar: Any  # tqdm
+
+
+def _measure(job: _Job, check_step: bool) -> Measured:
+    """Record every batch size's layer inputs, then time all layers in interleaved rounds, on ``job.dev``."""
+    model, lg, inputs, targets, loss_fn = job.model, job.lg, job.inputs, job.targets, job.loss_fn
+    dev, dtype, warmup, repeats, bar = job.dev, job.dtype, job.warmup, job.repeats, job.bar
     out = Measured([], [], [], [], [])
     with on_device(model, dev), untouched(model, dev):
         lg.gm.to(dev)  # tensor constants fx lifted into the traced module
@@ -189,7 +206,7 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
         layers = [layer_module(lg, k) for k in range(lg.num_layers)]
         state = state_storages([model, lg.gm])
         groups, wholes, layer_timers = [], [], []
-        for b in sizes:  # recorded inputs of every batch size stay alive: the rounds interleave them
+        for b in job.sizes:  # recorded inputs of every batch size stay alive: the rounds interleave them
             x = tuple(to_model(resize(t, b), dev, dtype) for t in inputs)
             ys = tuple(to_model(resize(t, b), dev, dtype) for t in targets)
             values = record_inputs(lg, layers, x)
@@ -210,17 +227,16 @@ def _measure(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
     return out
 
 
-def _measure_meta(model: nn.Module, lg: LayerGraph, inputs: tuple[torch.Tensor, ...],
-                  targets: tuple[torch.Tensor, ...], sizes: list[int], loss_fn: Callable | None, dev: torch.device,
-                  dtype: torch.dtype, warmup: int, repeats: int, init_fn: InitFn | None, bar: Any) -> Measured:
-    """A meta-device model: every layer profiled on ``dev`` on its own, made real and freed in turn."""
-    with untouched(model, dev):
-        retarget_devices(lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
-        xs = [tuple(to_model(resize(t, b), dev, dtype) for t in inputs) for b in sizes]
-        ys = [tuple(to_model(resize(t, b), dev, dtype) for t in targets) for b in sizes]
-        return measure_meta(model, lg, xs, ys, loss_fn=loss_fn, dev=dev, dtype=dtype, warmup=warmup,
+def _measure_meta(job: _Job, init_fn: InitFn | None) -> Measured:
+    """A meta-device model: every layer profiled on ``job.dev`` on its own, made real and freed in turn."""
+    dev, dtype, repeats = job.dev, job.dtype, job.repeats
+    with untouched(job.model, dev):
+        retarget_devices(job.lg.gm, dev)  # torch.export graphs: arange(..., device=<traced on>)
+        xs = [tuple(to_model(resize(t, b), dev, dtype) for t in job.inputs) for b in job.sizes]
+        ys = [tuple(to_model(resize(t, b), dev, dtype) for t in job.targets) for b in job.sizes]
+        return measure_meta(job.model, job.lg, xs, ys, loss_fn=job.loss_fn, dev=dev, dtype=dtype, warmup=job.warmup,
                             repeats=repeats, weight_runs=WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats,
-                            init_fn=init_fn, bar=bar)
+                            init_fn=init_fn, bar=job.bar)
 
 
 def _layer_profiles(lg: LayerGraph, runs: Measured, uncut: list[str | None]) -> list[LayerProfile]:

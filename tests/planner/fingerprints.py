@@ -139,7 +139,7 @@ def tables_part(d: Digest, quick: bool) -> None:
         for cut in (float("inf"), 300.0):
             for ov in (False, True):
                 for ar in (False, True):
-                    q = rest_bound(cm, 16, c.num_devices, True, ar, cut, ov)
+                    q = rest_bound(cm, 16, c.num_devices, True, allreduce=ar, bar=cut, overlap=ov)
                     d.add("rest", k, cut, ov, ar, q.tobytes())
         if c.num_devices >= 4:
             taus, rows = period_bound(cm, 16, c.num_devices, 1.0, 30.0, 8, bar=500.0, overlap=True, counts=3)

@@ -74,7 +74,7 @@ def _ring_floor(rings: list, reps: np.ndarray, params: np.ndarray) -> np.ndarray
     return np.where((params > 0) & (reps[:, None] > 1), ar, 0.0)
 
 
-def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, allreduce: bool = False,
+def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, *, allreduce: bool = False,
                bar: float = INF, overlap: bool = False, chain_allreduce: bool = True) -> np.ndarray:
     """``Q[j, R]``: a lower bound on what layers ``[j, N)`` on at most ``R`` devices add to L, over every split
     into stages of at most ``cm.micro`` replicas, since every stage's own chain is part of L (docs/planner.md,
