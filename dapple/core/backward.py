@@ -67,7 +67,7 @@ def run_backward_input(plan: BackwardPlan, grads: Sequence[torch.Tensor | None]
     gradients ``grads`` (None for a scalar loss: one), keeping what :func:`backward_weight` needs; no ``.grad``
     changes here."""
     for g in plan.groups:
-        g.seeded = [grads[k] if grads[k] is not None else torch.ones_like(plan.roots[k]) for _, k in g.roots]
+        g.seeded = [gk if (gk := grads[k]) is not None else torch.ones_like(plan.roots[k]) for _, k in g.roots]
     handles = [n.register_prehook(_recorder(g, i)) for g in plan.groups for i, n in enumerate(g.nodes)]
     try:
         out: list[torch.Tensor | None] = [None] * len(plan.inputs)
@@ -171,8 +171,8 @@ class _Graph:
                 parent[a] = parent[parent[a]]
                 a = parent[a]
             return a
-        for s, (n, e, _) in enumerate(starts):
-            stack = [c for c in self.children[n] if c not in self.to_inputs] if e is None else [n]
+        for s, (n, root, _) in enumerate(starts):
+            stack = [c for c in self.children[n] if c not in self.to_inputs] if root is None else [n]
             while stack:
                 c = stack.pop()
                 if c not in self.to_params:

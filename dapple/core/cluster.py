@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterable
+from typing import Any, Iterable
 
 import networkx as nx
 
@@ -100,8 +100,11 @@ class Cluster:
         if devices is not None:
             devices = list(devices)
             replicas = len(devices) if replicas is None else replicas
-        inter = len(self.servers_of(devices)) > 1 if spans_servers is None else spans_servers
-        if inter:
+        if spans_servers is None:
+            if devices is None:
+                raise TypeError("allreduce_link needs devices or spans_servers (both are None)")
+            spans_servers = len(self.servers_of(devices)) > 1
+        if spans_servers:
             return (self.inter_allreduce_bandwidth or self.inter_bandwidth,
                     self.inter_latency if self.inter_allreduce_latency is None else self.inter_allreduce_latency)
         if self.intra_allreduce_by_size and replicas is not None and replicas > 1:
@@ -182,14 +185,14 @@ class Cluster:
     def from_probe(cls, fits: dict, device_memory: float = 16e9) -> "Cluster":
         """A Cluster from :func:`dapple.profiler.probe.links.measure`'s fits (latency s, bandwidth B/s)."""
         intra = fits.get("intra") or fits.get("inter")
-        inter = fits.get("inter") or intra
         if intra is None:
             raise ValueError(f"probe results hold no link fit (need 'intra' or 'inter'): {sorted(fits)}")
+        inter = fits.get("inter") or intra
         ar = fits.get("allreduce")
         ar_intra = fits.get("allreduce_intra") or (ar if fits["servers"] == 1 else None)
         ar_inter = ar if fits["servers"] > 1 else None
         by_size = {int(r): [float(f[0]), float(f[1])] for r, f in (fits.get("allreduce_by_size") or {}).items()}
-        meta = {"measured": "dapple probe (P2P ping-pong, ring AllReduce; least squares)",
+        meta: dict[str, Any] = {"measured": "dapple probe (P2P ping-pong, ring AllReduce; least squares)",
                 "hosts": list(fits.get("hosts", []))}
         sharing = fits.get("link_sharing") or {}
         # the slow links between servers decide most plans: their verdict first; "independent" fits neither model

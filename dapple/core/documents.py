@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins  # Fields has methods named str and list: its later annotations name the built-in types
 import difflib
 import os
 import re
@@ -121,7 +122,7 @@ class Fields:
             raise self._fail(key, "a string", v)
         return v
 
-    def number(self, key: str, default: Any = None, minimum: float | None = 0.0, integer: bool = False) -> Any:
+    def number(self, key: builtins.str, default: Any = None, minimum: float | None = 0.0, integer: bool = False) -> Any:
         v = self._get(key, _REQUIRED if default is None else default)
         if not (is_int(v) if integer else is_real(v)):
             raise self._fail(key, "an integer" if integer else "a number", v)
@@ -129,7 +130,7 @@ class Fields:
             raise self._fail(key, f"a value >= {minimum}", v)
         return v
 
-    def numbers(self, key: str, length: int | None = None, integer: bool = False, minimum: float | None = 0.0,
+    def numbers(self, key: builtins.str, length: int | None = None, integer: bool = False, minimum: float | None = 0.0,
                 default: Any = None) -> list:
         v = self._get(key, _REQUIRED if default is None else default)
         kind = "integers" if integer else "numbers"
@@ -143,23 +144,23 @@ class Fields:
                 raise DocumentError(f"{self.where}.{key}[{i}]: expected {kind[:-1]}{bound}, got {x!r}")
         return list(v)
 
-    def mapping(self, key: str) -> dict:
+    def mapping(self, key: builtins.str) -> dict:
         """An optional free-form mapping (``meta``, ``details``) as a dict; {} when absent or null."""
         v = self.data.get(key)
         if v is not None and not isinstance(v, Mapping):
             raise self._fail(key, "a mapping", v)
         return dict(v or {})
 
-    def list(self, key: str, default: Any = None) -> Sequence[Any]:
+    def list(self, key: builtins.str, default: Any = None) -> Sequence[Any]:
         v = self._get(key, _REQUIRED if default is None else default)
         if not isinstance(v, (list, tuple)):
             raise self._fail(key, "a list", v)
         return v
 
-    def sub(self, key: str, default: Any = None) -> "Fields":
+    def sub(self, key: builtins.str, default: Any = None) -> "Fields":
         return Fields(self._get(key, _REQUIRED if default is None else default), f"{self.where}.{key}")
 
-    def each(self, key: str, convert: Callable[["Fields"], Any]) -> list:
+    def each(self, key: builtins.str, convert: Callable[["Fields"], Any]) -> builtins.list:
         return [convert(Fields(x, f"{self.where}.{key}[{i}]")) for i, x in enumerate(self.list(key))]
 
 

@@ -4,7 +4,7 @@ schedule, estimate."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from . import documents
 from .checks import is_int, positive_int
@@ -61,8 +61,9 @@ class Estimate:
     details: dict = field(default_factory=dict)  # per-stage F/B/AR, bubble fraction, ... (planner-defined)
 
     def to_dict(self) -> dict:
-        d = {k: (round(float(getattr(self, k)), 6) if k != "pivot_stage" else int(self.pivot_stage))
-             for k in ("latency_ms", "warmup_ms", "steady_ms", "ending_ms", "pivot_stage")}
+        d: dict[str, Any] = {
+            k: (round(float(getattr(self, k)), 6) if k != "pivot_stage" else int(self.pivot_stage))
+            for k in ("latency_ms", "warmup_ms", "steady_ms", "ending_ms", "pivot_stage")}
         if self.details:
             d["details"] = self.details
         return d

@@ -145,9 +145,9 @@ def _planning_lines(plan: "Plan") -> list[str]:
 def _chunk_lines(plan: "Plan") -> list[str]:
     """What ``dapple.plan`` tried of two chunks per device group (``meta["schedule_choice"]["chunked"]``)."""
     choice = plan.meta.get("schedule_choice")
-    tried = choice.get("chunked") if isinstance(choice, dict) else None
-    if not tried:
+    if not isinstance(choice, dict) or not choice.get("chunked"):
         return []
+    tried = choice["chunked"]
     ran = [f"{t['schedule']} on {t['layout']} {t['simulated_ms']:.3f} ms" for t in tried if "simulated_ms" in t]
     refused = [f"{t['schedule']} on {t['layout']}: {t['refused']}" for t in tried if "refused" in t]
     verdict = ("this plan simulated fastest" if plan.chunks.chunks > 1

@@ -147,10 +147,11 @@ class Profile:
         """Of the backward of layers [start, end) at ``batch`` rows, the share that computes weight gradients (what
         a split backward's W runs); None unless every one of them has ``weight_ms``."""
         layers = self.layers[start:end]
-        if not layers or any(layer.weight_ms is None for layer in layers):
+        weights = [layer.weight_ms for layer in layers if layer.weight_ms is not None]
+        if not layers or len(weights) < len(layers):
             return None
         xs = self.batch_sizes
-        w = sum(interpolate(xs, layer.weight_ms, batch) for layer in layers)
+        w = sum(interpolate(xs, ms, batch) for ms in weights)
         b = sum(interpolate(xs, layer.backward_ms, batch) for layer in layers)
         return min(1.0, max(0.0, w / b)) if b > 0 else None
 

@@ -3,7 +3,7 @@ names of the schedules of several chunks per device group too (their order: core
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .checks import is_int, positive_int
 
@@ -76,7 +76,7 @@ def warmup_counts(num_stages: int, num_micro_batches: int, policy: str = "A",
     return ks
 
 
-def validate_warmup(warmup: Sequence[int], num_micro_batches: int) -> None:
+def validate_warmup(warmup: Sequence[Any], num_micro_batches: int) -> None:  # any values: checked here
     """Raise ValueError unless every K_i >= 1 and K_i never increases from one stage to the next.
 
     Stage i blocks on its first backward after K_i forwards; stage i+1 needs K_{i+1} forwards from

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -107,7 +108,7 @@ def from_chrome_trace(doc: dict, where: str = "trace") -> list[Event]:
     return out
 
 
-def save_chrome_trace(events: Iterable[Event], path: str | Path, metadata: dict | None = None,
+def save_chrome_trace(events: Iterable[Event], path: str | os.PathLike, metadata: dict | None = None,
                       process_names: dict[int, str] | None = None) -> None:
     Path(path).write_text(json.dumps(to_chrome_trace(events, metadata, process_names)))
 

@@ -126,7 +126,7 @@ class Autotuner:
                              range(pipe.ctx.world_size), dist.new_group, list(range(pipe.ctx.world_size)),
                              timeout=timedelta(seconds=pipe.timeout), backend="gloo")
         self._steps = 0
-        self._recorder = self._record()
+        self._recorder: Recorder | None = self._record()  # None once a plan switch failed
 
     # ---- public ------------------------------------------------------------------------------------
     def step(self) -> Decision | None:
@@ -135,6 +135,9 @@ class Autotuner:
         self._steps += 1
         if self._steps < self.every:
             return None
+        if self._recorder is None:
+            raise RuntimeError(f"Autotuner.step at step {self.pipe.step}: a plan switch failed before; the autotuner "
+                               f"records nothing since")
         gathered = gather_trace(self.pipe, self._recorder)  # collective: every rank's events, on rank 0
         decision, target = None, None
         if gathered is not None:
@@ -174,7 +177,7 @@ class Autotuner:
         kept = [e for e in events if e.args.get("step") in set(steps)]
         running = self.pipe.plan
         measured = _median_step(kept)
-        base = dict(step=self.pipe.step, measured_ms=round(measured, 3), plan=_key(running))
+        base: dict[str, Any] = dict(step=self.pipe.step, measured_ms=round(measured, 3), plan=_key(running))
         if self._trial is not None:  # the window measured a plan switched to: keep it, or go back
             trial, self._trial = self._trial, None
             if measured > trial.previous_ms:
@@ -219,7 +222,7 @@ class Autotuner:
     # ---- every rank --------------------------------------------------------------------------------
     def _share(self, value: tuple) -> tuple:
         """Rank 0's ``value`` on every rank (bounded by the pipeline's timeout)."""
-        box = [value if self.pipe.ctx.rank == 0 else None]
+        box: list[Any] = [value if self.pipe.ctx.rank == 0 else None]
         called(self.pipe.timeout, self._who(), "Autotuner: the decision from rank 0", range(self.pipe.ctx.world_size),
                dist.broadcast_object_list, box, src=0, group=self._group)
         decision, target = box[0]

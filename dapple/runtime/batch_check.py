@@ -157,8 +157,11 @@ class BatchCheck:
     def _sources(self, batch: RankBatch | None, length: int) -> tuple[RowSource | None, ...]:
         """Per input of the key, where this rank's stage reads its rows (None: an input it does not read)."""
         held = (batch.inputs or ()) if batch is not None else ()
-        return tuple(self._source(held[i]) if self.data.reads[i] and i < len(held) and held[i] is not None
-                     else None for i in range(length))
+        sources: list[RowSource | None] = []
+        for i in range(length):
+            h = held[i] if i < len(held) else None
+            sources.append(self._source(h) if self.data.reads[i] and h is not None else None)
+        return tuple(sources)
 
     def _targets(self, batch: RankBatch | None) -> tuple[RowSource, ...]:
         if batch is None or batch.targets is None or not self.data.targets:

@@ -19,6 +19,11 @@ class DeferredBatchNorm(_BatchNorm):
     plus the replicas). It shares the parameters and buffers of the BatchNorm it replaces (same tensors, same
     names), so the user's model, the optimizer and checkpoints see the same state."""
 
+    # never None here (a BatchNorm that does not track running statistics is not deferred: defer_batch_norms)
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
     def __init__(self, bn: _BatchNorm):
         nn.Module.__init__(self)  # not _BatchNorm.__init__: every tensor comes from ``bn``
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
@@ -119,10 +124,11 @@ def stats_slot(module: nn.Module, sizes: Sequence[int], stage: int, deferred: bo
 def gather_sums(bns: list[DeferredBatchNorm], where: str) -> torch.Tensor:
     """This replica's sums of the step, every layer's (count, sum x, sum x^2) per channel, flat: (stats_size,).
     Summed over the stage's replicas (the engine adds them to the loss AllReduce), they go to :func:`commit`."""
-    missing = [i for i, b in enumerate(bns) if b.sums is None]
+    sums = [b.sums for b in bns]
+    missing = [i for i, s in enumerate(sums) if s is None]
     if missing:
         raise RuntimeError(f"{where}: BatchNorm layers {missing} of this stage saw no rows this step")
-    return torch.cat([b.sums.reshape(-1) for b in bns])
+    return torch.cat([s.reshape(-1) for s in sums if s is not None])
 
 
 def commit(bns: list[DeferredBatchNorm], flat: torch.Tensor) -> None:

@@ -112,7 +112,9 @@ def _describe_ranks(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, sch
                     group: dist.ProcessGroup, target: Path, extra: dict, what: str) -> tuple[list[StageTensor], list]:
     """This rank's tensors, and every rank's description of what it saves (checked alike on every rank; rank 0
     also prepares the target and tells the serial of the new save) before anything is written."""
-    error, info, local = None, None, []
+    error: Exception | None = None
+    info: dict[str, Any] | None = None
+    local: list[StageTensor] = []
     try:
         local = stage_tensors(pipe)
         info = {"tensors": [(t.key, t.kind, t.names) for t in local],
@@ -166,7 +168,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     what = f"load_checkpoint({str(target)!r})"
     settle(pipe)  # a background save still pending is finished first (its failure raised here)
     group = checkpoint_group(pipe, what)
-    error: Exception | None = None
+    error: BaseException | None = None
     found, finish, generators, schedule = files.Found(target, 0, None), _nothing, _nothing, None
     sd: dict[str, Any] = {}
     meta: dict = {}

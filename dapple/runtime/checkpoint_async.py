@@ -7,7 +7,7 @@ import shutil
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 from weakref import WeakKeyDictionary
 
 import torch.distributed as dist
@@ -87,7 +87,9 @@ def write_in_background(pipe: Pipeline, group: dist.ProcessGroup, sd: dict[str, 
     import torch.distributed.checkpoint as dcp  # (slow to import: on first use, as the rest of the checkpoints)
     future, error = None, None
     try:
-        future = dcp.async_save(sd, storage_writer=writer, planner=planner, process_group=writer_group(pipe, what))
+        # a Future: torch returns an AsyncSaveResponse only to a caller that passes an async_stager
+        future = cast(Future, dcp.async_save(sd, storage_writer=writer, planner=planner,
+                                             process_group=writer_group(pipe, what)))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
@@ -100,6 +102,8 @@ def write_in_background(pipe: Pipeline, group: dist.ProcessGroup, sd: dict[str, 
         if pipe.ctx.rank == 0:
             shutil.rmtree(files.saving(target), ignore_errors=True)
         raise
+    if future is None:  # (all_or_none raised on every rank had the save failed on any)
+        raise RuntimeError(f"{what}: no write in progress for {target} after async_save returned")
     handle = AsyncSave(pipe, future, finish, target)
     _pending[pipe] = handle
     return handle

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .checkpoint_state import is_stored_tensor
 from .engine import Pipeline
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use
@@ -75,6 +76,8 @@ def rng_targets(pipe: Pipeline, md: Metadata, meta: dict, sd: dict[str, Any]) ->
         return lambda: None
     mine = {k: m for k, m in md.state_dict_metadata.items() if k.startswith(f"{RNG}/{pipe.ctx.rank}/")}
     for k, m in mine.items():
+        if not is_stored_tensor(m):
+            raise ValueError(f"damaged checkpoint: generator state {k!r} is not stored as a tensor ({m})")
         sd[k] = torch.empty(m.size, dtype=m.properties.dtype)
 
     def finish() -> None:

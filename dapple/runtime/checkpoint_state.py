@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from .engine import Pipeline
 from .sharding import ShardedOptimizer
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported on first use
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 FORMAT = 1  # version of the description ``describe`` writes
 
@@ -139,11 +139,14 @@ def load_targets(pipe: Pipeline, optimizer: torch.optim.Optimizer | None, path: 
     local = stage_tensors(pipe)
     all_names = set(pipe.state_order)
     where = f"stage {pipe.stage} (rank {pipe.ctx.rank})"
-    missing, shapes, copies, keys = [], [], [], {}
+    missing: list[str] = []
+    shapes: list[str] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    keys: dict[int, str] = {}
     for t in local:
         key = next((key_of[n] for n in [t.key, *t.names] if n in key_of), None)
         m = md.state_dict_metadata.get(key) if key is not None else None
-        if not is_stored_tensor(m):
+        if key is None or not is_stored_tensor(m):
             missing.append(t.key)
             continue
         if tuple(m.size) != tuple(t.tensor.shape):
@@ -184,11 +187,12 @@ def _optimizer_targets(optimizer: torch.optim.Optimizer, path: Path, md: Metadat
     if om["class"] != qualname(optimizer):
         raise ValueError(f"{path}: the optimizer state is for {om['class']}, the optimizer given is "
                          f"{qualname(optimizer)}")
-    hyper_of = {}
+    hyper_of: dict[str, dict] = {}
     for g in om["param_groups"]:
         for k in g["params"]:
             hyper_of.setdefault(k, g["hyper"])
-    groups, entries = [], []  # entries[i]: (checkpoint key, state names) of optimizer index i
+    groups: list[dict] = []
+    entries: list[tuple[str, list[str]]] = []  # entries[i]: (checkpoint key, state names) of optimizer index i
     for i, group in enumerate(optimizer.param_groups):
         hypers, first = [], len(entries)
         for p in group["params"]:
@@ -244,7 +248,7 @@ def _one_hyper(i: int, hypers: list[tuple[str, dict]]) -> dict:
     return hypers[0][1]
 
 
-def is_stored_tensor(m: Any) -> bool:
+def is_stored_tensor(m: Any) -> TypeGuard[TensorStorageMetadata]:
     """DCP's metadata of a stored (whole) tensor, as opposed to an object or nothing."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP is slow to import: on first use
     return isinstance(m, TensorStorageMetadata)

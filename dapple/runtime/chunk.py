@@ -26,6 +26,13 @@ HALF = (torch.float16, torch.bfloat16)
 Roots = list[tuple[Optional[int], torch.Tensor]]  # what a backward starts from: (sent value index or None, tensor)
 
 
+def _rows(source: Optional[RowSource], lo: int, hi: int) -> torch.Tensor:
+    """Global batch rows ``lo:hi`` of an input or target a stage reads (those it does not read are None)."""
+    if source is None:
+        raise ValueError(f"rows {lo}:{hi} of an input or target this rank was not given (None)")
+    return source[lo:hi]
+
+
 @dataclass
 class StepState:
     """What a rank's chunks share during a step: the step, the rows of the batch being run, this step's loss
@@ -99,7 +106,7 @@ class StageChunk:
         env: dict[str, Any] = {}
         for name in g.inputs:
             i = st.inputs.names.index(name)
-            env[name] = xs[i][lo:hi].to(st.ctx.device, non_blocking=True) if i < len(xs) \
+            env[name] = _rows(xs[i], lo, hi).to(st.ctx.device, non_blocking=True) if i < len(xs) \
                 else st.inputs.defaults[name]
         leaves: list[torch.Tensor] = []
         if self.stage > 0:  # concat: the pieces of each value from the senders whose slices overlap ours
@@ -128,7 +135,7 @@ class StageChunk:
     def loss(self, j: int, out: Any, ys: Tensors, lo: int, hi: int) -> torch.Tensor:
         """The user's loss of rows ``lo:hi``, scaled by their share of the global batch."""
         st = self.state
-        tgt = [y[lo:hi].to(st.ctx.device, non_blocking=True) for y in ys]
+        tgt = [_rows(y, lo, hi).to(st.ctx.device, non_blocking=True) for y in ys]
         with self.noted(j, lambda: f"in loss_fn(output {_shape(out)}, *targets {[_shape(t) for t in tgt]})"), \
                 st.precision.autocast(st.ctx.device):
             loss = st.loss_fn(out, *tgt)  # the user's function: its error, and with what it was called

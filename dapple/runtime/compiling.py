@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch
 from torch import nn
@@ -27,7 +27,8 @@ class StageCompiler:
 
     def __call__(self, module: nn.Module) -> nn.Module:
         if id(module) not in self._done:
-            self._done[id(module)] = torch.compile(module, **self.options)
+            # a module compiles to a module (an OptimizedModule), which torch's stubs type as a bare callable
+            self._done[id(module)] = cast(nn.Module, torch.compile(module, **self.options))
         return self._done[id(module)]
 
 

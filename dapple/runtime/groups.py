@@ -257,7 +257,10 @@ class GradReducer:
             if self._launched[k] is None:
                 self._launch(k, self._agree(k, timeout, who, moment))
         for k, (g, params) in enumerate(self.buckets):
-            have, wire, work = self._launched[k]
+            launch = self._launched[k]
+            if launch is None:  # (every bucket was launched just above)
+                raise RuntimeError(f"{who}, {moment}: the gradient AllReduce of bucket {k} ({g.label}) never started")
+            have, wire, work = launch
             if work is not None:
                 waited(work, timeout, who, f"{moment}: gradient AllReduce", g.ranks, detail=f" of {g.label} (ranks "
                        f"{g.ranks})")

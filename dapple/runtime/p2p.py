@@ -47,7 +47,7 @@ class P2P:
             work = dist.irecv(buffer, src=t.src, group=self.groups[t.kind])
         except Exception as e:
             raise self._error(t, t.src, "posting the receive of", e) from e
-        self._recvs[t] = (work, buffer)
+        self._recvs[t] = (_handle(work, t, "receive"), buffer)
         if self.rec is not None:
             self.rec.posted[t] = self.rec.clock()
 
@@ -78,7 +78,7 @@ class P2P:
             work = dist.isend(tensor, dst=t.dst, group=self.groups[t.kind])
         except Exception as e:
             raise self._error(t, t.dst, "posting the send of", e) from e
-        self._sends.append((t, work, tensor))
+        self._sends.append((t, _handle(work, t, "send"), tensor))
         if rec is not None:
             rec.transfer("send", t, tensor.numel() * tensor.element_size(), start, rec.clock())
         self._reap()
@@ -165,3 +165,10 @@ class P2P:
             f"rank {self.rank} ({self._place(self.rank)}), step {self.step}: {cause} {doing} {what} "
             f"{'from' if peer == t.src else 'to'} rank {peer} ({self._place(peer)}), timeout "
             f"{self.timeout:g}s: {text}")
+
+
+def _handle(work: dist.Work | None, t: Transfer, what: str) -> dist.Work:
+    """What ``dist.isend``/``dist.irecv`` returned: a handle, None only on a rank outside the group."""
+    if work is None:
+        raise RuntimeError(f"posting the {what} of {t}: this rank is not in the {t.kind!r} group")
+    return work

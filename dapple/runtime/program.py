@@ -73,6 +73,20 @@ class Instr(NamedTuple):
     def __str__(self) -> str:
         return f"{self.action} {self.op}" if self.action == "compute" else f"{self.action} {self.transfer}"
 
+    @property
+    def compute_op(self) -> AnyOp:
+        """The op of a "compute" instruction."""
+        if self.op is None:
+            raise ValueError(f"a {self.action!r} instruction has no op: {self}")
+        return self.op
+
+    @property
+    def message(self) -> Transfer:
+        """The transfer of a "recv" or "send" instruction."""
+        if self.transfer is None:
+            raise ValueError(f"a {self.action!r} instruction has no transfer: {self}")
+        return self.transfer
+
 
 @dataclass(frozen=True)
 class BoundaryLayout:
@@ -204,7 +218,7 @@ def format_program(program: Sequence[Instr]) -> str:
         if i.action == "compute":
             lines.append(str(i.op))
         else:
-            t = i.transfer
+            t = i.message
             lines.append(f"  {i.action} {t.kind}{t.micro_batch} v{t.value} {t.src}->{t.dst} rows {t.start}:{t.end}")
     return "\n".join(lines)
 
@@ -212,7 +226,7 @@ def format_program(program: Sequence[Instr]) -> str:
 def op_receives(program: Sequence[Instr], rank: int, plan: Plan, layout: BoundaryLayout
                 ) -> dict[AnyOp, list[Transfer]]:
     """For each compute of ``program``, the receives it waits for."""
-    return {i.op: op_transfers(plan, layout, rank, i.op)[0] for i in program if i.action == "compute"}
+    return {i.compute_op: op_transfers(plan, layout, rank, i.compute_op)[0] for i in program if i.action == "compute"}
 
 
 class CommError(RuntimeError):
@@ -242,13 +256,15 @@ def _matched_channels(progs: dict[int, list[Instr]]) -> dict[tuple, list[Transfe
     for r, prog in progs.items():
         for ins in prog:
             if ins.action == "send":
-                if ins.transfer.src != r:
-                    raise CommError(f"rank {r} posts a send from rank {ins.transfer.src}: {ins.transfer}")
-                sent[ins.transfer.channel].append(ins.transfer)
+                t = ins.message
+                if t.src != r:
+                    raise CommError(f"rank {r} posts a send from rank {t.src}: {t}")
+                sent[t.channel].append(t)
             elif ins.action == "recv":
-                if ins.transfer.dst != r:
-                    raise CommError(f"rank {r} posts a receive for rank {ins.transfer.dst}: {ins.transfer}")
-                recv[ins.transfer.channel].append(ins.transfer)
+                t = ins.message
+                if t.dst != r:
+                    raise CommError(f"rank {r} posts a receive for rank {t.dst}: {t}")
+                recv[t.channel].append(t)
     for ch in sorted(set(sent) | set(recv)):
         a, b = sent.get(ch, []), recv.get(ch, [])
         for k in range(max(len(a), len(b))):
@@ -275,10 +291,11 @@ def _play(ranks: Sequence[int], progs: dict[int, list[Instr]], sent: dict[tuple,
             prog = progs[r]
             while pc[r] < len(prog):
                 ins = prog[pc[r]]
-                if ins.action == "compute" and any(done_sends[x.channel] <= position[x] for x in waits[r][ins.op]):
+                if ins.action == "compute" and any(done_sends[x.channel] <= position[x]
+                                                   for x in waits[r][ins.compute_op]):
                     break
                 if ins.action == "send":
-                    done_sends[ins.transfer.channel] += 1
+                    done_sends[ins.message.channel] += 1
                 pc[r] += 1
                 progress = True
         if not progress:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, overload
 
 import torch
 
@@ -85,6 +85,10 @@ def rank_batch(data: RankData, arity: Arity, inputs: Any, targets: Any, batch_si
                                                               for i, t in enumerate(ys)), rows, _ids(ids, shape))
 
 
+@overload
+def _entries(x: Any, what: str, nones: Literal[False]) -> tuple[torch.Tensor, ...] | None: ...
+@overload
+def _entries(x: Any, what: str, nones: Literal[True]) -> tuple[torch.Tensor | None, ...] | None: ...
 def _entries(x: Any, what: str, nones: bool) -> tuple[torch.Tensor | None, ...] | None:
     """None, or a tensor or a tuple/list of tensors (of tensors or None, with ``nones``) as a tuple."""
     if x is None:

@@ -174,7 +174,9 @@ class StateMove:
                 h = self.held[src][key]
                 if src == rank:
                     value, grad, state = self._local(key)
-                    for t in [value, *([grad] if h.grad is not None else []), *state]:
+                    if h.grad is not None and grad is None:
+                        raise RuntimeError(f"replan: rank {rank} described a gradient of {key!r} it no longer holds")
+                    for t in [value, *([grad] if grad is not None and h.grad is not None else []), *state]:
                         t = t.detach().contiguous()
                         ops.append(dist.P2POp(dist.isend, t, dst, self._group_for(t)))
                         sent += t.numel() * t.element_size()

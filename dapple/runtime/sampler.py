@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sized, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -119,7 +119,7 @@ class IndexedDataset(Dataset):
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))  # map-style: torch's Dataset type declares no length
 
     def __getitem__(self, i: int) -> tuple[int, Any]:
         return i, self.dataset[i]
@@ -152,9 +152,9 @@ class RankCollate:
         pairs = [self.split(item) for item in items]
         if isinstance(pairs[0][0], Mapping):  # inputs by name: those this rank reads ({} where none)
             reads = {name for name, r in zip(self.data.input_names, self.data.reads) if r}
-            xs = {k: self.collate([x[k] for x, _ in pairs]) for k in pairs[0][0] if k in reads}
+            named = {k: self.collate([x[k] for x, _ in pairs]) for k in pairs[0][0] if k in reads}
             ys = self.collate([y for _, y in pairs]) if self.data.targets else None
-            return LoadedBatch(xs or None, ys, self.batch_size, ids)
+            return LoadedBatch(named or None, ys, self.batch_size, ids)
         single = not isinstance(pairs[0][0], (tuple, list))
         inputs = [(x,) if single else tuple(x) for x, _ in pairs]
         xs = tuple(self.collate([x[i] for x in inputs]) if i < len(self.data.reads) and self.data.reads[i] else None
@@ -186,7 +186,8 @@ def pipeline_loader(dataset: Dataset, source: Any, batch_size: int | None = None
         loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
     """
     data = _rank_data(source)
-    sampler = DistributedPipelineSampler(len(dataset), data, batch_size, shuffle, seed)
+    size = len(cast(Sized, dataset))  # map-style: torch's Dataset type declares no length
+    sampler = DistributedPipelineSampler(size, data, batch_size, shuffle, seed)
     if not data.loads:  # nothing to read: no worker processes either
         loader_kwargs = {k: v for k, v in loader_kwargs.items() if k not in _WORKER_OPTIONS}
     collate = RankCollate(data, sampler.batch_size, split, collate_fn, indexed=True)

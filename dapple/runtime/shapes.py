@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -106,7 +106,7 @@ class _Propagation(fx.Interpreter):
         return out
 
     def _on_host(self, n: fx.Node) -> Any:
-        module = self.module.get_submodule(n.target)
+        module = self.module.get_submodule(cast(str, n.target))  # (a call_module's target: the module's name)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args, kwargs = tree_map(_on_host, (args, kwargs))
         state = {name: _on_host(t) for name, t in [*module.named_parameters(remove_duplicate=False),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -18,7 +18,8 @@ from ..profiler.layers import Arity, arity
 
 # torch >= 2.12 can make every partition return a tuple; older ones return a lone value bare, which
 # _with_original_names reads the same way
-_TUPLE_RETURN = {"tuple_return": True} if "tuple_return" in inspect.signature(split_module).parameters else {}
+_TUPLE_RETURN: dict[str, Any] = \
+    {"tuple_return": True} if "tuple_return" in inspect.signature(split_module).parameters else {}
 
 
 @dataclass
@@ -121,7 +122,7 @@ def split_stages(lg: LayerGraph, stage_layers: Sequence[tuple[int, int]]) -> lis
     qualnames: dict[str, str] = {}
     # keep_original_order=False: the parent graph calls the stages in dependency order. A later stage's first
     # node may precede an earlier stage's in the graph (GPT's position ids, layer wpe, come before wte).
-    parts = split_module(lg.gm, None, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=False,
+    parts = split_module(lg.gm, lg.gm, lambda n: stage_of[n], qualname_map=qualnames, keep_original_order=False,
                          keep_original_node_name=True, **_TUPLE_RETURN)
     original = {n.name: n for n in lg.gm.graph.nodes}
     carry = boundary_values(lg, stage_of, num_stages)
@@ -194,7 +195,7 @@ def _with_original_names(sub: fx.Graph, prefix: str, qualnames: dict[str, str], 
         if n.op == "placeholder":
             orig = original.get(n.name)
             if orig is not None and orig.op == "get_attr":
-                env[n] = graph.get_attr(orig.target)
+                env[n] = graph.get_attr(cast(str, orig.target))  # (a get_attr's target: the attribute's name)
             else:
                 env[n] = graph.placeholder(n.name)
                 args.append(n.name)

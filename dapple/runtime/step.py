@@ -150,17 +150,21 @@ class StepRunner:
         outbox: list[torch.Tensor | None] = []
         computed = 0  # compute instructions run so far
         for ins in program.instrs:
-            t = ins.transfer
             if ins.action == "recv":
+                t = ins.message
                 if not t.local:  # (a hand-off from a chunk of this rank is taken as it is)
                     spec = self._spec(key, t)
                     self.p2p.post_recv(t, torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device))
             elif ins.action == "send":
+                t = ins.message
                 spec = self._spec(key, t)
                 lo = t.start - self.rows[0]  # rows of this rank's slice that the route covers (all: a whole value)
+                value = outbox[t.value]
+                if value is None:
+                    raise RuntimeError(f"{self.who}: {t} sends value {t.value}, which its op left None")
                 # detached: a send in flight until the step's end must not keep the graph (a split backward
                 # retains it, so its saved tensors would live on)
-                piece = (outbox[t.value] if spec.whole else outbox[t.value][lo:lo + t.rows]).detach()
+                piece = (value if spec.whole else value[lo:lo + t.rows]).detach()
                 with record_function(f"send {t.kind} {t.micro_batch} to {t.dst}"):  # (torch.profiler, Nsight)
                     self.p2p.send(t, self._checked(piece, spec, t))
             else:
@@ -168,7 +172,7 @@ class StepRunner:
                 if computed == program.arm_at and not forward_only:  # the buckets launch as gradients turn final
                     self.reducer.arm(program.expect)
                 computed += 1
-                outbox = self._compute(ins.op, c, program, layout, xs, ys, loss_sum, rec, forward_only, kept)
+                outbox = self._compute(ins.compute_op, c, program, layout, xs, ys, loss_sum, rec, forward_only, kept)
 
     def _compute(self, op: AnyOp, c: StageChunk, program: Program, layout: BoundaryLayout, xs: Tensors, ys: Tensors,
                  loss_sum: torch.Tensor, rec: Recorder | None, forward_only: bool,
@@ -296,7 +300,7 @@ class StepRunner:
             ahead, rank = receive_lookahead(self.ctx.device), self.ctx.rank
             prog = rank_program(self.plan, layout, rank, ahead) if forwards is None else \
                 forward_program(self.plan, layout, rank, forwards, ahead)
-            ops = [i.op for i in prog if i.action == "compute"]
+            ops = [i.compute_op for i in prog if i.action == "compute"]
             stages = [op_stage(self.plan, rank, op) for op in ops]
             arm_at, expect = self._arming(ops, stages) if forwards is None else (-1, None)
             self._programs[(layout, forwards)] = Program(prog, op_receives(prog, rank, self.plan, layout), stages,

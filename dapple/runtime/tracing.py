@@ -102,7 +102,8 @@ class Recorder:
     # ---- events -----------------------------------------------------------------------------------
     def _event(self, step: int, raw: tuple) -> Event:
         tag, start, end = raw[:3]
-        mb, args = None, {}
+        mb: int | None = None
+        args: dict[str, Any] = {}
         if tag == "C":
             kind, name, mb = ("forward" if raw[3] == "F" else "backward"), f"{raw[3]}{raw[4]}", raw[4]
             if raw[3] == "W":

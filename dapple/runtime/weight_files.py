@@ -204,7 +204,7 @@ def _dcp_dir(path: Path) -> Checkpoint:
                 t.copy_(src)
         nbytes = sum(stored[k].size.numel() * _itemsize(stored[k].properties.dtype) for k in sd)
         return [str(path)], nbytes
-    return Checkpoint(path, "dcp", where, read, lambda s: {k: x.shape for k, x in s.items()})
+    return Checkpoint(path, "dcp", where, read, lambda s: {k: tuple(stored[x.key].size) for k, x in s.items()})
 
 
 def _itemsize(dtype: torch.dtype) -> int:
