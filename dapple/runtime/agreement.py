@@ -45,7 +45,7 @@ def _callable_name(fn: Any) -> str:
     return f"{getattr(kind, '__module__', '?')}.{kind.__qualname__}"
 
 
-def describe(plan: Plan, model: nn.Module, layer_names: Sequence[str], input_names: Sequence[str],
+def describe(plan: Plan, model: nn.Module, layer_names: Sequence[str], input_names: Sequence[str], *,
              precision: str | None, recompute: Sequence[bool], loss_fn: Callable, options: dict[str, Any]
              ) -> Description:
     """This rank's :class:`Description`: the plan (stages, micro-batching, schedule, layer names), the traced

@@ -136,15 +136,15 @@ class Autotuner:
         if self._steps < self.every:
             return None
         if self._recorder is None:
-            raise RuntimeError(f"Autotuner.step at step {self.pipe.step}: a plan switch failed before; the autotuner "
-                               f"records nothing since")
+            raise RuntimeError(f"Autotuner.step at step {self.pipe.global_step}: a plan switch failed before; the "
+                               f"autotuner records nothing since")
         gathered = gather_trace(self.pipe, self._recorder)  # collective: every rank's events, on rank 0
         decision, target = None, None
         if gathered is not None:
             try:
                 decision, target = self._decide(gathered)
             except Exception as e:  # rank 0's own failure (no step recorded, a plan the model refuses): no change
-                decision = Decision(step=self.pipe.step, action="stay", measured_ms=float("nan"),
+                decision = Decision(step=self.pipe.global_step, action="stay", measured_ms=float("nan"),
                                     plan=_key(self.pipe.plan), reason=f"failed: {type(e).__name__}: {e}")
         decision, target = self._share((decision, None if target is None else target.to_dict()))
         if target is not None:
@@ -177,7 +177,7 @@ class Autotuner:
         kept = [e for e in events if e.args.get("step") in set(steps)]
         running = self.pipe.plan
         measured = _median_step(kept)
-        base: dict[str, Any] = dict(step=self.pipe.step, measured_ms=round(measured, 3), plan=_key(running))
+        base: dict[str, Any] = dict(step=self.pipe.global_step, measured_ms=round(measured, 3), plan=_key(running))
         if self._trial is not None:  # the window measured a plan switched to: keep it, or go back
             trial, self._trial = self._trial, None
             if measured > trial.previous_ms:

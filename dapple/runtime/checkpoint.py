@@ -51,7 +51,7 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     it (a :func:`dapple.shard_optimizer`'s state: each replica its share). Copies held by several ranks (stage
     replicas, stages sharing a tied parameter) are written once: DCP keeps one writer per key. Buffers come from
     replica 0 of their stage (replicas may differ, e.g. BatchNorm statistics; DDP likewise broadcasts rank 0's).
-    Also stored: the plan, ``pipe.step``, the dapple and torch versions, the optimizer class and param-group
+    Also stored: the plan, ``pipe.global_step``, the dapple and torch versions, the optimizer class and param-group
     hyperparameters, fp16's loss scale (``pipe.scaler``), the scheduler's state, each rank's random generator
     states, and ``extra``.
 
@@ -101,9 +101,11 @@ def save_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
                     "scheduler": None if scheduler is None else scheduler_state(scheduler)}
     dcp = _dcp()
     writer = dcp.FileSystemWriter(tmp)
-    finish = partial(complete_save, pipe, group, target, tmp, infos[0]["serial"], pipe.step, what)
+    finish = partial(complete_save, pipe, group, target, tmp, serial=infos[0]["serial"], step=pipe.global_step,
+                     what=what)
     if async_save:  # a copy written in the background; finish() runs at AsyncSave.result()
-        return write_in_background(pipe, group, sd, writer, _save_planner(), finish, target, what)
+        return write_in_background(pipe, group, sd, writer=writer, planner=_save_planner(), finish=finish,
+                                   target=target, what=what)
     finish(attempt(dcp.save, sd, storage_writer=writer, planner=_save_planner(), process_group=group))
     return None
 
@@ -144,7 +146,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     """Load a checkpoint written by :func:`save_checkpoint` into ``pipe`` (all ranks call it).
 
     The pipeline may use another plan or world size than the one that saved: each rank reads only the
-    tensors of its own stage, by original name. ``pipe.step`` is set to the saved step, and fp16's loss scale
+    tensors of its own stage, by original name. ``pipe.global_step`` is set to the saved step, and fp16's loss scale
     (``pipe.scaler``) to the saved one; under the same world size each rank's random generators continue where
     that rank's stopped (dropout draws what it would have drawn). If a save was interrupted, the newest complete
     checkpoint beside ``path`` is read (rank 0 warns). Checks run on every rank before anything is read (missing
@@ -195,7 +197,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
     load_scaler(pipe, meta.get("scaler"))
     if schedule is not None:
         schedule()
-    pipe.step = int(meta["step"])
+    pipe.global_step = int(meta["step"])
     return dict(meta["extra"])
 
 

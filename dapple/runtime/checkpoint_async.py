@@ -78,7 +78,7 @@ class AsyncSave:
         return f"AsyncSave({str(self.path)!r}, {state})"
 
 
-def write_in_background(pipe: Pipeline, group: dist.ProcessGroup, sd: dict[str, Any], writer: Any, planner: Any,
+def write_in_background(pipe: Pipeline, group: dist.ProcessGroup, sd: dict[str, Any], *, writer: Any, planner: Any,
                         finish: Callable[[BaseException | None], None], target: Path, what: str) -> AsyncSave:
     """``dcp.async_save`` of ``sd`` with ``writer`` and ``planner``: a copy in host memory, written by a background
     thread (its collectives on a group of their own); every rank agrees on ``group`` that its write started

@@ -125,7 +125,7 @@ def describe(pipe: Pipeline, infos: list[dict], extra: dict) -> dict:
                 if kinds or key not in state:
                     state[key] = kinds
         opt = {"class": parts[0]["class"], "param_groups": list(groups.values()), "state": state}
-    return {"format": FORMAT, "step": int(pipe.step), "dapple_version": VERSION,
+    return {"format": FORMAT, "step": int(pipe.global_step), "dapple_version": VERSION,
             "torch_version": str(torch.__version__), "world_size": pipe.ctx.world_size, "plan": pipe.plan.to_dict(),
             "tensors": tensors, "state_dict_keys": order, "optimizer": opt, "extra": extra}
 

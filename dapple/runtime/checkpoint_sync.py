@@ -82,8 +82,8 @@ def _own(error: BaseException, who: str, what: str, note: str) -> BaseException:
     return RuntimeError(f"{who}: {what} failed: {describe_error(error)}{note}")
 
 
-def complete_save(pipe: Pipeline, group: dist.ProcessGroup, target: Path, tmp: Path, serial: int, step: int,
-                  what: str, error: BaseException | None) -> None:
+def complete_save(pipe: Pipeline, group: dist.ProcessGroup, target: Path, tmp: Path, error: BaseException | None,
+                  *, serial: int, step: int, what: str) -> None:
     """The end of a save, once this rank's write into ``tmp`` ended (``error``: how it failed, or None): every part
     is on disk, or every rank raises (and the incomplete write goes: the previous checkpoint was never touched);
     then rank 0 marks it complete (``serial``, ``step``) and moves it to ``target``; every rank returns once it is

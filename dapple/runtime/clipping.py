@@ -41,7 +41,7 @@ def norm_group(world_size: int, backend: str, timeout: float, who: str, moment: 
 
 
 def clip_grad_norm(counted: Sequence[nn.Parameter], params: Sequence[nn.Parameter], max_norm: float,
-                   norm_type: float, device: torch.device, timeout: float, who: str, moment: str,
+                   norm_type: float, *, device: torch.device, timeout: float, who: str, moment: str,
                    group: dist.ProcessGroup, error_if_nonfinite: bool = False) -> float:
     """Scale ``params``' gradients so that their global ``norm_type``-norm is at most ``max_norm``.
 

@@ -54,7 +54,8 @@ class Pipeline:
 
     Attributes: ``plan``, ``loss_fn``, ``timeout``; ``ctx`` (rank, world size, backend, device); ``stage`` and
     ``replica`` (this rank's place in the plan); ``data`` (what it reads of each batch: :class:`RankData`);
-    ``graph`` and ``module`` (the stage's computation); ``step`` (steps run); ``training`` (the mode:
+    ``graph`` and ``module`` (the stage's computation); ``global_step`` (training steps run; ``step`` is an
+    alias); ``training`` (the mode:
     :meth:`train`, :meth:`eval`); ``state_names`` (id(tensor) -> its keys in the original model's state_dict) and
     ``state_order`` (the model's keys some stage holds, in order), for :meth:`state_dict` and checkpoints;
     ``recorder`` (where steps are traced; None: off).
@@ -128,13 +129,13 @@ class Pipeline:
         places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
         cuts = [(lg.names[s.layers[1] - 1], lg.names[s.layers[1]]) for s in plan.stages[:-1]]  # for errors
         shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places, cuts)  # keeps a meta copy only
-        self.step = 0
+        self.global_step = 0  # training steps run (checkpoints save it, load_checkpoint sets it)
         self._failed: str | None = None
         # every rank was given the same plan, model and options: one small AllReduce, before any group or transfer
-        agree(describe(plan, model, lg.names, inputs.names, precision.name, flags, loss_fn,
-                       {"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs,
-                        "tracer": traced["tracer"], "reduce_dtype": wire,
-                        "compile": None if self._compiler is None else self._compiler.describe()}),
+        agree(describe(plan, model, lg.names, inputs.names, precision=precision.name, recompute=flags, loss_fn=loss_fn,
+                       options={"deferred_batch_norm": deferred_batch_norm, "check_inputs": check_inputs,
+                                "tracer": traced["tracer"], "reduce_dtype": wire,
+                                "compile": None if self._compiler is None else self._compiler.describe()}),
               self.ctx.rank, self.ctx.world_size, self.ctx.device, self.timeout)
         # Process groups, created in the same order on every rank: gradient P2P channel, then AllReduce groups.
         channels = open_channels(plan, graphs, self._names, self.ctx, self.who, self.timeout, self.value_name,
@@ -180,6 +181,15 @@ class Pipeline:
         """The process group of this stage's replicas (the one its gradient AllReduce runs on), or None where the
         stage has one replica: what :func:`dapple.shard_optimizer` shards the optimizer state over."""
         return next((g.group for g in self._groups if not g.spans_stages), None)
+
+    @property
+    def step(self) -> int:
+        """Alias of :attr:`global_step`, the number of training steps run."""
+        return self.global_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.global_step = value
 
     def rows(self, batch_size: int | None = None) -> list[int]:
         """The global-batch row indices this rank reads, in the order of its compact batch (``[]`` where it reads
@@ -228,10 +238,10 @@ class Pipeline:
             PipelineError: a peer failed or timed out; the pipeline is unusable afterwards (as after any error
                 raised while the step's transfers were in flight, e.g. in the model).
         """
-        batch = self._checked_batch(inputs, targets, f"step {self.step + 1}", batch_size, ids)
-        self.step += 1
+        batch = self._checked_batch(inputs, targets, f"step {self.global_step + 1}", batch_size, ids)
+        self.global_step += 1
         try:
-            return self._runner.run(batch, self.step, self.recorder)
+            return self._runner.run(batch, self.global_step, self.recorder)
         except BaseException as e:
             self._poison_unless_settled(e)
             raise
@@ -256,7 +266,7 @@ class Pipeline:
         """
         number("max_norm", max_norm, finite=True)
         number("norm_type", norm_type, positive=True)
-        who, moment = self.who, f"clip_grad_norm_ after step {self.step}"
+        who, moment = self.who, f"clip_grad_norm_ after step {self.global_step}"
         self._check_usable(moment)
         try:
             if self._norm_group is None:
@@ -264,7 +274,8 @@ class Pipeline:
                 self._counted = counted_parameters(self.plan, self.stage, self.ctx.rank, list(self.parameters()),
                                                    self._groups)
             return clip_grad_norm(self._counted or [], list(self.parameters()), float(max_norm), float(norm_type),
-                                  self.ctx.device, self.timeout, who, moment, self._norm_group, error_if_nonfinite)
+                                  device=self.ctx.device, timeout=self.timeout, who=who, moment=moment,
+                                  group=self._norm_group, error_if_nonfinite=error_if_nonfinite)
         except PipelineError as e:
             self._failed = first_line(e)
             raise
@@ -295,9 +306,9 @@ class Pipeline:
         Raises:
             ValueError, PipelineError: as :meth:`train_step`.
         """
-        batch = self._checked_batch(inputs, targets, f"evaluation after step {self.step}", batch_size, ids, True)
+        batch = self._checked_batch(inputs, targets, f"evaluation after step {self.global_step}", batch_size, ids, True)
         try:
-            loss, kept = self._runner.evaluate(batch, self.step, outputs)
+            loss, kept = self._runner.evaluate(batch, self.global_step, outputs)
         except BaseException as e:
             self._poison_unless_settled(e)
             raise

@@ -32,7 +32,7 @@ class Replannable(Protocol):
     plan: Plan
     stage: int
     replica: int
-    step: int
+    global_step: int
     timeout: float
     training: bool
     module: nn.Module
@@ -143,7 +143,7 @@ class StateMove:
                     t.grad = grad
         if self.optimizer is not None:
             rebuild_optimizer(self.optimizer, target, {k: self.held[src_of[(rank, k)]][k] for k in target}, values)
-        new.step = self.pipe.step
+        new.global_step = self.pipe.global_step
         new.scaler.load_state_dict(self.pipe.scaler.state_dict())
         new.scaler.found_inf = self.pipe.scaler.found_inf
         new.train(self.pipe.training)

@@ -52,6 +52,21 @@ class Program:
     expect: dict[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class Pass:
+    """One pass of a rank's program over a batch: what its compute instructions read and where the losses go."""
+
+    program: Program
+    key: InputKey
+    layout: BoundaryLayout
+    xs: Tensors
+    ys: Tensors
+    loss_sum: torch.Tensor  # (), a view into the step's reduced vector
+    rec: Recorder | None
+    forward_only: bool = False
+    kept: list[tuple[range, Any]] | None = None  # forward-only: each last-stage slice's rows and output
+
+
 class StepRunner:
     """Runs this rank's program for a step: each forward concatenates the pieces received from the senders
     whose slices overlap its own (split-concat; a chunk of this rank hands its values over as they are), each
@@ -121,7 +136,7 @@ class StepRunner:
         rec = self.p2p.rec = self.reducer.rec = rec  # tracing: one `is not None` test per instruction
         if rec is not None:
             rec.begin_step(step)
-        self._play(program, key, layout, xs, ys, reduced[0], rec)  # reduced[0] is a view into ``reduced``
+        self._play(Pass(program, key, layout, xs, ys, reduced[0], rec))  # reduced[0] is a view into ``reduced``
         self._reduce(reduced, params, rec)
         self.settled = True  # every transfer and collective of the step completed
         checks = reduced[-CHECKS:].tolist()
@@ -140,11 +155,10 @@ class StepRunner:
             raise ValueError(problem)
         return float(reduced[0])
 
-    def _play(self, program: Program, key: InputKey, layout: BoundaryLayout, xs: Tensors, ys: Tensors,
-              loss_sum: torch.Tensor, rec: Recorder | None, forward_only: bool = False,
-              kept: list[tuple[range, Any]] | None = None) -> None:
-        """Run the program's instructions in order, adding each slice loss (last stage) into ``loss_sum``; a
-        ``forward_only`` program keeps nothing for a backward, but each slice's rows and output in ``kept``."""
+    def _play(self, run: Pass) -> None:
+        """Run the program's instructions in order, adding each slice loss (last stage) into ``run.loss_sum``; a
+        ``forward_only`` pass keeps nothing for a backward, but each slice's rows and output in ``run.kept``."""
+        program, key = run.program, run.key
         for c in self.chunks.values():
             c.begin()
         outbox: list[torch.Tensor | None] = []
@@ -169,29 +183,28 @@ class StepRunner:
                     self.p2p.send(t, self._checked(piece, spec, t))
             else:
                 c = self.chunks[program.stages[computed]]
-                if computed == program.arm_at and not forward_only:  # the buckets launch as gradients turn final
+                if computed == program.arm_at and not run.forward_only:  # the buckets launch as gradients turn final
                     self.reducer.arm(program.expect)
                 computed += 1
-                outbox = self._compute(ins.compute_op, c, program, layout, xs, ys, loss_sum, rec, forward_only, kept)
+                outbox = self._compute(ins.compute_op, c, run)
 
-    def _compute(self, op: AnyOp, c: StageChunk, program: Program, layout: BoundaryLayout, xs: Tensors, ys: Tensors,
-                 loss_sum: torch.Tensor, rec: Recorder | None, forward_only: bool,
-                 kept: list[tuple[range, Any]] | None) -> list[torch.Tensor | None]:
-        """One compute instruction: wait for its receives, run ``op`` on chunk ``c``; what it sends on."""
+    def _compute(self, op: AnyOp, c: StageChunk, run: Pass) -> list[torch.Tensor | None]:
+        """One compute instruction of ``run``: wait for its receives, run ``op`` on chunk ``c``; what it sends on."""
+        layout, rec, kept = run.layout, run.rec, run.kept
         j, kind = op.micro_batch, op.kind
         count = len(c.graph.recv if kind == "F" else c.graph.send)
         back = self._gradients_back(layout, c.stage) if kind == "B" else set()
         # split: the graph is walked while the gradients are still on their way
         prepared = c.plan_backward(j, layout, back) if kind == "B" and c.split else None
-        pieces = self._gather(op, program.waits[op], count, rec)
+        pieces = self._gather(op, run.program.waits[op], count, rec)
         start = rec.clock() if rec is not None else 0.0
         outbox: list[torch.Tensor | None] = []
         with record_function(str(op)):
             if kind == "F":
-                outbox = c.forward(j, pieces, xs, ys, layout, keep_output=kept is not None)
-                m = c.alive.pop(j) if forward_only else c.alive[j]
+                outbox = c.forward(j, pieces, run.xs, run.ys, layout, keep_output=kept is not None)
+                m = c.alive.pop(j) if run.forward_only else c.alive[j]
                 if m.loss is not None:
-                    loss_sum += m.loss.detach()
+                    run.loss_sum.add_(m.loss.detach())  # in place: a view into the reduced vector
                     if kept is not None:
                         b = self.plan.micro_batch_size
                         kept.append((range(j * b + self.rows[0], j * b + self.rows[1]), m.output))
@@ -218,7 +231,7 @@ class StepRunner:
         kept: list[tuple[range, Any]] = []
         self.p2p.rec = self.reducer.rec = None
         with torch.no_grad():
-            self._play(program, key, layout, xs, ys, reduced[0], None, True, kept if outputs else None)
+            self._play(Pass(program, key, layout, xs, ys, reduced[0], None, True, kept if outputs else None))
             self.p2p.finish()
             moment = f"evaluation after step {self.step}"
             # BatchNorm counts rows, as in training

@@ -90,8 +90,8 @@ def test_what_is_compared_and_what_is_not():
     def of(p, m=model, **kw: Any) -> Description:
         opts = {"mixed_precision": None, "recompute": [False] * 3, "loss_fn": F.cross_entropy,
                 "options": {"deferred_batch_norm": False, "check_inputs": True, "tracer": "auto"}, **kw}
-        return describe(p, m, names, ["x"], opts["mixed_precision"], opts["recompute"], opts["loss_fn"],
-                        opts["options"])
+        return describe(p, m, names, ["x"], precision=opts["mixed_precision"], recompute=opts["recompute"],
+                        loss_fn=opts["loss_fn"], options=opts["options"])
 
     base = of(plan)
     assert base.sections["plan"]["stages[1].layers"] == "[1, 3)" and base.sections["plan"]["stages[0].warmup"] == "3"

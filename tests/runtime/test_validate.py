@@ -72,7 +72,7 @@ def test_batch_sizes_are_checked_with_values():
         pipe.train_step(x, y[:6])
     with pytest.raises(ValueError, match=r"the model takes 1 inputs \['x'\], got 2"):
         pipe.train_step((x, x), y)
-    assert pipe.step == 0  # nothing ran
+    assert pipe.global_step == pipe.step == 0  # nothing ran (step: the alias)
 
 
 class Optional(torch.nn.Module):
