@@ -6,13 +6,15 @@
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.dist import PipelineError, first_line
 from ..core.plan import Plan
 from ..core.version import VERSION
 from .roll import called, waited
@@ -80,18 +82,15 @@ def agree(desc: Description, rank: int, world_size: int, device: torch.device, t
 
     Raises:
         ValueError: on every rank, naming the ranks that differ and in what (entries and both values).
-        PipelineError: a rank did not come within ``timeout`` (the message names it and where it is).
+        PipelineError: a rank did not come within ``timeout`` (the message names it and where it is), or one
+            failed building its pipeline (:func:`failures_told`; the message names it and its error).
     """
     if world_size == 1:
         return
     who, everyone = f"rank {rank}", range(world_size)
     sections = desc.digests()
     total = digest(list(sections.items()))
-    both = torch.tensor([total, -total], dtype=torch.int64, device=device)  # MAX of both: the largest, -smallest
-    waited(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout, who,
-           "dapple.pipeline: comparing every rank's plan, model and options", everyone)
-    high, low = both.tolist()
-    if high == -low:
+    if _compared([total, -total, 0], rank, world_size, device, timeout):  # MAX: the largest, -smallest, failed
         return
     place = "dapple.pipeline: gathering what differs between the ranks' plans, models and options"
     digests: list[Any] = [None] * world_size
@@ -104,6 +103,43 @@ def agree(desc: Description, rank: int, world_size: int, device: torch.device, t
     raise ValueError(f"dapple.pipeline: the ranks were not all given the same plan, model and options: "
                      f"{_explain(differ, variants, details)} (build the pipeline on every rank from the same plan, "
                      f"model and arguments)")
+
+
+@contextmanager
+def failures_told(rank: int, world_size: int, device: torch.device, timeout: float) -> Iterator[None]:
+    """Run the block that builds this rank's pipeline up to :func:`agree`; where it raises on this rank, the other
+    ranks (waiting in :func:`agree`) are told which rank failed and why, then the error goes on. Without this they
+    would wait out the timeout."""
+    try:
+        yield
+    except Exception as e:
+        if world_size > 1:
+            try:
+                _compared([0, 0, 1], rank, world_size, device, timeout, f"{type(e).__name__}: {first_line(e)}")
+            except Exception:  # (the others are elsewhere: they time out naming this rank; its own error goes on)
+                pass
+        raise
+
+
+def _compared(values: list[int], rank: int, world_size: int, device: torch.device, timeout: float,
+              failure: str | None = None) -> bool:
+    """The agreement's AllReduce (MAX) of ``values``: [digest, -digest, failed]; True where every digest is equal
+    and no rank failed. A rank that failed (``failure``: its error) makes every other rank raise, naming it."""
+    who, everyone = f"rank {rank}", range(world_size)
+    vec = torch.tensor(values, dtype=torch.int64, device=device)
+    waited(dist.all_reduce(vec, op=dist.ReduceOp.MAX, async_op=True), timeout, who,
+           "dapple.pipeline: comparing every rank's plan, model and options", everyone)
+    high, low, failed = vec.tolist()
+    if not failed:
+        return high == -low
+    errors: list[Any] = [None] * world_size
+    called(timeout, who, "dapple.pipeline: gathering why a rank failed to build its pipeline", everyone,
+           dist.all_gather_object, errors, failure)
+    if failure is None:
+        ranks = [r for r, m in enumerate(errors) if m is not None]
+        raise PipelineError(f"{who}: dapple.pipeline: rank {ranks[0]} failed building its pipeline"
+                            f"{f' (and ranks {ranks[1:]})' if len(ranks) > 1 else ''}: {errors[ranks[0]]}")
+    return False
 
 
 def _variants(values: list[Any]) -> list[list[int]]:

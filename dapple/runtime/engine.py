@@ -21,7 +21,7 @@ from ..core.split_concat import slice_bounds
 from ..profiler.fx_trace import LeafSpec
 from ..profiler.layers import trace_layers
 from ..profiler.trace_options import traced_as
-from .agreement import agree, describe
+from .agreement import agree, describe, failures_told
 from .batch_check import BatchCheck
 from .batchnorm import stage_stats_sizes, stats_slot
 from .channels import handshake, open_channels
@@ -78,57 +78,59 @@ class Pipeline:
         # (a plan that is no Plan: check_plan names it below)
         precision = Precision.of(plan.precision(mixed_precision) if isinstance(plan, Plan) else mixed_precision)
         self.ctx: DistContext = init_distributed(self.timeout, backend)
-        check_plan(plan, self.ctx.world_size)
-        wire = allreduce_dtype(plan, reduce_dtype)  # the gradient AllReduce's dtype (None: the gradients')
-        self.scaler = LossScaler(precision.dtype == torch.float16)  # fp16: dynamic loss scaling
-        if plan.mixed_precision and precision.name != plan.mixed_precision and self.ctx.rank == 0:
-            warnings.warn(f"dapple.pipeline: mixed_precision={mixed_precision!r} but the plan was made for "
-                          f"{plan.mixed_precision or 'full precision'}: its memory and time estimates assume that "
-                          f"(plan with mixed_precision={precision.name!r} to match)", stacklevel=3)
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        mismatch = layout_mismatch(plan, int(local) if local and local.isdigit() else None)
-        if mismatch and self.ctx.rank == 0:
-            warnings.warn(f"dapple.pipeline: {mismatch}", stacklevel=3)
-        # traced as the plan's profile was (plan.tracing), but for what the caller gives
-        traced = traced_as(plan.tracing, model, tracer=tracer, concrete_args=concrete_args, leaf_modules=leaf_modules,
-                           example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
-        lg = trace_layers(model, **traced, layers=layer_paths(model, plan, layers))
-        plan.check_layers(lg.names)
-        self.plan, self.loss_fn = plan, loss_fn
-        graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours are kept below
-        flags = recomputing(plan, recompute)
-        for i in (i for i, on in enumerate(flags) if on):  # every rank checks every stage: all raise alike
-            check_recomputable(graphs[i].module, i)
-        self._compiler = stage_compiler(compile, plan.schedule, flags)  # None: eager
-        # this rank's stages: one, or its device group's chunks (the first names the rank in messages)
-        self.stages: list[int] = plan.stages_of_device(self.ctx.rank)
-        self.stage, self.recompute = self.stages[0], flags[self.stages[0]]
-        self.replica = plan.stages[self.stage].devices.index(self.ctx.rank)
-        self.graph: StageGraph = graphs[self.stage]
-        place = rank_place(plan, self.ctx.rank)
-        self.who = f"rank {self.ctx.rank} ({place if isinstance(place, str) else f'stage {place}'})"  # for messages
-        # the stage's module, or a module holding every chunk's (parameters, state_dict, train/eval: all of them)
-        self.module: nn.Module = rank_module([graphs[s].module for s in self.stages], self.stages)
-        by_key = stage_keys(self.module, model_keys(model))  # before buffers move to the device
-        order = held_keys(model, [g.module for g in graphs])
-        # a meta-device model: only this rank's stages become real, on its device (ids change: names come after)
-        materialise_stage(model, lg, graphs, self.stages, self.ctx.device, init_fn, f"{self.who}: dapple.pipeline")
-        for s in self.stages:
-            stage_module(graphs[s], lg.gm, self.ctx.device)  # (in place: ``self.module`` holds it)
-        # the model's state_dict keys of each of this rank's tensors, and all its keys in order (state_dict,
-        # checkpoints; the other stages' modules are dropped below)
-        self._state = state_names(self.module, by_key, order)
-        self.state_names, self.state_order = self._state.names, self._state.order
-        self._names = canonical_names(model)
-        inputs = model_inputs(lg.gm)
-        self._arity = inputs.arity
-        readers = [[s for s, g in enumerate(graphs) if name in g.inputs] for name in inputs.names]
-        self.data: RankData = rank_data(plan, self.ctx.rank, readers, inputs.names)
-        self._batch_check = BatchCheck(self.data, plan, inputs.arity, self.ctx.device, self.timeout)
-        self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
-        places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
-        cuts = [(lg.names[s.layers[1] - 1], lg.names[s.layers[1]]) for s in plan.stages[:-1]]  # for errors
-        shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places, cuts)  # keeps a meta copy only
+        # a rank that fails from here on tells the others, waiting to agree, which and why
+        with failures_told(self.ctx.rank, self.ctx.world_size, self.ctx.device, self.timeout):
+            check_plan(plan, self.ctx.world_size)
+            wire = allreduce_dtype(plan, reduce_dtype)  # the gradient AllReduce's dtype (None: the gradients')
+            self.scaler = LossScaler(precision.dtype == torch.float16)  # fp16: dynamic loss scaling
+            if plan.mixed_precision and precision.name != plan.mixed_precision and self.ctx.rank == 0:
+                warnings.warn(f"dapple.pipeline: mixed_precision={mixed_precision!r} but the plan was made for "
+                              f"{plan.mixed_precision or 'full precision'}: its memory and time estimates assume that "
+                              f"(plan with mixed_precision={precision.name!r} to match)", stacklevel=3)
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            mismatch = layout_mismatch(plan, int(local) if local and local.isdigit() else None)
+            if mismatch and self.ctx.rank == 0:
+                warnings.warn(f"dapple.pipeline: {mismatch}", stacklevel=3)
+            # traced as the plan's profile was (plan.tracing), but for what the caller gives
+            traced = traced_as(plan.tracing, model, tracer=tracer, concrete_args=concrete_args,
+                               leaf_modules=leaf_modules, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
+            lg = trace_layers(model, **traced, layers=layer_paths(model, plan, layers))
+            plan.check_layers(lg.names)
+            self.plan, self.loss_fn = plan, loss_fn
+            graphs = split_stages(lg, [s.layers for s in plan.stages])  # every stage; only ours are kept below
+            flags = recomputing(plan, recompute)
+            for i in (i for i, on in enumerate(flags) if on):  # every rank checks every stage: all raise alike
+                check_recomputable(graphs[i].module, i)
+            self._compiler = stage_compiler(compile, plan.schedule, flags)  # None: eager
+            # this rank's stages: one, or its device group's chunks (the first names the rank in messages)
+            self.stages: list[int] = plan.stages_of_device(self.ctx.rank)
+            self.stage, self.recompute = self.stages[0], flags[self.stages[0]]
+            self.replica = plan.stages[self.stage].devices.index(self.ctx.rank)
+            self.graph: StageGraph = graphs[self.stage]
+            place = rank_place(plan, self.ctx.rank)
+            self.who = f"rank {self.ctx.rank} ({place if isinstance(place, str) else f'stage {place}'})"  # for messages
+            # the stage's module, or a module holding every chunk's (parameters, state_dict, train/eval: all of them)
+            self.module: nn.Module = rank_module([graphs[s].module for s in self.stages], self.stages)
+            by_key = stage_keys(self.module, model_keys(model))  # before buffers move to the device
+            order = held_keys(model, [g.module for g in graphs])
+            # a meta-device model: only this rank's stages become real, on its device (ids change: names come after)
+            materialise_stage(model, lg, graphs, self.stages, self.ctx.device, init_fn, f"{self.who}: dapple.pipeline")
+            for s in self.stages:
+                stage_module(graphs[s], lg.gm, self.ctx.device)  # (in place: ``self.module`` holds it)
+            # the model's state_dict keys of each of this rank's tensors, and all its keys in order (state_dict,
+            # checkpoints; the other stages' modules are dropped below)
+            self._state = state_names(self.module, by_key, order)
+            self.state_names, self.state_order = self._state.names, self._state.order
+            self._names = canonical_names(model)
+            inputs = model_inputs(lg.gm)
+            self._arity = inputs.arity
+            readers = [[s for s, g in enumerate(graphs) if name in g.inputs] for name in inputs.names]
+            self.data: RankData = rank_data(plan, self.ctx.rank, readers, inputs.names)
+            self._batch_check = BatchCheck(self.data, plan, inputs.arity, self.ctx.device, self.timeout)
+            self._boundary = [g.send for g in graphs[:-1]]  # value names crossing each cut
+            places = node_places(lg, [s.layers for s in plan.stages])  # for shape inference's errors
+            cuts = [(lg.names[s.layers[1] - 1], lg.names[s.layers[1]]) for s in plan.stages[:-1]]  # for errors
+            shapes = BoundaryShapes(lg.gm, inputs.names, self._boundary, places, cuts)  # keeps a meta copy only
         self.global_step = 0  # training steps run (checkpoints save it, load_checkpoint sets it)
         self._failed: str | None = None
         # every rank was given the same plan, model and options: one small AllReduce, before any group or transfer

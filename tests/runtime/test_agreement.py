@@ -4,6 +4,7 @@ and in what, before any group or transfer; the same plan everywhere then trains 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -103,3 +104,29 @@ def test_what_is_compared_and_what_is_not():
     for other in (of(_plan(model, K, 12, 2, schedule="gpipe")), of(plan, recompute=[True, False, False]),
                   of(plan, loss_fn=F.mse_loss), of(plan, m=Chain().float()), of(_plan(model, K, 24, 2))):
         assert other.digests() != base.digests()
+
+
+def _one_rank_fails(_: Any) -> tuple[str, float]:
+    """Rank 1 fails its own checks before the agreement (a recompute list of the wrong length): what each rank
+    raised, and after how long."""
+    model = Chain().double()
+    t0 = time.monotonic()
+    try:
+        plan = _plan(model, [((0, 1), [0]), ((1, 3), [1]), ((3, 5), [2])], 12, 2)
+        dapple.pipeline(model, plan, F.cross_entropy, timeout=30,
+                        recompute=[True] if int(os.environ["RANK"]) == 1 else None)
+    except (ValueError, dapple.runtime.PipelineError) as e:
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_a_rank_failing_before_the_agreement_is_named_on_every_rank_at_once():
+    got = run_ranks(_one_rank_fails, 3, None, timeout=120)
+    assert got[1][0].startswith("ValueError: recompute: expected None (the plan's), True, False or one bool per "
+                                "stage (3), got [True]"), got[1]
+    for rank in (0, 2):
+        msg, seconds = got[rank]
+        assert msg == (f"PipelineError: rank {rank}: dapple.pipeline: rank 1 failed building its pipeline: "
+                       f"{got[1][0]}"), msg
+        assert seconds < 20, (rank, seconds)  # told at once, not after the 30 s timeout
