@@ -25,23 +25,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _memory import rss  # benchmarks/_memory.py
 from torch import nn
 
 import dapple
 from dapple.models import GPT, lm_loss, random_tokens
 from dapple.planner import Stage
 from dapple.profiler import trace_layers
-
-
-def _rss() -> tuple[int, int]:
-    """(resident bytes now, high-water mark) of this process."""
-    kb = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if value.strip().endswith("kB"):
-                kb[key] = int(value.split()[0]) * 1024
-    return kb["VmRSS"], kb["VmHWM"]
 
 
 def _process_peak(steps, device: torch.device) -> int:
@@ -55,9 +45,9 @@ def _process_peak(steps, device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - base
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark restarts from the current RSS
-    base, _ = _rss()
+    base, _ = rss()
     steps()
-    return _rss()[1] - base
+    return rss()[1] - base
 
 
 def _gpt(args: argparse.Namespace, g: int) -> tuple[nn.Module, list[int], Any, torch.Tensor, torch.Tensor]:

@@ -18,22 +18,12 @@ import os
 
 import torch
 import torch.nn.functional as F
+from _memory import rss  # benchmarks/_memory.py
 from torch import nn
 
 import dapple
 from dapple.planner import Stage
 from dapple.profiler import trace_layers
-
-
-def _rss() -> tuple[int, int]:
-    """(resident bytes now, high-water mark) of this process."""
-    kb = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if value.strip().endswith("kB"):
-                kb[key] = int(value.split()[0]) * 1024
-    return kb["VmRSS"], kb["VmHWM"]
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -47,14 +37,14 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark restarts from the current RSS
-    base, _ = _rss()
+    base, _ = rss()
     pipe = dapple.pipeline(model, plan, F.mse_loss, timeout=600, reduce_dtype=args.reduce_dtype)
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     for _ in range(args.steps):
         pipe.train_step(x, y)
         opt.step()
         opt.zero_grad()
-    return {"params": params, "peak": _rss()[1] - base}
+    return {"params": params, "peak": rss()[1] - base}
 
 
 def main() -> None:

@@ -23,22 +23,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _memory import rss  # benchmarks/_memory.py
 from torch import nn
 
 import dapple
 from dapple.planner import Stage
 from dapple.profiler import trace_layers
-
-
-def _rss() -> tuple[int, int]:
-    """(resident bytes now, high-water mark) of this process."""
-    kb = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if value.strip().endswith("kB"):
-                kb[key] = int(value.split()[0]) * 1024
-    return kb["VmRSS"], kb["VmHWM"]
 
 
 def _plan(names: list[str], nproc: int, stages: int, rows: int) -> dapple.Plan:
@@ -57,7 +47,7 @@ def run(args: argparse.Namespace, sharded: bool) -> dict:
     x, y = torch.randn(plan.global_batch_size, args.width), torch.randn(plan.global_batch_size, args.width)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark restarts from the current RSS
-    base, _ = _rss()
+    base, _ = rss()
     pipe = dapple.pipeline(model, plan, F.mse_loss, timeout=600)
     params = sum(p.numel() * p.element_size() for p in pipe.parameters())
     opt = dapple.shard_optimizer(pipe, torch.optim.AdamW, lr=1e-3) if sharded else \
@@ -71,7 +61,7 @@ def run(args: argparse.Namespace, sharded: bool) -> dict:
         times.append(time.perf_counter() - t0)
     state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor))
-    return {"params": params, "state": state, "peak": _rss()[1] - base, "stage": pipe.stage,
+    return {"params": params, "state": state, "peak": rss()[1] - base, "stage": pipe.stage,
             "step_s": statistics.median(times[1:]), "end": _digest(pipe.parameters())}
 
 
