@@ -25,14 +25,14 @@ import dapple  # noqa: E402
 from dapple.core.plan import Plan, Stage  # noqa: E402
 from dapple.core.schedule import warmup_counts  # noqa: E402
 from dapple.planner import evaluate, simulate  # noqa: E402
-from dapple.planner.judge import Candidate, choose  # noqa: E402
+from dapple.planner.judge import choose  # noqa: E402
 from dapple.planner.model.cost import CostModel  # noqa: E402
 from dapple.planner.model.evaluate import pipeline_costs  # noqa: E402
 from dapple.planner.search import records  # noqa: E402
 from dapple.planner.search.bound_tables import period_bound, rest_bound  # noqa: E402
 from dapple.planner.search.dp import DPSearch, SearchConfig  # noqa: E402
 from dapple.planner.search.exact import exact_search, priced_plans  # noqa: E402
-from tests.planner.helpers import cluster, random_profile, small_instances  # noqa: E402
+from tests.planner.helpers import cluster, random_candidates, random_profile, small_instances  # noqa: E402
 
 
 class Digest:
@@ -169,17 +169,10 @@ def exact_part(d: Digest, quick: bool) -> None:
 
 def choice_part(d: Digest, quick: bool) -> None:
     rng = random.Random(11)
-    layouts = [((0, 0, 1, 1),), ((0, 0), (1, 1)), ((0, 1), (0, 1)), ((0,), (0,), (1, 1)), ((0,), (0,), (1,), (1,))]
     for i in range(4 if quick else 10):
         prof = random_profile(rng, 8)
         c = cluster(2, 2, intra=5e10, inter=rng.choice([1e9, 3e9]), intra_lat=5e-6, inter_lat=3e-5)
-        cands = []
-        for k in range(6):
-            lays = rng.choice(layouts)
-            cuts = [0, *sorted(rng.sample(range(1, 8), len(lays) - 1)), 8]
-            spans = tuple((cuts[s], cuts[s + 1], lay) for s, lay in enumerate(lays))
-            cands.append(Candidate(100.0 + k, rng.choice([b for b in (2, 4, 8, 16) if b >= max(map(len, lays))]),
-                                   spans, ("even",) * len(lays)))
+        cands = random_candidates(rng)
         for sch in ("dapple", "auto"):
             v = choose(prof, c, 64, cands, model="refined", overlap=i % 2 == 0, schedule=sch, warmup_policy=None,
                        optimizer_factor=4.0, verify=6)

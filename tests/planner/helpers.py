@@ -6,6 +6,7 @@ import random
 from typing import Sequence
 
 from dapple import Cluster, Profile
+from dapple.planner.judge import Candidate
 from dapple.profiler import LayerProfile
 
 
@@ -40,6 +41,20 @@ def cluster(servers: int, per_server: int, intra: float = 1e10, inter: float = 1
             inter_lat: float = 0.0, memory: float = 1e12, link_sharing: str = "held") -> Cluster:
     return Cluster(servers, per_server, intra, inter, intra_lat, inter_lat, memory, name=f"{servers}x{per_server}",
                    link_sharing=link_sharing)
+
+
+def random_candidates(rng: random.Random, n: int = 6) -> list[Candidate]:
+    """``n`` candidates of an 8-layer model on 2 x 2 devices (devices per stage from a few layouts, random cuts and
+    micro-batch sizes), with made-up latencies 100, 101, ... for the judge to check."""
+    layouts = [((0, 0, 1, 1),), ((0, 0), (1, 1)), ((0, 1), (0, 1)), ((0,), (0,), (1, 1)), ((0,), (0,), (1,), (1,))]
+    cands = []
+    for k in range(n):
+        lays = rng.choice(layouts)
+        cuts = [0, *sorted(rng.sample(range(1, 8), len(lays) - 1)), 8]
+        spans = tuple((cuts[s], cuts[s + 1], lay) for s, lay in enumerate(lays))
+        cands.append(Candidate(100.0 + k, rng.choice([b for b in (2, 4, 8, 16) if b >= max(map(len, lays))]),
+                               spans, ("even",) * len(lays)))
+    return cands
 
 
 def small_instances(seed: int, n: int, max_layers: int = 6, inter: Sequence[float] = (3e9, 1e9),

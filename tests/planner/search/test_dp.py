@@ -18,7 +18,7 @@ from dapple.planner.judge import Candidate
 from dapple.planner.search.dp import INF, DPSearch, SearchConfig, dp_search
 from dapple.planner.search.records import Best
 
-from ..helpers import cluster, linear_profile, random_profile, small_instances
+from ..helpers import cluster, linear_profile, random_candidates, random_profile, small_instances
 
 # judge.choose's settings in these tests
 CHOOSE = dict(model="refined", overlap=False, schedule="dapple", warmup_policy=None, optimizer_factor=4.0, verify=6)
@@ -221,18 +221,11 @@ def test_the_simulator_skips_only_candidates_that_cannot_win(monkeypatch):
     from dapple.planner import workers as forking
 
     rng = random.Random(11)
-    layouts = [((0, 0, 1, 1),), ((0, 0), (1, 1)), ((0, 1), (0, 1)), ((0,), (0,), (1, 1)), ((0,), (0,), (1,), (1,))]
     skipped = 0
     for i in range(12):
         prof = random_profile(rng, 8)
         c = cluster(2, 2, intra=5e10, inter=rng.choice([1e9, 3e9]), intra_lat=5e-6, inter_lat=3e-5)
-        cands = []
-        for k in range(6):
-            lays = rng.choice(layouts)
-            cuts = [0, *sorted(rng.sample(range(1, 8), len(lays) - 1)), 8]
-            spans = tuple((cuts[s], cuts[s + 1], lay) for s, lay in enumerate(lays))
-            cands.append(Candidate(100.0 + k, rng.choice([b for b in (2, 4, 8, 16) if b >= max(map(len, lays))]),
-                                   spans, ("even",) * len(lays)))
+        cands = random_candidates(rng)
         workers = 2 if i % 4 == 0 and forking.can_fork() else 1
         args = (prof, c, 64, cands)
         chosen, ms, listed, simulated, _ = judge.choose(*args, **CHOOSE, deadline=None, workers=workers)
