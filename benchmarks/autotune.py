@@ -5,7 +5,7 @@ Eight emulated-accelerator layers (each holds its rank 1.5 to 4 ms per row forwa
 512-wide Linear: 1 MB of parameters each) and a head are profiled with ``dapple.profile`` and planned with
 ``dapple.plan`` for ``Cluster.local(4)`` (links and AllReduce measured with gloo) with ``--memory`` MB per device,
 so that no device holds the whole model and plans are pipelines. Training runs with AdamW and
-``dapple.runtime.Autotuner(every=--every, margin=--margin)``; after ``--slow-at`` steps the layers of the first
+``dapple.Autotuner(every=--every, margin=--margin)``; after ``--slow-at`` steps the layers of the first
 plan's longest stage slow down ``--factor`` x, wherever they run (their ``slowdown`` buffers). The plan made from the
 true costs is ``dapple.plan`` on the profile with those layers' times multiplied by the factor; it runs after the
 tuned run in the same processes, slowed down alike. Step = ``train_step`` on rank 0 (the loss AllReduce ends it on
@@ -91,7 +91,7 @@ def run(prof: dapple.Profile, cluster: dapple.Cluster, first: dapple.Plan, best:
     x, y = batch(first.global_batch_size)
     pipe = dapple.pipeline(make_model(), first, F.cross_entropy, timeout=300)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
-    tuner = dapple.runtime.Autotuner(pipe, prof, cluster, optimizer=opt, every=args.every, margin=args.margin)
+    tuner = dapple.Autotuner(pipe, prof, cluster, optimizer=opt, every=args.every, margin=args.margin)
     steps, decisions, windows = [], [], []
     for step in range(args.steps):
         if step == args.slow_at:

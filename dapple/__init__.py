@@ -1,6 +1,7 @@
 """dapple: synchronous pipelined data-parallel training for PyTorch (the DAPPLE approach)."""
 
 from . import calibration, planner, profiler
+from .autotune import Autotuner, Decision
 from .calibration import calibrate
 from .core.version import VERSION
 from .planner import Cluster, Plan, evaluate, plan, simulate
@@ -13,6 +14,6 @@ from .runtime.weights import load_weights
 
 __version__ = VERSION
 
-__all__ = ["Cluster", "Pipeline", "Plan", "Profile", "calibrate", "calibration", "evaluate", "load_checkpoint",
-           "load_full_state_dict", "load_weights", "pipeline", "plan", "planner", "profile", "profiler",
-           "save_checkpoint", "shard_optimizer", "simulate"]
+__all__ = ["Autotuner", "Cluster", "Decision", "Pipeline", "Plan", "Profile", "calibrate", "calibration", "evaluate",
+           "load_checkpoint", "load_full_state_dict", "load_weights", "pipeline", "plan", "planner", "profile",
+           "profiler", "save_checkpoint", "shard_optimizer", "simulate"]

@@ -13,8 +13,8 @@ FORBIDDEN = {"core": ("profiler", "planner", "runtime", "cli", "calibration"),
              "planner": ("profiler", "runtime", "cli", "calibration"), "runtime": ("planner", "cli", "calibration"),
              "calibration": ("profiler", "runtime", "cli")}
 # Cluster.local measures this machine's links with the profiler's probe (imported when it measures, so the document
-# itself needs no torch); the autotuner closes the loop: it calibrates and plans again while the runtime trains
-ALLOWED = {"dapple/core/cluster.py": {"profiler"}, "dapple/runtime/autotune.py": {"planner", "calibration"}}
+# itself needs no torch)
+ALLOWED = {"dapple/core/cluster.py": {"profiler"}}
 
 
 def imported_parts(path: Path, part: str) -> set[str]:

@@ -1,7 +1,6 @@
 """The runtime: fx stage split, split-concat P2P, the dapple, gpipe and zb-h1 schedules, pipeline engine, launcher."""
 
 from .activations import ActivationMeter
-from .autotune import Autotuner, Decision
 from .checkpoint_async import AsyncSave
 from .data import RankData, rank_data
 from .engine import Pipeline, pipeline
@@ -13,6 +12,6 @@ from .sharding import ShardedOptimizer, shard_optimizer
 from .tracing import Trace
 from .weights import LoadedWeights, load_weights
 
-__all__ = ["ActivationMeter", "AsyncSave", "Autotuner", "Decision", "DistributedPipelineSampler", "IndexedDataset",
-           "LoadedBatch", "LoadedWeights", "Pipeline", "PipelineError", "RankCollate", "RankData", "ShardedOptimizer",
+__all__ = ["ActivationMeter", "AsyncSave", "DistributedPipelineSampler", "IndexedDataset", "LoadedBatch",
+           "LoadedWeights", "Pipeline", "PipelineError", "RankCollate", "RankData", "ShardedOptimizer",
            "Switch", "Trace", "launch", "load_weights", "pipeline", "pipeline_loader", "rank_data", "shard_optimizer"]

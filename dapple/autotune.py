@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
-from ..calibration import calibrate, predictions
-from ..core.plan import Plan
-from ..planner import plan as make_plan
-from .roll import called
-from .tracing import Recorder, gather_trace, start_recorder
+from .calibration import calibrate, predictions
+from .core.plan import Plan
+from .planner import plan as make_plan
+from .runtime.roll import called
+from .runtime.tracing import Recorder, gather_trace, start_recorder
 
 if TYPE_CHECKING:
     import torch
 
-    from ..core.cluster import Cluster
-    from ..core.profile import Profile
-    from .engine import Pipeline
+    from .core.cluster import Cluster
+    from .core.profile import Profile
+    from .runtime.engine import Pipeline
 
 LOG = logging.getLogger("dapple.autotune")
 Planner = Callable[["Profile", "Cluster", Plan], Plan]  # (calibrated profile, cluster, running plan) -> a candidate

@@ -64,7 +64,7 @@ def run() -> dict[str, Any]:
     slow = range(*next(s.layers for s in first.stages if s.layers[1] - s.layers[0] == 2 and s.layers[1] < LAYERS))
     pipe = dapple.pipeline(model, first, F.cross_entropy, timeout=60)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
-    tuner = dapple.runtime.Autotuner(pipe, profile(), cluster(), optimizer=opt, every=EVERY, margin=0.1,
+    tuner = dapple.Autotuner(pipe, profile(), cluster(), optimizer=opt, every=EVERY, margin=0.1,
                                      plan_options=OPTIONS)
     losses, plans = [], [[(s.layers, s.devices) for s in first.stages]]
     for step in range(5 * EVERY):

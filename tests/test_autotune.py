@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dapple.runtime import Decision
-from tests.runtime import autotune_workers as w
+from dapple import Decision
+from tests import autotune_workers as w
 from tests.runtime._spawn import run_ranks
 
 
@@ -72,7 +72,7 @@ def test_training_through_three_switches_is_one_process_training(results):
 
 
 def test_bad_settings_are_named_before_anything_runs():
-    from dapple.runtime import Autotuner
+    from dapple import Autotuner
     with pytest.raises(ValueError, match="every must be an integer >= skip \\+ 2 = 3"):
         Autotuner(None, None, None, every=2)
     with pytest.raises(ValueError, match="margin must be a share in \\[0, 1\\), got 1.5"):
