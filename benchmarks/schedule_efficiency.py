@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> dict:
     steps, pipes = {}, {}
     for name, schedule, policy in DAPPLE:
         model = _model(args.ms_per_row, args.width)
-        pipe = dapple.pipeline(model, _plan(model, b, m, schedule, policy), F.cross_entropy, timeout=120)
+        pipe = dapple.pipeline(model, _plan(model, b, m, schedule, policy), F.cross_entropy, timeout=120,
+                               check_inputs=not args.no_check_inputs)
         steps[name] = lambda pipe=pipe: pipe.train_step(x, y)
         pipes[name] = pipe
     stage_cls, engines = _pippy_engines()
@@ -211,6 +212,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="also write the raw step times here")
+    p.add_argument("--no-check-inputs", action="store_true", help="dapple without its per-step input checks")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     got = dapple.runtime.launch(run, S, args)[0]
