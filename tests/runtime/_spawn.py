@@ -1,4 +1,4 @@
-"""Test helper: run a function on N spawned processes with torchrun's environment; collect per-rank results."""
+"""Test helper: run a function on N processes with torchrun's environment; collect per-rank results."""
 
 from __future__ import annotations
 
@@ -50,9 +50,20 @@ def _exit_together(world: int, timeout: float = 10.0) -> None:
         pass
 
 
+def _context() -> Any:
+    """Where rank processes come from: a fork server that imported torch and dapple once, so a rank skips those
+    imports (a fresh interpreter, as with spawn, but seconds sooner); DAPPLE_TEST_START=spawn for plain spawn."""
+    method = os.environ.get("DAPPLE_TEST_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "dapple", "tests.runtime.workers",
+                                    "tests.hf.workers"])  # (a module that cannot be imported is left out)
+    return ctx
+
+
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 150.0) -> list[Any]:
     """``fn(*args)`` on ``world`` processes; returns per-rank results, or raises with the failing tracebacks."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
