@@ -180,7 +180,7 @@ def _check_warmup(cm: CostModel, spans: Sequence[Span], K: list[int], D: list[in
                           K[i])
 
 
-def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
+def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence | Plan, global_batch_size: int | None = None,
              micro_batch_size: int | None = None, *, schedule: str | None = None, warmup_policy: str | None = None,
              optimizer_factor: float = 4.0, model: str | None = None, overlap: bool | None = None,
              recompute: bool | str | None = None, mixed_precision: str | None = None,
