@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def is_int(value: Any, least: int | None = None) -> bool:
+def is_int(value: Any, least: int | None = None) -> TypeGuard[int]:
     """True for an int that is not a bool (flags are not counts) and, when ``least`` is given, >= ``least``."""
     return isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
 

@@ -255,5 +255,7 @@ class Prefix:
         """The stages in this prefix's labels (built on demand: most prefixes never need it)."""
         if self.parent is None:
             return ()
-        perm = self.perm
-        return tuple(Span(a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
+        perm, span = self.perm, self.span
+        if perm is None or span is None:
+            raise RuntimeError(f"Prefix at depth {self.depth}: extends a parent but holds no span or perm")
+        return tuple(Span(a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (span,))
