@@ -264,7 +264,7 @@ class CostModel:
                                                   dtype=float) * self.activation_scale
         return hit
 
-    def link_periods(self, spans: Sequence[Span]) -> LinkPeriods:
+    def link_periods(self, spans: Sequence[tuple[int, int, ServerLayout]]) -> LinkPeriods:
         """The least ms per micro-batch the links allow to the stages ``spans`` ((start, end, layout) each).
 
         In the steady phase a device link carries its stage's activations forward and gradients back (two
