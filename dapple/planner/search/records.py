@@ -217,7 +217,8 @@ class Links:
     dev_drain: float = 0.0  # the busiest device link once activations stop (one way)
     queue: tuple = ()  # transfers.queues of each stage before the last (the last's needs the next stage)
     hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CommLinks.hot)
-    users: dict = field(default_factory=dict)  # per server, the communication stages on its uplink and downlink
+    users: dict | None = field(default_factory=dict)  # per server, the communication stages on its uplink and
+    # downlink (None: an Arrival's, until Arrival.users makes them)
     # (transfers.add_users)
 
 
