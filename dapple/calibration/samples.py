@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core.timeline import Event, lane_of
 from .traces import TracedRun, by_step
@@ -76,7 +76,8 @@ def op_ratios(run: TracedRun, modelled: dict[tuple[int, str], float]) -> list[Op
         model = modelled.get((e.rank, kind), 0.0)
         if model <= TINY_MS:
             continue
-        acc = sums.setdefault((plan.stage_of_device(e.rank), e.args.get("step"), e.rank), {}).setdefault(
+        step = cast(int, e.args.get("step"))  # a TracedRun keeps only events that hold their step
+        acc = sums.setdefault((plan.stage_of_device(e.rank), step, e.rank), {}).setdefault(
             kind, [0.0, 0.0, 0])
         acc[0] += e.duration * 1e3
         acc[1] += model
@@ -86,7 +87,7 @@ def op_ratios(run: TracedRun, modelled: dict[tuple[int, str], float]) -> list[Op
         total = sum(m for m, _, _ in kinds.values()) / sum(m for _, m, _ in kinds.values())
         if (stage, step) not in slowest or total > slowest[(stage, step)][0]:
             slowest[(stage, step)] = (total, kinds)
-    return [OpRatio(stage, kind, step, measured / model, n)
+    return [OpRatio(stage, kind, step, measured / model, int(n))  # n: the count, an int kept among floats
             for (stage, step), (_, kinds) in sorted(slowest.items()) for kind, (measured, model, n) in kinds.items()]
 
 
@@ -141,8 +142,9 @@ def transfers(run: TracedRun, cluster: "Cluster") -> list[Transfer]:
     """Messages whose receiver was already waiting when the sender posted it: from the post to the end of the
     wait is then the transfer itself. A receive waited for later may have arrived long before, so its wait says
     nothing of the link; a send's own span is only the non-blocking post."""
-    sends = {(e.rank, e.args.get("peer"), e.args.get("what"), e.micro_batch, e.args.get("step"),
-              tuple(e.args.get("rows", ()))): e for e in run.events if e.kind == "send"}
+    sends: dict[tuple[Any, ...], Event] = {
+        (e.rank, e.args.get("peer"), e.args.get("what"), e.micro_batch, e.args.get("step"),
+         tuple(e.args.get("rows", ()))): e for e in run.events if e.kind == "send"}
     out = []
     for e in run.events:
         if e.kind != "recv":
@@ -152,7 +154,7 @@ def transfers(run: TracedRun, cluster: "Cluster") -> list[Transfer]:
                        tuple(e.args.get("rows", ()))))
         if s is None or e.start > s.start or e.end <= s.start:
             continue
-        link = "intra" if cluster.server_of(src) == cluster.server_of(e.rank) else "inter"
+        link = "intra" if cluster.server_of(s.rank) == cluster.server_of(e.rank) else "inter"  # s.rank == src
         out.append(Transfer(link, float(e.args.get("bytes", 0)), e.end - s.start))
     return out
 

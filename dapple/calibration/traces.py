@@ -6,7 +6,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 from ..core.plan import Plan
 from ..core.timeline import Event, from_chrome_trace, lane_of, read_chrome_trace
@@ -28,8 +28,8 @@ class TracedRun:
         "step" lane), the time the planner's estimate models."""
         spans: dict[int, list[Event]] = {}
         for e in self.events:
-            if lane_of(e) == "step":
-                spans.setdefault(e.args.get("step"), []).append(e)
+            if lane_of(e) == "step":  # every event kept holds its step (_read keeps those only)
+                spans.setdefault(cast(int, e.args.get("step")), []).append(e)
         return {s: (max(e.end for e in es) - min(e.start for e in es)) * 1e3 for s, es in sorted(spans.items())}
 
     def median_step_ms(self) -> float:
@@ -80,7 +80,7 @@ def _read(trace: TraceLike, i: int, skip: int) -> TracedRun:
         raise ValueError(f"calibrate: {source} holds no plan in its metadata (otherData.plan): only traces recorded "
                          f"by dapple's runtime (pipe.trace(), trace=True) can be calibrated against")
     plan = Plan.from_dict(meta["plan"], where=f"{source}: otherData.plan")
-    steps = sorted({e.args.get("step") for e in events if e.args.get("step") is not None})
+    steps = sorted({s for s in (e.args.get("step") for e in events) if s is not None})
     kept = set(steps[skip:])
     if not kept:
         raise ValueError(f"calibrate: {source} holds {len(steps)} step(s); none left after skipping {skip}")

@@ -6,6 +6,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,8 @@ def run(cfg: DemoConfig) -> dict:
     cluster = _local_cluster(cfg, prof)
     print("[3/4] planning ...", flush=True)
     the_plan = plan(prof, cluster, cfg.global_batch, overlap=True)
+    if the_plan.estimate is None:
+        raise RuntimeError(f"plan() gave a plan without its estimate: {the_plan}")
     print(the_plan)
     print(f"[4/4] training {cfg.steps} steps on {cfg.nproc} processes ({default_backend()}) ...", flush=True)
     summary = launch(_train, cfg.nproc, asdict(cfg), the_plan.to_dict())[0]
@@ -98,9 +101,9 @@ def _profile(cfg: DemoConfig) -> Profile:
     print(f"[1/4] profiling the built-in GPT ({cfg.n_layer} blocks, d={cfg.n_embd}, seq {cfg.seq}) on {where} ...",
           flush=True)
     # a GPU runs these tiny layers as fast as Python launches them, so their times jitter: more rounds there
-    rounds = dict(repeats=10, warmup=3) if torch.cuda.is_available() else dict(repeats=3, warmup=1)
+    repeats, warmup = (10, 3) if torch.cuda.is_available() else (3, 1)
     prof = profile(make_model(cfg), x, lm_loss, batch_sizes=(2, 8), targets=y, progress=False, name="demo-gpt",
-                   **rounds)
+                   repeats=repeats, warmup=warmup)
     print(f"      {prof.num_layers} layers, {prof.param_bytes() / 1e6:.2f} MB of parameters, "
           f"profiled in {prof.meta['profiling_seconds']:.1f} s")
     return prof
@@ -145,7 +148,7 @@ def _train(cfg_dict: dict, plan_dict: dict) -> dict | None:
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         if last:
-            tr.save(cfg.trace)
+            tr.save(cast(str, cfg.trace))  # last: only with a trace path
         if rank == 0 and (step % 5 == 0 or step == cfg.steps - 1):
             print(f"      step {step + 1:>3}/{cfg.steps}  loss {loss:.4f}  ({times[-1] * 1e3:.1f} ms)", flush=True)
     dist.destroy_process_group()  # flushes this rank's last transfers (NCCL) before it exits; peers may need them

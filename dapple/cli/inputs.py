@@ -41,6 +41,8 @@ def load_example(spec: str, model_args: Sequence[str] = ()):
             raise SystemExit(f"dapple: {spec}: file {module_name} not found")
         name = "_dapple_spec_" + os.path.basename(module_name)[:-3]
         loader = importlib.util.spec_from_file_location(name, module_name)
+        if loader is None or loader.loader is None:
+            raise SystemExit(f"dapple: {spec}: cannot load {module_name} as a Python module")
         module = importlib.util.module_from_spec(loader)
         sys.modules[name] = module  # dataclasses and pickling look their module up here
         loader.loader.exec_module(module)

@@ -35,8 +35,9 @@ def add_show(sub: "argparse._SubParsersAction") -> None:
 def _run_show(args: argparse.Namespace) -> int:
     if str(args.path).endswith(".json"):
         return _show_trace(args.path, args.png)
-    kinds = {"dapple_plan": (Plan, PLAN_VERSION), "dapple_profile": (Profile, PROFILE_VERSION),
-             "dapple_cluster": (Cluster, CLUSTER_VERSION)}
+    kinds: dict[str, tuple[type[Plan] | type[Profile] | type[Cluster], int]] = {
+        "dapple_plan": (Plan, PLAN_VERSION), "dapple_profile": (Profile, PROFILE_VERSION),
+        "dapple_cluster": (Cluster, CLUSTER_VERSION)}
     head = documents.read(args.path, "dapple", f"one of the headers {sorted(kinds)}")
     key = next((k for k in kinds if k in head), None)
     if key is None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def is_int(value: Any, least: int | None = None) -> bool:
+def is_int(value: Any, least: int | None = None) -> TypeGuard[int]:
     """True for an int that is not a bool (flags are not counts) and, when ``least`` is given, >= ``least``."""
     return isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
 
@@ -21,10 +21,11 @@ def is_finite(value: Any, least: float = 0.0) -> bool:
     return is_real(value) and least <= value < math.inf
 
 
-def positive_int(name: str, value: Any) -> None:
-    """Raise ValueError unless ``value`` is an int >= 1."""
+def positive_int(name: str, value: Any) -> int:
+    """``value``; ValueError unless it is an int >= 1."""
     if not is_int(value, 1):
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
 
 
 def non_negative_int(name: str, value: Any) -> None:

@@ -22,7 +22,7 @@ class LayerProfile:
     forward_ms: list[float]
     backward_ms: list[float]
     boundary_bytes: list[int]  # bytes of ALL tensors crossing a cut placed right after this layer
-    saved_bytes: list[int]  # activations autograd keeps for this layer's backward
+    saved_bytes: list[float]  # activations autograd keeps for this layer's backward (a joined layer's: floats)
     param_bytes: int  # parameters owned by this layer (a tied parameter counts once, at its first layer)
     inputs: list[int] | None = None  # earlier layers whose outputs this layer reads (None: the previous one)
     weight_ms: list[float] | None = None  # of backward_ms, the weight gradients' part (None: not measured)

@@ -113,7 +113,7 @@ def save_chrome_trace(events: Iterable[Event], path: str | os.PathLike, metadata
     Path(path).write_text(json.dumps(to_chrome_trace(events, metadata, process_names)))
 
 
-def read_chrome_trace(path: str | Path) -> dict:
+def read_chrome_trace(path: str | os.PathLike) -> dict:
     """The JSON document of a Chrome-trace file (``traceEvents``, ``otherData``), or ValueError naming it."""
     try:
         doc = json.loads(Path(path).read_text())

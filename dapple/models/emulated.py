@@ -80,6 +80,8 @@ class EmulatedLayer(nn.Module):
     graph (what a split backward defers), the rest input-gradient work.
     """
 
+    slowdown: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, width: int, ms_per_row: float, weight_share: float = 0.0):
         super().__init__()
         if not 0.0 <= weight_share <= 1.0:

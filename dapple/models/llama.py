@@ -51,6 +51,8 @@ class RotaryEmbedding(nn.Module):
     """cos and sin of the rotary angles, (T, head_dim) each; ``inv_freq`` is computed at construction (a
     non-persistent buffer, as transformers has it) and again by ``reset_parameters``."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta

@@ -49,6 +49,12 @@ class Trial(NamedTuple):
         return (self.micro_batch_size, self.spans, self.warmup_policy, self.schedule) == (
             other.micro_batch_size, other.spans, other.warmup_policy, other.schedule)
 
+    def built(self) -> Plan:
+        """``plan``, of a trial listed for simulation (those are built)."""
+        if self.plan is None:
+            raise ValueError(f"trial (micro-batch {self.micro_batch_size}, spans {self.spans}): no plan built")
+        return self.plan
+
 
 class Verdict(NamedTuple):
     """What :func:`choose` did: the trial chosen, its simulated ms (None: the model's choice, nothing simulated),
@@ -179,7 +185,9 @@ class Listing:
         first (none past ``deadline`` but the first) x their warmup policies within ``within`` of the better one x
         ``schedules`` (``first``: the first candidate's pipeline costs per policy; ``priced(b, spans)`` gives
         another's; ``fits(plan)``: whether a split-backward plan fits in memory, None: all do)."""
-        seen, trials, within = set(), [], self.within
+        seen: set[tuple[int, tuple]] = set()
+        trials: list[Trial] = []
+        within = self.within
         top = candidates[0].latency
         for lat, b, spans, policies in candidates:
             if lat > top * (1 + within):
@@ -213,7 +221,7 @@ class Simulations:
         self.floors: dict[int, float] = {}  # trial index -> its floor
 
     def simulated(self, trial: Trial) -> float:
-        return simulate(trial.plan, self.profile, self.cluster, overlap=self.overlap).latency_ms
+        return simulate(trial.built(), self.profile, self.cluster, overlap=self.overlap).latency_ms
 
     def judge(self, chosen: Trial, spare: int | None) -> Verdict:
         """The fastest simulated trial (the DP's plan, ``chosen``, wins ties): first the DP's own trials and as many
@@ -226,7 +234,10 @@ class Simulations:
         self.settle([k for k in range(min(len(trials), max(own, self.workers))) if k not in self.took])
         rest = [k for k in range(len(trials)) if k not in self.took]
         while rest:
-            below = self.pick(chosen)[1] * (1 - tuning.TUNING.tie)  # what a trial must simulate below to win
+            best = self.pick(chosen)[1]
+            if best is None:
+                raise RuntimeError(f"judge: none of {len(trials)} trials was simulated")
+            below = best * (1 - tuning.TUNING.tie)  # what a trial must simulate below to win
             rest = [k for k in rest if self.floor(k) < below]
             batch = rest[:1] if self.workers == 1 else rest  # one at a time in-process: the best falls as they go
             self.settle(batch)
@@ -258,7 +269,8 @@ class Simulations:
         best_sim = None
         for k, trial in enumerate(self.trials):
             t = self.took.get(k)
-            if t is not None and (faster(t, best_sim) or (t <= best_sim * (1 + tuning.TUNING.tie)
+            if t is not None and (faster(t, best_sim) or (best_sim is not None  # (faster: when it is None)
+                                                          and t <= best_sim * (1 + tuning.TUNING.tie)
                                                           and trial.same(chosen))):
                 best_sim = t
                 chosen = trial._replace(plan=None)
@@ -271,8 +283,8 @@ class Simulations:
             b = self.trials[k].micro_batch_size
             if b not in self.cms:
                 self.cms[b] = CostModel(self.profile, self.cluster, b,
-                                        mixed_precision=self.trials[k].plan.mixed_precision)
-            self.floors[k] = latency_floor(self.trials[k].plan, self.cms[b], self.overlap) * (1 - 1e-9)
+                                        mixed_precision=self.trials[k].built().mixed_precision)
+            self.floors[k] = latency_floor(self.trials[k].built(), self.cms[b], self.overlap) * (1 - 1e-9)
         return self.floors[k]
 
 

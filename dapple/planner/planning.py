@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
 from ..core.plan import Plan, Stage
@@ -49,7 +49,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _repriced(profile: "Profile", cluster: "Cluster", p: Plan, **kwargs: object) -> object:
+def _repriced(profile: "Profile", cluster: "Cluster", p: Plan, **kwargs: Any) -> object:
     """A plan found on a joined profile (profiled.py), estimated on the profile's own layers."""
     return evaluate(profile, cluster, p, optimizer_factor=kwargs.get("optimizer_factor", 4.0))
 
@@ -152,7 +152,7 @@ def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, mic
     # clusters keeps the tight bound: it would take far longer)
     within = tuning.TUNING.verify_within
     widen = 1 + within if verify and search == "full" else 1.0
-    early = deadline is not None and seeding > tuning.TUNING.early_bounds * time_limit
+    early = time_limit is not None and seeding > tuning.TUNING.early_bounds * time_limit  # (a deadline)
     searched = _search(searches, workers, deadline, widen, early)
     _certify(searches, searched, gap)
     if searched.found is None:
@@ -241,7 +241,7 @@ def _where_memory_binds(args: dict) -> Plan:
         plans.append(found)
     if not plans:
         raise errors[0]
-    best = min(plans, key=lambda p: p.estimate.latency_ms)  # (the first on ties)
+    best = min(plans, key=_estimated_ms)  # (the first on ties)
     # two searches under two pricings: neither one's lower bound holds for the plans "auto" may make
     best.meta.pop("latency_lower_bound_ms", None)
     best.meta.update(recompute="auto", planning_time_s=round(time.perf_counter() - t0, 4))
@@ -270,7 +270,14 @@ def _reflagged(p: Plan, profile: "Profile", cluster: "Cluster", optimizer_factor
     return out
 
 
-def _check_activations(recompute: object, mixed_precision: object) -> object:
+def _estimated_ms(p: Plan) -> float:
+    """A plan's modelled ms (plan() sets its estimate)."""
+    if p.estimate is None:
+        raise ValueError(f"a plan without its estimate: {p}")
+    return p.estimate.latency_ms
+
+
+def _check_activations(recompute: object, mixed_precision: str | None) -> object:
     """``recompute``, or ValueError naming ``recompute`` or ``mixed_precision`` unless plan() knows it."""
     recompute_mode(recompute)
     activation_scale(mixed_precision)  # (checks it)
@@ -304,7 +311,7 @@ def _checked(profile: "Profile", cluster: "Cluster", g: int, *, model: str, sche
         raise ValueError(f"search: expected one of {SEARCHES}, got {search!r}")
     if search == "auto":
         search = "compact" if cluster.servers > tuning.TUNING.compact_above else "full"
-    if time_limit == "auto":
+    if isinstance(time_limit, str):  # "auto" (number() refused any other)
         time_limit = tuning.TUNING.compact_time_limit if search == "compact" else None
     if warmup_policy is not None and warmup_policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES} or None, got {warmup_policy!r}")
@@ -413,6 +420,8 @@ def _certify(searches: list[DPSearch], searched: _Searched, gap: float) -> None:
         if not s.certify(bar) or s.best.latency >= before:
             continue
         res = s.result()
+        if res is None:
+            raise RuntimeError(f"micro-batch size {s.b}: certify() found a better plan but the search holds none")
         searched.bests = [c for c in searched.bests if c.micro_batch_size != s.b] + [
             Candidate(res.latency, res.micro_batch_size, res.spans, res.policies)]
         if searched.found is None or res.latency < searched.found.latency:
@@ -430,6 +439,8 @@ def _candidates(searched: _Searched, seeds: list[Candidate]) -> list[Candidate]:
     """The final choice's candidates: the DP's plan, then the best plan of every other micro-batch size and the
     seed plans of every size, most promising first."""
     found = searched.found
+    if found is None:
+        raise RuntimeError("_candidates: the search found no plan")
     others = [c for c in searched.bests if c.micro_batch_size != found.micro_batch_size] + seeds
     return [Candidate(found.latency, found.micro_batch_size, found.spans, found.policies)] + sorted(
         others, key=lambda c: (c.latency, c.micro_batch_size))
@@ -443,6 +454,8 @@ def _stages(profile: "Profile", cluster: "Cluster", g: int, picked: Verdict, opt
                    mixed_precision=config.mixed_precision, shard_optimizer=config.shard_optimizer)
     pc, _ = pipeline_costs(cm, spans, g // b, policy)
     devs = devices_of(spans, cluster)
+    if pc.recompute is None:
+        raise RuntimeError("pipeline_costs gave no recompute flags")
     return [Stage((a, c), ds, k, rc) for (a, c, _), ds, k, rc in zip(spans, devs, pc.K, pc.recompute)]
 
 
@@ -451,6 +464,8 @@ def _meta(profile: "Profile", cluster: "Cluster", config: SearchConfig, searches
           workers: int) -> dict:
     """The Plan's meta: what was searched and how, what the search proves, what the simulator said."""
     found = searched.found
+    if found is None:
+        raise RuntimeError("_meta: the search found no plan")
     meta = {"model": profile.model, "cluster": cluster.name or "", "planner": "dapple",
             "latency_model": config.model, "overlap": config.overlap, "placement": list(picked.chosen.policies),
             "micro_batch_sizes_tried": sorted(searched.tried), "dp_states": found.states,

@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 from ..core.checks import is_int
 from . import tuning
@@ -84,7 +84,7 @@ def _serve(task: Callable, items: list, conn: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while (i := _next(conn)) is not None:
         try:
-            out = (True, _apply(task, items[i]), None)
+            out: tuple[bool, Any, str | None] = (True, _apply(task, items[i]), None)
         except Exception as e:  # raised in the parent, with this traceback
             out = (False, e, traceback.format_exc())
         try:
@@ -124,7 +124,7 @@ class _Pool:
         items = self.items
         out: list = [None] * len(items)
         order = iter(range(len(items)))
-        busy: dict = {}  # connection -> the index of its item
+        busy: dict[Connection, int] = {}  # connection -> the index of its item
 
         def feed(conn: Connection) -> None:
             i = next(order, None)
@@ -135,7 +135,7 @@ class _Pool:
             feed(conn)
         used, since, left = None, time.monotonic(), len(items)
         while busy:
-            for conn in wait(list(busy), timeout=tuning.TUNING.poll):
+            for conn in cast(list[Connection], wait(list(busy), timeout=tuning.TUNING.poll)):  # busy's own
                 i = busy.pop(conn)
                 try:
                     ok, value, where = conn.recv()

@@ -46,7 +46,7 @@ def value_kind(shapes: Mapping[int, Shape]) -> str | None:
     seen = list(shapes.values())
     if any(s is None for s in seen):
         return None
-    if all(len(s) > 0 and s[0] == rows for rows, s in shapes.items()):
+    if all(s is not None and len(s) > 0 and s[0] == rows for rows, s in shapes.items()):
         return ROWS
     if len(seen) > 1:
         return WHOLE if len(set(seen)) == 1 else None

@@ -6,7 +6,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.fx as fx
@@ -15,17 +15,21 @@ from torch.utils import _pytree as pytree
 
 from .layer_graph import LayerGraph
 
+if TYPE_CHECKING:
+    from types import FrameType
+
 
 def user_stacklevel() -> int:
     """``stacklevel`` for ``warnings.warn`` called by the caller of this function: the first frame outside dapple,
     so a warning points at the user's code rather than at dapple's internals."""
-    here, level, frame = os.path.dirname(os.path.dirname(__file__)), 1, sys._getframe(1)
+    here, level = os.path.dirname(os.path.dirname(__file__)), 1
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(here):
         level, frame = level + 1, frame.f_back
     return level
 
 
-def is_dynamic_size(size: Any) -> bool:
+def is_dynamic_size(size: Any) -> TypeGuard[torch.SymInt]:
     """Whether ``size`` (a dim of an exported tensor's shape) stayed symbolic: a SymInt whose expression is not a
     plain number (one that is was specialised by export)."""
     return isinstance(size, torch.SymInt) and not size.node.expr.is_number
@@ -68,7 +72,7 @@ def canonical_get_attrs(gm: fx.GraphModule, model: nn.Module) -> None:
     first: dict[int, str] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         first.setdefault(id(t), name)
-    tensors = dict(gm.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters(remove_duplicate=False))
     tensors.update(gm.named_buffers(remove_duplicate=False))
     for n in list(gm.graph.nodes):
         if n.op != "get_attr":
@@ -76,10 +80,12 @@ def canonical_get_attrs(gm: fx.GraphModule, model: nn.Module) -> None:
         if not n.users:
             gm.graph.erase_node(n)
             continue
-        t = tensors.get(n.target)  # None: a submodule (higher-order op body) or a constant
-        name = first.get(id(t)) if t is not None else None
-        if name is not None and name != n.target and _has_tensor(gm, name, t):
-            n.target = name
+        tensor = tensors.get(n.target)
+        if tensor is None:  # a submodule (higher-order op body) or a constant
+            continue
+        first_name = first.get(id(tensor))
+        if first_name is not None and first_name != n.target and _has_tensor(gm, first_name, tensor):
+            n.target = first_name
 
 
 def _has_tensor(gm: fx.GraphModule, name: str, t: torch.Tensor) -> bool:

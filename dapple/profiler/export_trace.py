@@ -7,7 +7,7 @@ import functools
 import inspect
 import re
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.fx as fx
@@ -31,7 +31,7 @@ METHODS = ("auto", "fx", "export")
 EXPORT_MIN_TORCH = (2, 9)  # before it, ep.module() loses the input guards, and Dim.AUTO is missing or weaker
 
 
-def _torch_version() -> tuple[int, int]:
+def _torch_version() -> tuple[int, ...]:
     return tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])  # "2.4.1+cpu" -> (2, 4)
 
 
@@ -274,12 +274,13 @@ def _input_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _check_batch_dynamic(gm: fx.GraphModule, model: nn.Module, default: bool) -> list[str]:
     """TraceError if export fixed an input's dim 0; warn (default spec) about other dims it fixed."""
-    names, fixed = [], []
+    names: list[str] = []
+    fixed: list[str] = []
     for n in _input_placeholders(gm):
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             continue
-        names.append(n.target)
+        names.append(cast(str, n.target))  # a placeholder's target: the input's name
         if not is_dynamic_size(val.shape[0]):
             raise TraceError(f"torch.export fixed the batch dimension of {type(model).__name__}'s input "
                              f"{n.target!r} at {val.shape[0]}: pipelines run micro-batch slices of varying rows, "
@@ -313,11 +314,14 @@ def _plain_io(gm: fx.GraphModule, kwargs: dict[str, Any]) -> None:
     ``ModelOutput``, any pytree type)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = list(out.args[0])
-    structure = pytree.tree_unflatten(leaves, gm._out_spec)
+    out_spec = gm._out_spec  # set by ep.module()
+    if out_spec is None:
+        raise RuntimeError(f"torch.export's {type(gm).__name__} holds no output structure (_out_spec)")
+    structure = pytree.tree_unflatten(leaves, out_spec)
     if _plain(structure):
         out.args = (structure,)
     else:
-        rebuild_output(gm.graph, leaves, gm._out_spec)
+        rebuild_output(gm.graph, leaves, out_spec)
     for n in _input_placeholders(gm):
         if not isinstance(n.meta.get("val"), torch.Tensor) and n.target in kwargs:
             n.args = (kwargs[n.target],)  # a fixed Python value: a default, as fx gives concrete_args

@@ -66,7 +66,10 @@ def _explain(model: nn.Module, exc: BaseException) -> str:
     frame = user_frame(exc)
     where = ""
     if frame is not None:
-        code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        code = frame.line or ""
+        if not code and frame.lineno is not None:
+            code = linecache.getline(frame.filename, frame.lineno)
+        code = code.strip()
         where = f"\n  at {frame.filename}:{frame.lineno}, in {frame.name}:\n      {code}"
     first = first_line(exc)
     return (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import torch.fx as fx
 from torch import nn
@@ -63,7 +63,7 @@ def _owner(node: fx.Node, units: set[str]) -> str | None:
     for key, value in stack.items():
         paths.append(value[0] if isinstance(value, tuple) else key)
     if node.op == "call_module":
-        paths.append(node.target)
+        paths.append(cast(str, node.target))  # a call_module's target: the module's path
     for path in paths:
         parts = path.split(".")
         for i in range(1, len(parts) + 1):
@@ -125,9 +125,9 @@ def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
         if n.op in ("placeholder", "output", "get_attr"):
             owner[n] = None  # inputs and attributes join whichever layers use them
             continue
-        owner[n] = _owner(n, units)
-        if owner[n] is not None:
-            rank.setdefault(owner[n], len(rank))
+        owner[n] = unit = _owner(n, units)
+        if unit is not None:
+            rank.setdefault(unit, len(rank))
     if not rank:
         raise ValueError(f"{type(gm).__name__}: no layer found; the model calls none of its children "
                          f"({sorted(units)}), so there is nothing to cut between")
@@ -138,8 +138,9 @@ def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
     for n in nodes:
         if n.op in ("placeholder", "output"):
             continue
-        ins = [level[a] for a in n.all_input_nodes if level.get(a) is not None]
-        own = [rank[owner[n]]] if owner[n] is not None else []
+        ins = [k for k in (level.get(a) for a in n.all_input_nodes) if k is not None]
+        unit = owner[n]
+        own = [rank[unit]] if unit is not None else []
         level[n] = last if is_output_structure(n) else max(own + ins) if own or ins else None
     # Backward pass: values computed from sizes and attributes alone (positions, masks, rotary tables) and
     # unowned ones computed from inputs alone never cross a cut: every other layer using one gets its own copy.
@@ -149,11 +150,12 @@ def group_layers(gm: fx.GraphModule, units: Iterable[str]) -> LayerGraph:
     gm.recompile()
 
     # Layers are the ranks that kept nodes, renumbered densely (a module reused later joins later layers).
-    used = sorted({k for k in level.values()})
+    placed = cast(dict[fx.Node, int], level)  # _place_input_only_nodes placed every node
+    used = sorted({k for k in placed.values()})
     dense = {k: i for i, k in enumerate(used)}
     by_rank = {r: u for u, r in rank.items()}
     names = [by_rank[k] for k in used]
-    layer_of = {n: dense[k] for n, k in level.items()}
+    layer_of = {n: dense[k] for n, k in placed.items()}
     inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     return LayerGraph(gm=gm, names=names, layer_of=layer_of, inputs=inputs)
 
@@ -185,7 +187,10 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 def _has_effects(n: fx.Node) -> bool:
     """Whether computing ``n`` again elsewhere would change what the model computes."""
     if n.op == "call_module":
-        module = n.graph.owning_module.get_submodule(n.target)
+        root = n.graph.owning_module
+        if root is None:
+            raise RuntimeError(f"{n.name}: its graph belongs to no GraphModule")
+        module = root.get_submodule(cast(str, n.target))  # a call_module's target: the module's path
         return isinstance(module, _DROPOUTS) or any(True for _ in module.buffers())
     name = str(getattr(n.target, "__name__", n.target)).split(".")[0]  # aten: "add_.Tensor"
     return (name.endswith("_") and not name.endswith("__")) or any(w in name for w in _RANDOM)
@@ -202,7 +207,7 @@ def _place_input_only_nodes(gm: fx.GraphModule, level: dict[fx.Node, int | None]
             continue
         by_level: dict[int, list[fx.Node]] = {}
         for u in n.users:
-            by_level.setdefault(last if u.op == "output" else level[u], []).append(u)
+            by_level.setdefault(last if u.op == "output" else cast(int, level[u]), []).append(u)  # users: placed
         if not by_level:
             if n in disposable:
                 graph.erase_node(n)

@@ -105,24 +105,24 @@ class LayerTimer:
 
     def run(self, keep: bool = False) -> None:
         """One forward + backward from fresh input copies (in-place ops), clocks read after device syncs."""
-        args = self._ready()
+        args, result, grads = self._ready()
         self.sync()
         t0 = time.perf_counter()
         out, roots = self._forward(args)
         self.sync()
         t1 = time.perf_counter()
         if roots:
-            torch.autograd.backward(roots, self.grads)
+            torch.autograd.backward(roots, grads)
         self.sync()
         t2 = time.perf_counter()
         if keep:
-            self.result.forward_s.append(t1 - t0)
-            self.result.backward_s.append(t2 - t1 if roots else 0.0)
+            result.forward_s.append(t1 - t0)
+            result.backward_s.append(t2 - t1 if roots else 0.0)
 
     def split_run(self) -> None:
         """One forward, then the backward split as a zero-bubble schedule runs it (``core.backward``: input
         gradients, then weight gradients); records W's time and the whole split's (``weight_s``, ``split_s``)."""
-        args = self._ready()
+        args, result, grads = self._ready()
         out, roots = self._forward(args)
         if not roots:
             return
@@ -130,40 +130,47 @@ class LayerTimer:
         params = [p for p in self.lm.gm.parameters() if p.requires_grad]
         self.sync()
         t0 = time.perf_counter()
-        _, work = backward_input(roots, self.grads, inputs, params)
+        _, work = backward_input(roots, grads, inputs, params)
         self.sync()
         t1 = time.perf_counter()
         backward_weight(work)
         self.sync()
         t2 = time.perf_counter()
-        self.result.weight_s.append(t2 - t1)
-        self.result.split_s.append(t2 - t0)
+        result.weight_s.append(t2 - t1)
+        result.split_s.append(t2 - t0)
 
     def queue(self) -> tuple:
         """One forward + backward queued on the current CUDA stream between events, with no host sync: run layer
         after layer, the stream stays busy while Python queues the next, as in a training step. Read the events
         with :meth:`keep` once the stream is synchronised."""
-        args = self._ready()
+        args, _, grads = self._ready()
         stream = torch.cuda.current_stream(self.device)  # where the layer's kernels go (not the current device's)
         marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
         marks[0].record(stream)
         out, roots = self._forward(args)
         marks[1].record(stream)
         if roots:
-            torch.autograd.backward(roots, self.grads)
+            torch.autograd.backward(roots, grads)
         marks[2].record(stream)
         return marks
 
     def keep(self, marks: tuple) -> None:
         """Record the forward and backward times between :meth:`queue`'s events (the stream synchronised)."""
         start, mid, end = marks
-        self.result.forward_s.append(start.elapsed_time(mid) / 1e3)  # elapsed_time: ms
-        self.result.backward_s.append(mid.elapsed_time(end) / 1e3 if self.grads else 0.0)
+        result, grads = self._measured()  # set: :meth:`queue` ran
+        result.forward_s.append(start.elapsed_time(mid) / 1e3)  # elapsed_time: ms
+        result.backward_s.append(mid.elapsed_time(end) / 1e3 if grads else 0.0)
 
-    def _ready(self) -> list[Any]:
+    def _measured(self) -> tuple[LayerMeasurement, list[Tensor]]:
+        """(the result, the gradients backward starts from), set by :meth:`measure_sizes`."""
         if self.result is None or self.grads is None:
             raise RuntimeError("LayerTimer.measure_sizes() must run first")
-        return self._args()
+        return self.result, self.grads
+
+    def _ready(self) -> tuple[list[Any], LayerMeasurement, list[Tensor]]:
+        """(fresh input copies, the result, the gradients backward starts from)."""
+        result, grads = self._measured()
+        return self._args(), result, grads
 
 
 def call_timer(device: torch.device, dtype: torch.dtype, state: set[int]) -> LayerTimer:

@@ -78,7 +78,8 @@ def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ..
     last_read = {a: k for k, lm in enumerate(layers) for a in lm.inputs}
     values: list[dict[fx.Node, Any]] = [{n: x for n, x in zip(_placeholders(lg.gm), xs)} for xs in inputs]
     calls = [call_timer(dev, dtype, set()) for _ in inputs]
-    out = Measured([[] for _ in inputs], [[] for _ in inputs], [[] for _ in inputs], calls, [], {})
+    reused: dict[str, str] = {}  # out.reused
+    out = Measured([[] for _ in inputs], [[] for _ in inputs], [[] for _ in inputs], calls, [], reused)
     timed: dict[tuple, tuple[str, list[LayerMeasurement]]] = {}
     for k, lm in enumerate(layers):
         done, moved = _make_real(model, lm, holders, dev, init, lg.names[k])
@@ -88,7 +89,7 @@ def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ..
                       for v, ys in zip(values, targets)]
             measured = [t.measure_sizes() for t in timers]
             if key in timed:  # a repeated block: the first one's times
-                out.reused[lg.names[k]], first = timed[key]
+                reused[lg.names[k]], first = timed[key]
                 _take_times(measured, first)
                 bar.update(len(timers) * (warmup + repeats))
             else:

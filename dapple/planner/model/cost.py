@@ -113,7 +113,8 @@ class CostModel:
         number("bucket_bytes", bucket_bytes, positive=True, finite=True)
         recompute_mode(recompute, (False, True))
         flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
-        self.recompute, self.mixed_precision, self.shard_optimizer = recompute, mixed_precision, shard_optimizer
+        self.recompute: bool = recompute is True  # recompute_mode let only True or False itself through
+        self.mixed_precision, self.shard_optimizer = mixed_precision, shard_optimizer
         self.activation_scale = activation_scale(mixed_precision)  # bytes of an activation per profiled byte
         self.profile, self.cluster, self.micro = profile, cluster, micro_batch_size
         self.optimizer_factor, self.bucket_bytes = float(optimizer_factor), float(bucket_bytes)
@@ -263,7 +264,7 @@ class CostModel:
                                                   dtype=float) * self.activation_scale
         return hit
 
-    def link_periods(self, spans: Sequence[Span]) -> LinkPeriods:
+    def link_periods(self, spans: Sequence[tuple[int, int, ServerLayout]]) -> LinkPeriods:
         """The least ms per micro-batch the links allow to the stages ``spans`` ((start, end, layout) each).
 
         In the steady phase a device link carries its stage's activations forward and gradients back (two
@@ -342,13 +343,13 @@ class CostModel:
         """Ms from the start of the stage's last backward to the end of its AllReduce, when each bucket is
         reduced as soon as the last backward has produced it (DDP-style overlap); >= that backward's time
         (``recompute`` None: the model's own)."""
-        recompute = self.recompute if recompute is None else recompute
+        rc = self.recompute if recompute is None else recompute
         rows = self.rows(len(layout)) if rows is None else rows
-        _, b = self.compute_rows(a, c, rows, recompute)
+        _, b = self.compute_rows(a, c, rows, rc)
         if len(layout) <= 1:
             return b
         end = 0.0
-        for ready, nbytes in self.bucket_ready(a, c, rows, recompute):
+        for ready, nbytes in self.bucket_ready(a, c, rows, rc):
             end = max(end, ready) + self.ring_allreduce_ms(nbytes, layout)
         return max(end, b)
 

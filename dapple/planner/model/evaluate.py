@@ -20,7 +20,7 @@ from ..checks import profile_and_cluster
 from ..cuts import check_cuts
 from ..simulator.latency import simulated_latency
 from .chunks import chunked_unfit, stage_memory
-from .cost import CostModel, Span, layout_of
+from .cost import CostModel, ServerLayout, Span, layout_of
 from .memory import (
     RECOMPUTE_MODES,
     NoFitError,
@@ -75,8 +75,20 @@ class PricedStages(NamedTuple):
     fits: list[int]  # D per stage: micro-batch slices whose activations fit in device memory (paper V-C)
 
 
+class _Given(NamedTuple):
+    """evaluate()'s settings as given (None: not given)."""
+
+    global_batch_size: int | None
+    micro_batch_size: int | None
+    schedule: str | None
+    warmup_policy: str | None
+    model: str | None
+    overlap: bool | None
+    mixed_precision: str | None
+
+
 class _Options(NamedTuple):
-    """evaluate()'s settings (as given, or once a Plan's own and the defaults have filled the gaps)."""
+    """evaluate()'s settings once a Plan's own and the defaults have filled the gaps (:func:`_options`)."""
 
     global_batch_size: int
     micro_batch_size: int
@@ -87,7 +99,7 @@ class _Options(NamedTuple):
     mixed_precision: str | None
 
 
-def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
+def stage_list(stages: Sequence | Plan, num_layers: int, cluster: "Cluster", micro_batch_size: int) -> list[Stage]:
     """``stages`` as Stage objects: (layer_start, layer_end_exclusive, [devices]) tuples or Stages; validated."""
     if isinstance(stages, Plan):
         stages = stages.stages
@@ -107,7 +119,7 @@ def stage_list(stages: Sequence, num_layers: int, cluster: "Cluster", micro_batc
     return out
 
 
-def pipeline_costs(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "A",
+def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]], M: int, policy: str = "A",
                    warmup: Sequence[int] | None = None, *, check: bool = True, endings: bool = True,
                    recompute: Sequence[bool] | None = None) -> PricedStages:
     """Interleaved costs of stages ``spans`` and D per stage (paper V-C).
@@ -171,7 +183,8 @@ def _check_memory(i: int, need: StageBytes, mem: float, recompute: bool, warmup:
     check_stage_memory(i, need.static, need.per_slice, mem, warmup, need.once if recompute else None)
 
 
-def _check_warmup(cm: CostModel, spans: Sequence[Span], K: list[int], D: list[int], recompute: list[bool]) -> None:
+def _check_warmup(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]], K: list[int], D: list[int],
+                  recompute: list[bool]) -> None:
     """NoFitError naming the first stage whose given K_i is more than its D slices fit (recomputing as
     ``recompute`` says)."""
     for i, (a, c, lay) in enumerate(spans):
@@ -180,7 +193,7 @@ def _check_warmup(cm: CostModel, spans: Sequence[Span], K: list[int], D: list[in
                           K[i])
 
 
-def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_batch_size: int | None = None,
+def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence | Plan, global_batch_size: int | None = None,
              micro_batch_size: int | None = None, *, schedule: str | None = None, warmup_policy: str | None = None,
              optimizer_factor: float = 4.0, model: str | None = None, overlap: bool | None = None,
              recompute: bool | str | None = None, mixed_precision: str | None = None,
@@ -224,7 +237,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
     if shard_optimizer is None:
         shard_optimizer = stages.shard_optimizer if isinstance(stages, Plan) else False
     flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
-    opt = _options(profile, stages, _Options(global_batch_size, micro_batch_size, schedule, warmup_policy, model,
+    opt = _options(profile, stages, _Given(global_batch_size, micro_batch_size, schedule, warmup_policy, model,
                                              overlap, mixed_precision))
     b = opt.micro_batch_size
     sts = stage_list(stages, profile.num_layers, cluster, b)
@@ -234,8 +247,8 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
         recompute_mode(recompute, (None, False, True))
         cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=bool(recompute),
                        mixed_precision=opt.mixed_precision, shard_optimizer=shard_optimizer)
-        flags = [s.recompute for s in sts] if recompute is None else [bool(recompute)] * len(sts)
-        return _chunked(profile, cluster, cm, sts, opt, flags)
+        chunk_flags = [s.recompute for s in sts] if recompute is None else [bool(recompute)] * len(sts)
+        return _chunked(profile, cluster, cm, sts, opt, chunk_flags)
     given = _given_warmup(sts, M, opt.schedule)
     recompute_mode(recompute, (None,) + RECOMPUTE_MODES)
     auto = recompute == "auto"
@@ -243,6 +256,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence, global_ba
                    recompute=False if recompute is None or auto else recompute, mixed_precision=opt.mixed_precision,
                    shard_optimizer=shard_optimizer)
     spans = [Span(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
+    flags: list[bool] | None
     if auto:
         given = [M] * len(sts) if opt.schedule == "gpipe" else None
         flags = auto_recompute(cm, spans, M, opt.warmup_policy, given, opt.model, opt.overlap)
@@ -315,7 +329,7 @@ def auto_recompute(cm: CostModel, spans: Sequence[Span], M: int, policy: str = "
     return hold if lat[1] < lat[0] else need
 
 
-def _options(profile: "Profile", stages: object, given: _Options) -> _Options:
+def _options(profile: "Profile", stages: object, given: _Given) -> _Options:
     """evaluate()'s settings (``given``: as passed, None where not): a Plan's own where not given, then the
     defaults; ValueError naming a bad one."""
     g, b, schedule, policy, model, overlap, mixed_precision = given
@@ -335,9 +349,9 @@ def _options(profile: "Profile", stages: object, given: _Options) -> _Options:
     # plan()'s defaults: the refined model with the AllReduce overlapped, as the runtime runs every plan
     schedule, policy, model = schedule or "dapple", policy or "A", model or "refined"
     overlap = True if overlap is None else overlap
-    positive_int("global_batch_size", g)
-    positive_int("micro_batch_size", b)
-    if g % b:  # type: ignore[operator]
+    g = positive_int("global_batch_size", g)
+    b = positive_int("micro_batch_size", b)
+    if g % b:
         raise ValueError(f"global_batch_size {g} is not divisible by micro_batch_size {b}")
     if model not in MODELS:
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
@@ -345,7 +359,7 @@ def _options(profile: "Profile", stages: object, given: _Options) -> _Options:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if policy not in WARMUP_POLICIES:
         raise ValueError(f"warmup_policy: expected one of {WARMUP_POLICIES}, got {policy!r}")
-    return _Options(g, b, schedule, policy, model, bool(overlap), mixed_precision)  # type: ignore[arg-type]
+    return _Options(g, b, schedule, policy, model, bool(overlap), mixed_precision)
 
 
 def _given_warmup(stages: list[Stage], M: int, schedule: str) -> list[int] | None:

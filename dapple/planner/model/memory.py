@@ -119,7 +119,10 @@ def split_backward_unfit(cm: "CostModel", stages: Sequence["Stage"], num_micro_b
     """Why a split-backward schedule (zb-h1) on ``stages`` (their K_i set) does not fit somewhere ("" where it
     fits): each stage holds ``core.schedule.stage_holds`` micro-batches until their W. A recomputing stage is left
     out (its backward runs whole in B: it holds what it holds under dapple)."""
-    holds = stage_holds([s.warmup for s in stages], num_micro_batches)
+    warmups = [s.warmup for s in stages if s.warmup is not None]
+    if len(warmups) != len(stages):
+        raise ValueError(f"split_backward_unfit: every stage needs its warmup K_i, got {[s.warmup for s in stages]}")
+    holds = stage_holds(warmups, num_micro_batches)
     for i, (st, h) in enumerate(zip(stages, holds)):
         if st.recompute:
             continue

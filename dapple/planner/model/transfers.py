@@ -150,7 +150,8 @@ class CommPair:
         if self._trip is None:  # many routes: the same closed form for the first micro-batch
             return CommLinks(busiest, out, inc, ud, window, window, hot)
         # the first micro-batch's: its round trip, the transfers started as the simulator does
-        return CommLinks(busiest, out, inc, ud, max(longest, self._round_trip(times) - busiest), window, hot)
+        return CommLinks(busiest, out, inc, ud, max(longest, self._round_trip(times, self._trip) - busiest), window,
+                         hot)
 
     def _window(self, times: tuple, busiest: float, longest: float) -> float:
         """The steady state's share: one micro-batch alone, routes in posting order, each when its links are free;
@@ -170,11 +171,11 @@ class CommPair:
         first, last = min(done.values()), max(done.values())
         return max(longest, busiest - (max(busiest, last) - first))
 
-    def _round_trip(self, times: tuple) -> float:
+    def _round_trip(self, times: tuple, trip: tuple[list, list]) -> float:
         """ms from the first activations leaving to the last gradients landing, for one micro-batch with nothing
         below the receivers (what is below shifts every receiver's gradients alike): the routes run as the
         simulator starts them, each receiver's gradients when its own data is in."""
-        (kind, paths, dst), (fw_order, bw_order), n = self._posted, self._trip, self._links
+        (kind, paths, dst), (fw_order, bw_order), n = self._posted, trip, self._links
         t = [times[k] for k in kind]
         done = _landed(dst, _replay([0.0] * len(t), t, paths, fw_order, n))
         return max(_replay([done[d] for d in dst], t, paths, bw_order, n))

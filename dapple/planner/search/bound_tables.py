@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 
@@ -36,6 +36,8 @@ def least_work(cm: "CostModel", most: int) -> list[float]:
         f, b, _ = cm.prefix_sums(cm.rows(r))
         work = r * (np.diff(f) + np.diff(b))  # (N,): F + B of each layer on a slice, x r
         per = work if per is None else np.minimum(per, work)
+    if per is None:
+        raise ValueError(f"least_work: no replica count from 1 to {most} (micro-batch {cm.micro})")
     rho = [0.0]
     for w in per.tolist():
         rho.append(rho[-1] + w)
@@ -53,13 +55,13 @@ def _rings(cm: "CostModel", reps: Sequence[int]) -> list[tuple[np.ndarray, ...]]
     (the cost model's ring; 1 where not allowed: across servers only when more than a server's worth, r = 1 has
     no AllReduce)."""
     cl = cm.cluster
-    out = []
+    out: list[tuple[np.ndarray, ...]] = []
     for spans in (False, True):
         rows = []
         for r in reps:
             big = r > cl.devices_per_server
-            allowed = r > 1 and ((big or cl.servers > 1) if spans else not big)
-            rows.append(cm.ring_terms(r, spans) + (True,) if allowed else (1.0, 1.0, 0.0, False))
+            can = r > 1 and ((big or cl.servers > 1) if spans else not big)
+            rows.append(cm.ring_terms(r, spans) + (True,) if can else (1.0, 1.0, 0.0, False))
         share, bw, steps, allowed = (np.array(x) for x in zip(*rows))
         out.append((share, bw, steps, allowed.astype(bool)))
     return out
@@ -104,7 +106,7 @@ def rest_bound(cm: "CostModel", M: int, devices: int, fill: bool, *, allreduce: 
         rest = Q[j + 1:j + 1 + n][:, left]  # (n, reps, G + 1): Q[c, R - r]
         # cand[c, r, R] = max(M T (+ AR), offset + Q[c, R - r]), min over (c, r)
         if allreduce:
-            own = M * T + ar[:, :n].T[:, :, None]
+            own = M * T + cast(np.ndarray, ar)[:, :n].T[:, :, None]  # every() computes it with allreduce
             fpre = first.f2[:, j + 1:j + 1 + n] - first.f2[:, j:j + 1]  # (reps, n): F of every earlier stage
             cand = np.maximum(own, fpre.T[:, :, None] + rest)
         else:
@@ -147,7 +149,7 @@ def stage_u(M: int, stages: int | None) -> float:
     return (M - k) / (M - 1)
 
 
-def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float], *, bar: float = INF,
+def period_sums(cm: "CostModel", M: int, devices: int, taus: Sequence[float] | np.ndarray, *, bar: float = INF,
                 overlap: bool = False, counts: int = 1) -> np.ndarray:
     """``V[k, c, j, R]``: the least sum of T = F + B over the stages of any split of layers ``[j, N)`` into c + 1
     stages (c = counts - 1: at least ``counts``) on at most ``R`` devices whose every stage has U <= ``taus[k]``

@@ -24,6 +24,7 @@ from .records import Prefix, StageEnd, StageLists, Start, Tail
 
 if TYPE_CHECKING:
     from ..model.transfers import CommLinks
+    from .bound_tables import PeriodRows
     from .pricing import StageCosts
     from .transitions import Arrival
 
@@ -96,8 +97,12 @@ class Pruner:
         self.ar_less = 1.0 if self.overlap else 0.0  # x B: what of a stage's AllReduce its last backward may hide
         self.fill = 1.0 if self.refined else 0.0
         self.tables_bar: float | None = None  # the bar Q and Qar were made for
-        self.Q = self.Qcol = self.Qar = self.Qarcol = None
-        self.pv = None
+        # the rest bounds' tables (rest_tables makes them)
+        self.Q: list[list[float]] = []
+        self.Qcol: list[list[float]] = []
+        self.Qar: list[list[float]] = []
+        self.Qarcol: list[list[float]] = []
+        self.pv: tuple[list, PeriodRows] | None = None
         self.has_period_bound = False  # whether :meth:`tighten` made the period bound's tables (pv)
         self.counts = 1  # period_bound's stage-count buckets (tighten() sets them)
         self.new_share: list = [0.0]
@@ -190,6 +195,7 @@ class Pruner:
         refined, ar_less = self.refined, self.ar_less
         base, W, Bsum = start
         pv = self.pv is not None and ts is not None
+        tsl: list = ts if ts is not None else []  # (ts, where pv)
         out, make = [], tuple.__new__  # (a StageEnd without NamedTuple's Python-level __new__: 100k on 8 x 8)
         for j2 in range(lo, min(N, len(fs))):  # the lists end where M (F+B) alone reaches the bar
             f, b, ar = fs[j2], bs[j2], ars[j2]
@@ -204,7 +210,7 @@ class Pruner:
             if low >= bar:
                 continue
             if pv:
-                low = self.with_period(low, j2, f, b, n_rest, ts, start)
+                low = self.with_period(low, j2, f, b, n_rest, tsl, start)
                 if low >= bar:
                     continue
             out.append(make(StageEnd, (j2, f, b, ar, fits, lb, low)))
@@ -292,6 +298,8 @@ class Pruner:
         stages whose largest U is ts[c] and a new stage of max(F, B) ``hi`` and min(F, B) ``lo``: the least over
         the buckets c some split falls in. Once ``add`` + a bucket's value is below ``stop``, that value (a caller
         who only asks whether ``add`` + this reaches ``stop`` gets the same answer sooner)."""
+        if self.pv is None:
+            raise RuntimeError("Pruner.period_rest: tighten() made no period tables")
         taus, pr = self.pv
         m1, shares = self.M - 1, self.new_share
         best = INF

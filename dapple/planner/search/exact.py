@@ -80,7 +80,7 @@ class Layouts:
         """Every way stages of ``counts`` replicas take all the devices, as server layouts, stage by stage
         (``labelled``: every labelling of the servers, not once per relabelling)."""
         opened = self.servers if labelled else 0
-        partial = [((), (per_server,) * self.servers, opened)]
+        partial: list[tuple[tuple, tuple, int]] = [((), (per_server,) * self.servers, opened)]
         for r in counts:
             partial = [(lays + (lay,), left, op) for lays, free, o in partial for lay, left, op in self(r, free, o)]
         return (lays for lays, _, _ in partial)

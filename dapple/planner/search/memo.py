@@ -11,6 +11,9 @@ from ..model.cost import ServerLayout
 from .placement import arrange, placements
 from .records import Option
 
+# Option's fields but the communication costs: policy, new, free, n_rest, tail, wide, key, perm, multi
+Placed = tuple[str, ServerLayout, tuple, int, ServerLayout, bool, int, list, bool]
+
 
 class Memo:
     """Which prefixes a layer expands and the placements (state keys) a new stage can take, for a cluster of
@@ -48,7 +51,7 @@ class Memo:
                                         self.placed(free, tuple(dict.fromkeys(prev)) if prev else (), m)]
         return hit
 
-    def placed(self, free: tuple, first_servers: tuple, m: int) -> list:
+    def placed(self, free: tuple, first_servers: tuple, m: int) -> list[Placed]:
         """:meth:`options` but the communication costs, for a previous stage whose servers first appear in the
         order ``first_servers`` (memoised)."""
         key = (free, first_servers, m)
@@ -57,7 +60,7 @@ class Memo:
             hit = self._placements[key] = self._place(free, first_servers, m)
         return hit
 
-    def _place(self, free: tuple, first_servers: tuple, m: int) -> list:
+    def _place(self, free: tuple, first_servers: tuple, m: int) -> list[Placed]:
         first = {s: k for k, s in enumerate(first_servers)}
         order = sorted(range(self.ns), key=lambda s: (first.get(s, 1 << 30), s))
         out = []
@@ -71,11 +74,11 @@ class Memo:
             ahead = sorted(range(self.ns), key=lambda s: (-free2[s], first.get(s, 1 << 30), s))
             rank = {s: r for r, s in enumerate(ahead)}
             like = arrange(take, first_servers)
-            for new in dict.fromkeys((like, tuple(sorted(like, key=rank.get)))):
+            for new in dict.fromkeys((like, tuple(sorted(like, key=rank.__getitem__)))):  # like: servers in rank
                 out.append(self._option(name, new, free2))
         return out
 
-    def _option(self, name: str, new: ServerLayout, free2: tuple) -> tuple:
+    def _option(self, name: str, new: ServerLayout, free2: tuple) -> Placed:
         """Option's fields but the communication costs, for a new stage on ``new`` leaving ``free2``."""
         n_rest = sum(free2)
         wide = n_rest > self.b  # the rest cannot be one stage: rank the state as if it had b replicas

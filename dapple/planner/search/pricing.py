@@ -27,15 +27,15 @@ class StageCosts:
         self._stage_costs: dict = {}  # (j, m, spans servers) -> StageLists
         self._tails: dict = {}  # rest layout -> [tail(a, layout) for a in 0..N] (filled on use)
 
-    def latency(self, F: list, B: list, AR: list, E: list, C: list, D: list, *, link_period: float,
-                limit: float = INF, window: list | None = None, drain: float | None = None, queue: list | None = None,
-                feed: list | None = None) -> tuple[float, str]:
+    def latency(self, F: list, B: list, AR: list, E: list, C: list | None, D: list, *, link_period: float,
+                limit: float = INF, window: list | None = None, drain: float | None = None,
+                queue: Sequence | None = None, feed: list | None = None) -> tuple[float, str]:
         """The plan's L under the search's model and the better warmup policy; any value >= ``limit`` when L is
         (interleaved F, B, AR, E, chain ``C`` and D per stage; the rest as refined_chains takes them)."""
         M = self.M
         if not self.refined:
             return paper_latency(F, B, AR, M).total, self.policy or "A"
-        pols = (self.policy,) if self.policy else ("A", "B")
+        pols: tuple[str, ...] = (self.policy,) if self.policy else ("A", "B")
         Ks = [warmup_counts(len(D), M, pol, max_in_flight=D) for pol in pols]
         if len(Ks) == 2 and Ks[0] == Ks[1]:
             Ks.pop()
@@ -50,7 +50,10 @@ class StageCosts:
         """Formula 5: L (and the better warmup policy) of a prefix + its new stage (``costs``' interleaved lists)
         completed by the transfer into the rest and the rest as one stage on the free devices (its completion).
         The one function the search prices formula 5 with."""
-        F, B, AR, E, C, D, Cw, (busy, t_f, t_b, t_ar, t_e, chain, window, t_d, period, drain, queue, feed) = costs
+        F, B, AR, E, C, D, Cw, completion = costs
+        if completion is None:
+            raise ValueError("plan_latency: the costs hold no completion (the DP's root prices no plan)")
+        busy, t_f, t_b, t_ar, t_e, chain, window, t_d, period, drain, queue, feed = completion
         return self.latency(F + [busy, t_f], B + [busy, t_b], AR + [0.0, t_ar], E + [busy, t_e], C + [chain, t_b],
                             D + [t_d], link_period=period, limit=limit, window=Cw + [window, t_b], drain=drain,
                             queue=queue, feed=feed)

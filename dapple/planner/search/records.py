@@ -217,7 +217,8 @@ class Links:
     dev_drain: float = 0.0  # the busiest device link once activations stop (one way)
     queue: tuple = ()  # transfers.queues of each stage before the last (the last's needs the next stage)
     hot: tuple = ()  # the last stage's inbound links that are the busiest of its transfer in (CommLinks.hot)
-    users: dict = field(default_factory=dict)  # per server, the communication stages on its uplink and downlink
+    users: dict | None = field(default_factory=dict)  # per server, the communication stages on its uplink and
+    # downlink (None: an Arrival's, until Arrival.users makes them)
     # (transfers.add_users)
 
 
@@ -255,5 +256,7 @@ class Prefix:
         """The stages in this prefix's labels (built on demand: most prefixes never need it)."""
         if self.parent is None:
             return ()
-        perm = self.perm
-        return tuple(Span(a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (self.span,))
+        perm, span = self.perm, self.span
+        if perm is None or span is None:
+            raise RuntimeError(f"Prefix at depth {self.depth}: extends a parent but holds no span or perm")
+        return tuple(Span(a, c, tuple(perm[s] for s in lay)) for a, c, lay in self.parent.spans() + (span,))

@@ -60,7 +60,10 @@ def reference_search(profile: "Profile", cluster: "Cluster", global_batch_size: 
 
     whole = Span(0, N, tuple(s for s in range(cluster.servers) for _ in range(per_server)))
     if len(whole.layout) <= b and cm.fits(0, N, len(whole.layout)) >= 1:  # pure data parallelism: j = 0 as a plan
-        lat, pol = costs.evaluate_spans((whole,))
+        whole_priced = costs.evaluate_spans((whole,))
+        if whole_priced is None:  # (it fits and has no more replicas than rows)
+            raise RuntimeError(f"reference search: pure data parallelism on {len(whole.layout)} devices not priced")
+        lat, pol = whole_priced
         best = (lat, (whole,), pol)
     states: list[dict] = [{} for _ in range(N + 1)]  # per j: (free, last layout) -> (formula 5's L, spans)
     states[0][((per_server,) * cluster.servers, None)] = (INF, ())

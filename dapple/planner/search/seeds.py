@@ -202,7 +202,8 @@ class Seeder:
         """(L, generation index, spans, warmup policy) of the seeds that may be among the best kept."""
         bounds = [self.seed_bound(spans) for spans in spans_of]
         most = tuning.TUNING.refined_seeds
-        found, keep = [], []  # the priced seeds; the best REFINED_SEEDS Ls so far
+        found: list[tuple[float, int, tuple, str]] = []  # the priced seeds
+        keep: list[float] = []  # the best REFINED_SEEDS Ls so far
         for i in sorted(range(len(spans_of)), key=bounds.__getitem__):
             if len(keep) >= most and bounds[i] > keep[-1]:
                 break  # and every later one: L >= its bound > the kept ones'

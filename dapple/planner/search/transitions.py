@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..model.cost import LinkPeriods, Span
 from ..model.transfers import NO_USERS, add_users, feeds, queues
@@ -34,6 +34,8 @@ class Arrival:
 
     __slots__ = ("pre", "j", "option", "skey", "refined", "start", "link_in", "busy", "chain", "servers", "links",
                  "server_drain", "queue", "n_all", "shared", "period_ts")
+    chain: float | None  # the transfer in's share of a round trip (None: the first stage)
+    period_ts: list | None  # Pruner.period_ts of the rest after it (None: not made yet)
 
     def __init__(self, pre: Prefix, j: int, option: Option, M: int, refined: bool, counted: bool):
         """``option.comms`` priced (the transfer in is None for the first stage); ``counted``: states are keyed by
@@ -77,11 +79,13 @@ class Arrival:
     def users(self) -> dict:
         """The prefix's and the transfer in's server link users (transfers.add_users; refined model, on first use)."""
         links = self.links
-        if links.users is None:
+        users = links.users
+        if users is None:
             pre, servers = self.pre, self.servers
-            links.users = add_users(pre.links.users, servers, 2 * pre.depth - 1) if servers else pre.links.users
-            self.shared = any(len(ups) > 1 or len(downs) > 1 for ups, downs in links.users.values())
-        return links.users
+            was = cast(dict, pre.links.users)  # a Prefix's links hold their users
+            users = links.users = add_users(was, servers, 2 * pre.depth - 1) if servers else was
+            self.shared = any(len(ups) > 1 or len(downs) > 1 for ups, downs in users.values())
+        return users
 
     def feed_of(self, link: "CommLinks") -> list | None:
         """transfers.feeds of prefix + new + rest, ``link`` the transfer to the rest (None: no server link is
@@ -140,6 +144,9 @@ class Reached:
 
     __slots__ = ("end", "lb", "rest_floor", "floor", "link", "rest", "bucket", "full", "e", "periods", "low",
                  "tight")
+    e: float | None
+    periods: LinkPeriods | None
+    low: float | None
 
     def __init__(self, end: StageEnd, lb: float, rest_floor: float, link: "CommLinks", rest: Tail,
                  bucket: list | None, full: bool):
@@ -258,27 +265,29 @@ class Expander:
         if not enters:  # it matters only if it beats the best: stop there
             lat, pol = costs.plan_latency(planned, inc.latency)
         elif complete:
-            self._bound_below(arr, r, inc.latency)
-            if r.low < inc.latency:  # may beat the best (few do)
+            if self._bound_below(arr, r, inc.latency) < inc.latency:  # may beat the best (few do)
                 lat, pol = costs.plan_latency(planned)
         if complete and lat is not None and lat < inc.latency:
             pre = arr.pre
             inc.offer(lat, pre.spans() + (Span(arr.j, end.end, option.new), Span(end.end, self.N, option.tail)),
                       pre.policies + (option.policy, "rest"), pol)
         if r.full:  # ranked by floor, then by L: priced only on a tie
-            keep, lat = self._keeps(r.bucket[-1], planned, lat, arr, r)
+            keep, lat = self._keeps(cast(list, r.bucket)[-1], planned, lat, arr, r)  # (full: a bucket)
             if not keep:
                 return
         self._enter(arr, r, planned, lat)
 
-    def _bound_below(self, arr: Arrival, r: Reached, limit: float) -> None:
+    def _bound_below(self, arr: Arrival, r: Reached, limit: float) -> float:
         """``r.low``, a lower bound on the plan's L: quick_floor first, rest_chain (``r.tight``) only while the bound
-        is below ``limit``."""
+        is below ``limit``; returns it."""
         if r.low is None:
             r.low, r.tight = self.pruner.quick_floor(r.end, r.link, r.rest, arr.start), not self.refined
         if not r.tight and r.low < limit:
+            if r.e is None or r.periods is None:
+                raise RuntimeError("_bound_below: the plan's ending and link periods are not priced yet")
             r.low = self.pruner.rest_chain(arr, r.end, r.link, r.rest, r.e, r.periods.period)
             r.tight = True
+        return r.low
 
     def _keeps(self, held: Prefix, planned: PlanCosts, lat: float | None, arr: Arrival,
                r: Reached) -> tuple[bool, float | None]:
@@ -291,8 +300,7 @@ class Expander:
                 return False, lat  # the same L: the first stays
             first = self.costs.prefix_latency(held)
             if lat is None:
-                self._bound_below(arr, r, first)
-                if r.low >= first:
+                if self._bound_below(arr, r, first) >= first:
                     return False, lat  # L >= its bound >= the held one's: that one stays
                 lat = self.costs.plan_latency(planned)[0]
             if first <= lat:
@@ -301,7 +309,9 @@ class Expander:
 
     def _enter(self, arr: Arrival, r: Reached, planned: PlanCosts, lat: float | None) -> None:
         """The prefix of prefix + new stage, in the new state's server labels, into the state of its end."""
-        pre, option, refined, end, links = arr.pre, arr.option, self.refined, r.end, arr.links
+        pre, option, refined, end, links, e = arr.pre, arr.option, self.refined, r.end, arr.links, r.e
+        if e is None:  # (_transition priced it)
+            raise RuntimeError("_enter: the plan's overlapped ending is not priced yet")
         perm = option.perm
         relabelled = [0] * self.ns
         for s in range(self.ns):
@@ -311,7 +321,7 @@ class Expander:
                      policies=pre.policies + (option.policy,), free=tuple(relabelled), costs=planned, latency=lat,
                      lb=r.lb, floor=r.floor, forward_sum=arr.start.forward_sum + end.f,
                      backward_sum=arr.start.backward_sum + end.b,
-                     below=self.pruner.below(pre, arr.chain, end.b, end.allreduce, r.e),
+                     below=self.pruner.below(pre, arr.chain, end.b, end.allreduce, e),
                      fmax=max(pre.fmax, arr.busy, end.f),
                      links=Links(servers={perm[s]: t for s, t in links.servers.items()} if refined else {},
                                  server_max=links.server_max, dev=links.dev, last_in=links.last_in,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from ...core.buckets import BUCKET_BYTES
 from ...core.checks import flag
 from ...core.chunk_schedule import ChunkOp, peak_held, rank_ops
 from ...core.cluster import LINK_SHARING
 from ...core.plan import Plan, check_fit
-from ...core.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD, pipeline_stage_ops
+from ...core.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD, Op, pipeline_stage_ops
 from ...core.split_concat import routes, slice_bounds
 from ...core.timeline import Event, lane_of
 from ..checks import instance, profile_and_cluster
@@ -70,7 +70,7 @@ class SimResult:
         """Most micro-batches whose forward ran on ``device`` and whose backward had not (activations held; split
         backward: until their W), every chunk's counted."""
         return int(peak_held([ChunkOp(o.kind, o.micro_batch, o.stage) for o in self.device_timeline(device)
-                              if o.kind in COMPUTE_KINDS]))
+                              if o.kind in COMPUTE_KINDS and o.micro_batch is not None]))  # (compute: all have one)
 
     def busy_fraction(self) -> float:
         """Share of device time spent in forward/backward compute."""
@@ -367,10 +367,11 @@ class _Sim:
     def run(self) -> SimResult:
         for d in self.ops:
             self.try_start(d, 0.0)
-        while self.events or (self.net is not None and self.net.flows):
-            done = self.net.next_done() if self.net is not None else None
-            if done is not None and (not self.events or done[0] <= self.events[0][0]):
-                start, item = self.net.finish(*done)
+        net = self.net
+        while self.events or (net is not None and net.flows):
+            done = net.next_done() if net is not None else None
+            if done is not None and net is not None and (not self.events or done[0] <= self.events[0][0]):
+                start, item = cast("tuple[float, _Pending]", net.finish(*done))  # the payload send() added
                 self.streams.discard((item.src, item.dst, item.kind))
                 self.record(item, start, done[0])
                 t, kind, payload = done[0], "xfer", _Arrival(item.dst, item.kind, item.mb, item.links, _receiver(item))
@@ -404,7 +405,7 @@ def _receiver(item: _Pending) -> int:
     return item.stage + 1 if item.kind == "F" else item.stage - 1
 
 
-def device_ops(plan: Plan, schedule: str) -> dict[int, list[tuple[int, object]]]:
+def device_ops(plan: Plan, schedule: str) -> dict[int, list[tuple[int, Op | ChunkOp]]]:
     """Each device's (stage, op) in the runtime's order under ``schedule``: its stage's ``pipeline_stage_ops``, or
     its device group's chunks in ``core.chunk_schedule.rank_ops``'s order."""
     if schedule in CHUNKED_SCHEDULES:
@@ -432,13 +433,15 @@ def from_simulation(sim: SimResult) -> list[Event]:
             lane = "allreduce" if sim.overlap else "compute"
             out.append(Event(o.device, "allreduce", "AR", o.start_ms / 1e3, o.end_ms / 1e3, None,
                              {"stage": o.stage, "bytes": o.nbytes, "lane": lane}))
-    for t in sim.transfers:
-        what = "activations" if t.kind == "send_F" else "gradients"
-        args = {"bytes": t.nbytes, "rows": t.rows, "what": what}
-        out.append(Event(t.device, "send", f"send→{t.peer}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
-                         {**args, "peer": t.peer}))
-        out.append(Event(t.peer, "recv", f"recv←{t.device}", t.start_ms / 1e3, t.end_ms / 1e3, t.micro_batch,
-                         {**args, "peer": t.device}))
+    for tr in sim.transfers:
+        what = "activations" if tr.kind == "send_F" else "gradients"
+        args = {"bytes": tr.nbytes, "rows": tr.rows, "what": what}
+        if tr.peer is None:
+            raise ValueError(f"from_simulation: a transfer without its receiver: {tr}")
+        out.append(Event(tr.device, "send", f"send→{tr.peer}", tr.start_ms / 1e3, tr.end_ms / 1e3, tr.micro_batch,
+                         {**args, "peer": tr.peer}))
+        out.append(Event(tr.peer, "recv", f"recv←{tr.device}", tr.start_ms / 1e3, tr.end_ms / 1e3, tr.micro_batch,
+                         {**args, "peer": tr.device}))
     for d in sorted(sim.stage_of_device):  # the gaps of each device's compute lane, as in measured traces
         busy = sorted((e for e in out if e.rank == d and lane_of(e) == "compute"), key=lambda e: e.start)
         t = 0.0

@@ -51,9 +51,10 @@ def latency_floor(plan: "Plan", cm: CostModel, overlap: bool = False) -> float:
                for s, e in slice_bounds(plan.micro_batch_size, st.replicas)] for st in plan.stages]
     bmin = [min(_chained(s, b, split, w) for (_, b), w in zip(fb, shares[s])) for s, fb in enumerate(slices)]
     floor = above_f = above_b = 0.0  # above: micro-batch 0's forwards and M - 1's backwards in the stages above
+    warmups = plan.warmup  # K_i (a Plan sets every stage's)
     for s, st in enumerate(plan.stages):
         below = sum(fmin[s + 1:]) + sum(bmin[s + 1:])  # micro-batch M - 1's round trip below stage s
-        k = M if plan.schedule == "gpipe" else max(1, min(st.warmup, M))
+        k = M if plan.schedule == "gpipe" else max(1, min(warmups[s], M))
         ar = 0.0
         if not overlap and st.replicas > 1:
             ar = cm.ring_allreduce_ms(cm.params(*st.layers), layout_of(cm.cluster, st.devices))
