@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, cast
 from weakref import WeakKeyDictionary
@@ -15,22 +14,17 @@ import torch.distributed as dist
 from . import checkpoint_files as files
 from .checkpoint_sync import all_or_none, attempt
 from .engine import Pipeline
-from .roll import called
+from .roll import gloo_world_group
 
 _pending: "WeakKeyDictionary[Pipeline, AsyncSave]" = WeakKeyDictionary()
-_groups: "WeakKeyDictionary[Pipeline, dist.ProcessGroup]" = WeakKeyDictionary()
 
 
 def writer_group(pipe: Pipeline, what: str) -> dist.ProcessGroup:
     """A gloo group of all ranks for the background writes' own collectives (DCP's plan exchange), apart from the
     group the ranks agree on, so that an agreement never meets a write in flight (made by the first async save:
     every rank must call it)."""
-    if pipe not in _groups:
-        _groups[pipe] = called(pipe.timeout, f"rank {pipe.ctx.rank} (stage {pipe.stage})",
-                               f"{what}: creating the gloo group of the background writes (did every rank call it?)",
-                               range(pipe.ctx.world_size), dist.new_group, list(range(pipe.ctx.world_size)),
-                               timeout=timedelta(seconds=pipe.timeout), backend="gloo")
-    return _groups[pipe]
+    return gloo_world_group(pipe, "background writes", f"rank {pipe.ctx.rank} (stage {pipe.stage})",
+                            f"{what}: creating the gloo group of the background writes (did every rank call it?)")
 
 
 class AsyncSave:

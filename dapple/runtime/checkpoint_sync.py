@@ -3,30 +3,22 @@
 from __future__ import annotations
 
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
-from weakref import WeakKeyDictionary
 
 import torch.distributed as dist
 
 from ..core.dist import PipelineError, first_line
 from . import checkpoint_files as files
 from .engine import Pipeline
-from .roll import called
-
-_groups: "WeakKeyDictionary[Pipeline, dist.ProcessGroup]" = WeakKeyDictionary()
+from .roll import called, gloo_world_group
 
 
 def checkpoint_group(pipe: Pipeline, what: str) -> dist.ProcessGroup:
     """A gloo group of all ranks with the pipeline's timeout, for DCP's object collectives (made once per pipe,
     by the first save or load: every rank must call it)."""
-    if pipe not in _groups:
-        _groups[pipe] = called(pipe.timeout, f"rank {pipe.ctx.rank} (stage {pipe.stage})",
-                               f"{what}: creating the gloo group of every rank (did every rank call it?)",
-                               range(pipe.ctx.world_size), dist.new_group, list(range(pipe.ctx.world_size)),
-                               timeout=timedelta(seconds=pipe.timeout), backend="gloo")
-    return _groups[pipe]
+    return gloo_world_group(pipe, "checkpoints", f"rank {pipe.ctx.rank} (stage {pipe.stage})",
+                            f"{what}: creating the gloo group of every rank (did every rank call it?)")
 
 
 def attempt(call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> BaseException | None:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Protocol
-from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -20,9 +18,7 @@ from ..core.plan import Plan
 from .distributed import DistContext
 from .replan_optimizer import check_groups, check_optimizer, hypers, rebuild_optimizer
 from .reshard import PARAMETER, Held, exchanges, holdings, sources, stage_state
-from .roll import called, waited
-
-_groups: "WeakKeyDictionary[Any, dist.ProcessGroup]" = WeakKeyDictionary()
+from .roll import called, gloo_world_group, waited
 
 
 class Replannable(Protocol):
@@ -222,12 +218,8 @@ class StateMove:
 def _group(pipe: Replannable, who: str) -> dist.ProcessGroup:
     """A gloo group of every rank with the pipeline's timeout, for the exchange's objects and CPU tensors (made by
     the first replan of ``pipe``: every rank calls it)."""
-    if pipe not in _groups:
-        world = pipe.ctx.world_size
-        _groups[pipe] = called(pipe.timeout, who, "replan: creating the gloo group of every rank (did every rank "
-                               "call replan?)", range(world), dist.new_group, list(range(world)),
-                               timeout=timedelta(seconds=pipe.timeout), backend="gloo")
-    return _groups[pipe]
+    return gloo_world_group(pipe, "replan", who, "replan: creating the gloo group of every rank (did every rank call "
+                            "replan?)")
 
 
 def _shape(plan: Plan) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any, Callable, Sequence
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -95,3 +96,18 @@ def waited(work: Any, timeout: float, who: str, place: str, ranks: Sequence[int]
         wait_for(work, timeout, f"{who}, {place}{detail}", device)
     except PipelineError as e:
         raise PipelineError(f"{e}{missing(place, ranks)}") from e.__cause__
+
+
+_world_groups: "WeakKeyDictionary[Any, dict[str, dist.ProcessGroup]]" = WeakKeyDictionary()
+
+
+def gloo_world_group(pipe: Any, purpose: str, who: str, place: str) -> dist.ProcessGroup:
+    """A gloo group of every rank with ``pipe``'s timeout, one per ``purpose`` and pipeline (``pipe``: its
+    ``timeout`` and ``ctx.world_size``), made by the first call for it: every rank must make it, in the same order;
+    ``place`` says so in the error of a rank that waits for the others."""
+    groups = _world_groups.setdefault(pipe, {})
+    if purpose not in groups:
+        world = pipe.ctx.world_size
+        groups[purpose] = called(pipe.timeout, who, place, range(world), dist.new_group, list(range(world)),
+                                 timeout=timedelta(seconds=pipe.timeout), backend="gloo")
+    return groups[purpose]
