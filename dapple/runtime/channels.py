@@ -12,7 +12,7 @@ from ..core.plan import Plan
 from .distributed import DistContext
 from .groups import GradGroup, GradReducer, make_grad_groups, start_equal
 from .p2p import P2P
-from .program import Transfer, cut_routes, rank_place
+from .program import Transfer, cut_routes
 from .roll import waited
 from .stages import StageGraph
 
@@ -49,7 +49,7 @@ def open_channels(plan: Plan, graphs: Sequence[StageGraph], names: dict[int, str
     start_equal(groups, timeout, who)
     # early backward: stage i runs K_i forwards ahead of its backwards (what lets P2P free delivered sends early)
     ahead = (lambda s: plan.stages[s].warmup) if plan.schedule == "dapple" else (lambda s: None)
-    p2p = P2P(ctx.rank, lambda r: rank_place(plan, r), None, grad_p2p, timeout, value_name, ahead)
+    p2p = P2P(ctx.rank, plan.device_label, None, grad_p2p, timeout, value_name, ahead)
     return Channels(groups, GradReducer(groups, reduce_dtype=reduce_dtype), p2p)
 
 

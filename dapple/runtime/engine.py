@@ -35,7 +35,7 @@ from .meta_stage import materialise_stage
 from .modes import eval_graph
 from .p2p import PipelineError
 from .precision import LossScaler, Precision, allreduce_dtype
-from .program import Transfer, rank_place
+from .program import Transfer
 from .rank_batch import rank_batch
 from .recompute import check_recomputable, recomputing
 from .replan import StateMove, Switch, check_replan, close_groups, rebuild_args
@@ -107,8 +107,7 @@ class Pipeline:
             self.stage, self.recompute = self.stages[0], flags[self.stages[0]]
             self.replica = plan.stages[self.stage].devices.index(self.ctx.rank)
             self.graph: StageGraph = graphs[self.stage]
-            place = rank_place(plan, self.ctx.rank)
-            self.who = f"rank {self.ctx.rank} ({place if isinstance(place, str) else f'stage {place}'})"  # for messages
+            self.who = f"rank {self.ctx.rank} ({plan.device_label(self.ctx.rank)})"  # for messages
             # the stage's module, or a module holding every chunk's (parameters, state_dict, train/eval: all of them)
             self.module: nn.Module = rank_module([graphs[s].module for s in self.stages], self.stages)
             by_key = stage_keys(self.module, model_keys(model))  # before buffers move to the device

@@ -23,7 +23,8 @@ class P2P:
     of ranks is its own in-order channel (on NCCL a pair's sends and receives of one group share a stream;
     keeping directions apart means a posted receive never sits in front of a send the peer waits for). A transfer
     between two chunks of this rank (``Transfer.local``) is a hand-off: the tensor itself, kept until it is taken.
-    ``stage_of(rank)`` is a rank's stage (an int) or, holding several chunks, their name ("stages 1,6"), for messages.
+    ``stage_of(rank)`` is a rank's stage (an int) or where it is ("stage 2", "stages 1, 6": Plan.device_label), for
+    messages.
     """
 
     def __init__(self, rank: int, stage_of: Callable[[int], object], act_group: dist.ProcessGroup | None,
@@ -152,7 +153,7 @@ class P2P:
 
     # ---- errors -------------------------------------------------------------------------------
     def _place(self, rank: int) -> str:
-        """"stage 2" (or "stages 1,6", a rank of chunks): where ``rank`` is, for messages."""
+        """"stage 2" (or "stages 1, 6", a rank of chunks): where ``rank`` is, for messages."""
         where = self.stage_of(rank)
         return f"stage {where}" if isinstance(where, int) else str(where)
 

@@ -127,12 +127,6 @@ def first_routes(plan: Plan, c: int) -> set[Route]:
     return set(firsts.values())
 
 
-def rank_place(plan: Plan, rank: int) -> int | str:
-    """Where ``rank`` is, for messages: its stage, or "stages 1,6" where it holds several chunks."""
-    stages = plan.stages_of_device(rank)
-    return stages[0] if len(stages) == 1 else "stages " + ",".join(map(str, stages))
-
-
 def op_stage(plan: Plan, rank: int, op: AnyOp) -> int:
     """The stage ``op`` runs on: its own (a chunk's op), or ``rank``'s one stage."""
     return op.stage if isinstance(op, ChunkOp) else plan.stage_of_device(rank)
