@@ -180,7 +180,7 @@ def load_checkpoint(path: str | os.PathLike, pipe: Pipeline, optimizer: torch.op
         finish = load_targets(pipe, optimizer, found.path, md, meta, sd)  # fresh buffers, copied in by finish
         generators = rng_targets(pipe, md, meta, sd)
         schedule = None if scheduler is None else scheduler_target(scheduler, meta.get("scheduler"), found.path)
-        files.check_shards(found.path, md.storage_data, set(sd), f"rank {pipe.ctx.rank} (stage {pipe.stage})")
+        files.check_shards(found.path, md.storage_data, set(sd), pipe.who)
     except Exception as e:
         error = e
     all_or_none(pipe, group, None, error, what)

@@ -23,7 +23,7 @@ def writer_group(pipe: Pipeline, what: str) -> dist.ProcessGroup:
     """A gloo group of all ranks for the background writes' own collectives (DCP's plan exchange), apart from the
     group the ranks agree on, so that an agreement never meets a write in flight (made by the first async save:
     every rank must call it)."""
-    return gloo_world_group(pipe, "background writes", f"rank {pipe.ctx.rank} (stage {pipe.stage})",
+    return gloo_world_group(pipe, "background writes", pipe.who,
                             f"{what}: creating the gloo group of the background writes (did every rank call it?)")
 
 

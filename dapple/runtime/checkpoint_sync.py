@@ -17,7 +17,7 @@ from .roll import called, gloo_world_group
 def checkpoint_group(pipe: Pipeline, what: str) -> dist.ProcessGroup:
     """A gloo group of all ranks with the pipeline's timeout, for DCP's object collectives (made once per pipe,
     by the first save or load: every rank must call it)."""
-    return gloo_world_group(pipe, "checkpoints", f"rank {pipe.ctx.rank} (stage {pipe.stage})",
+    return gloo_world_group(pipe, "checkpoints", pipe.who,
                             f"{what}: creating the gloo group of every rank (did every rank call it?)")
 
 

@@ -30,6 +30,7 @@ class Replannable(Protocol):
     replica: int
     global_step: int
     timeout: float
+    who: str  # "rank 3 (stage 1)", for messages
     training: bool
     module: nn.Module
     state_names: dict[int, list[str]]
@@ -107,7 +108,7 @@ class StateMove:
 
     def __init__(self, pipe: Replannable, optimizer: torch.optim.Optimizer | None, started: float):
         self.pipe, self.optimizer, self.started = pipe, optimizer, started
-        self.who = f"rank {pipe.ctx.rank} (stage {pipe.stage})"
+        self.who = pipe.who
         self.group = _group(pipe, self.who)
         self.state = stage_state(pipe.module, pipe.state_names, {id(p): n for n, p in pipe.named_parameters()})
         error, mine = None, None

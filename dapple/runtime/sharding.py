@@ -68,7 +68,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(list(pipe.parameters()) if params is None else params, full)
         self.ranks = list(pipe.plan.stages[pipe.stage].devices)
         self.group = pipe.replica_group
-        self.timeout, self._who = pipe.timeout, f"rank {pipe.ctx.rank} (stage {pipe.stage})"
+        self.timeout, self._who = pipe.timeout, pipe.who
         self._pipe_step: Callable[[], int] = lambda: pipe.global_step
         names = dict((id(p), n) for n, p in pipe.named_parameters())
         self._names = [_name_of(names, i, p) for i, g in enumerate(self.param_groups) for p in g["params"]]
