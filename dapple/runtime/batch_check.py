@@ -16,7 +16,7 @@ from ..core.split_concat import slice_bounds
 from ..profiler.layers import Arity
 from .data import CompactRows, RankData, RowSource, StepBatch
 from .rank_batch import Held, RankBatch
-from .roll import waited
+from .small_reduce import reduce_small
 
 ABSENT = float("-inf")  # a value this rank does not hold: it takes no part in the agreement (MAX of v and -v)
 DEFAULTED = -1.0  # an input this rank reads and leaves to its default (fingerprints are >= 0)
@@ -91,8 +91,8 @@ class BatchCheck:
         mine = self._vector(batch, values)
         both = torch.cat([mine, torch.where(mine == ABSENT, mine, -mine),
                           torch.tensor([float(error is not None)], dtype=torch.float64, device=self.device)])
-        waited(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), self.timeout, who,
-               f"{moment}: checking that the ranks' batches agree", range(dist.get_world_size()))
+        reduce_small(both, "max", self.timeout, who, f"{moment}: checking that the ranks' batches agree",
+                     range(dist.get_world_size()))
         red = both.tolist()  # one copy to the host
         k = mine.numel()
         most, least = red[:k], [-v for v in red[k:2 * k]]

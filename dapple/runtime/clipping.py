@@ -12,7 +12,8 @@ from torch import nn
 from ..core.dist import group_timeout
 from ..core.plan import Plan
 from .groups import GradGroup
-from .roll import called, waited
+from .roll import called
+from .small_reduce import reduce_small
 
 EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
 
@@ -54,14 +55,14 @@ def clip_grad_norm(counted: Sequence[nn.Parameter], params: Sequence[nn.Paramete
     grads = [p.grad for p in counted if p.grad is not None]
     if math.isinf(norm_type):  # the largest entry anywhere
         local = max((float(g.detach().abs().max()) for g in grads if g.numel()), default=0.0)
-        op = dist.ReduceOp.MAX
+        op = "max"
     else:  # sum of |g|^p over this rank's share, summed over ranks, then the p-th root
         local = sum(float(torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64)) ** norm_type
                     for g in grads)
-        op = dist.ReduceOp.SUM
+        op = "sum"
     total = torch.tensor([local], dtype=torch.float64, device=device)
-    waited(dist.all_reduce(total, op=op, group=group, async_op=True), timeout, who,
-           f"{moment}: the gradient norm's AllReduce", range(dist.get_world_size()))
+    reduce_small(total, op, timeout, who, f"{moment}: the gradient norm's AllReduce", range(dist.get_world_size()),
+                 group)
     norm = float(total) if math.isinf(norm_type) else float(total) ** (1.0 / norm_type)
     if error_if_nonfinite and not math.isfinite(norm):
         raise RuntimeError(f"{where}: the total norm of order {norm_type} of the gradients is {norm}, so they "

@@ -3,11 +3,11 @@ gradients) and sends over its stage or chunks (runtime/chunk.py), then the AllRe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
@@ -32,10 +32,11 @@ from .program import (
     rank_program,
     receive_lookahead,
 )
-from .roll import waited
 from .shapes import BoundaryShapes, InputKey, Spec
+from .small_reduce import reduce_small
 from .tracing import Recorder
 
+NO_RANGE = nullcontext()  # in place of a record_function range when no profiler listens
 CHECKS = 3  # slots after the loss and BatchNorm sums: a summed loss, a loss without gradient, a gradient overflow
 
 
@@ -50,6 +51,7 @@ class Program:
     stages: list[int]  # per compute instruction, in order: its stage
     arm_at: int = -1
     expect: dict[int, int] | None = None
+    back: dict[int, set[int]] = field(default_factory=dict)  # per stage: the values whose gradients come back
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ class StepRunner:
         # in an unknown state; True once they all completed (an error after that, e.g. a wrong loss, is the user's)
         self.settled = True
         self._programs: dict[tuple, Program] = {}
-        self._back: dict[tuple[BoundaryLayout, int], set[int]] = {}  # gradients_back, per layout and stage
+        self._wires: dict[tuple[int, InputKey], list[Spec | None]] = {}  # per program and input shapes
+        self.ranges = False  # open record_function ranges (only under a profiler: each costs ~20 us of host time)
 
     @property
     def step(self) -> int:
@@ -134,6 +137,7 @@ class StepRunner:
         reduced = torch.zeros(self.stats_length + CHECKS, dtype=torch.float64, device=self.ctx.device)  # (length,)
         st.flags = [0.0, 0.0]
         rec = self.p2p.rec = self.reducer.rec = rec  # tracing: one `is not None` test per instruction
+        self.ranges = torch.autograd._profiler_enabled()  # torch.profiler, emit_nvtx (Nsight)
         if rec is not None:
             rec.begin_step(step)
         self._play(Pass(program, key, layout, xs, ys, reduced[0], rec))  # reduced[0] is a view into ``reduced``
@@ -163,15 +167,15 @@ class StepRunner:
             c.begin()
         outbox: list[torch.Tensor | None] = []
         computed = 0  # compute instructions run so far
-        for ins in program.instrs:
+        for ins, spec in zip(program.instrs, self._wire_specs(program, key)):
             if ins.action == "recv":
                 t = ins.message
-                if not t.local:  # (a hand-off from a chunk of this rank is taken as it is)
-                    spec = self._spec(key, t)
+                if spec is not None:  # (a hand-off from a chunk of this rank is taken as it is)
                     self.p2p.post_recv(t, torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device))
             elif ins.action == "send":
                 t = ins.message
-                spec = self._spec(key, t)
+                if spec is None:
+                    raise RuntimeError(f"{self.who}: no wire shape for {t}")
                 lo = t.start - self.rows[0]  # rows of this rank's slice that the route covers (all: a whole value)
                 value = outbox[t.value]
                 if value is None:
@@ -179,7 +183,7 @@ class StepRunner:
                 # detached: a send in flight until the step's end must not keep the graph (a split backward
                 # retains it, so its saved tensors would live on)
                 piece = (value if spec.whole else value[lo:lo + t.rows]).detach()
-                with record_function(f"send {t.kind} {t.micro_batch} to {t.dst}"):  # (torch.profiler, Nsight)
+                with record_function(f"send {t.kind} {t.micro_batch} to {t.dst}") if self.ranges else NO_RANGE:
                     self.p2p.send(t, self._checked(piece, spec, t))
             else:
                 c = self.chunks[program.stages[computed]]
@@ -193,13 +197,13 @@ class StepRunner:
         layout, rec, kept = run.layout, run.rec, run.kept
         j, kind = op.micro_batch, op.kind
         count = len(c.graph.recv if kind == "F" else c.graph.send)
-        back = self._gradients_back(layout, c.stage) if kind == "B" else set()
+        back = run.program.back[c.stage] if kind == "B" else set()
         # split: the graph is walked while the gradients are still on their way
         prepared = c.plan_backward(j, layout, back) if kind == "B" and c.split else None
         pieces = self._gather(op, run.program.waits[op], count, rec)
         start = rec.clock() if rec is not None else 0.0
         outbox: list[torch.Tensor | None] = []
-        with record_function(str(op)):
+        with record_function(str(op)) if self.ranges else NO_RANGE:
             if kind == "F":
                 outbox = c.forward(j, pieces, run.xs, run.ys, layout, keep_output=kept is not None)
                 m = c.alive.pop(j) if run.forward_only else c.alive[j]
@@ -238,12 +242,19 @@ class StepRunner:
             deferred = [c for c in self.chunks.values() if c.stats.layers and c.forward_module.training]
             for c in deferred:
                 reduced[c.stats.slot] = gather_sums(c.stats.layers, f"{self.who}, {moment}")
-            waited(dist.all_reduce(reduced, async_op=True), self.timeout, self.who, f"{moment}: loss AllReduce over "
-                   f"all ranks", self.everyone)
+            reduce_small(reduced, "sum", self.timeout, self.who, f"{moment}: loss AllReduce over all ranks",
+                         self.everyone)
             for c in deferred:
                 commit(c.stats.layers, reduced[c.stats.slot])
         self.settled = True
         return float(reduced[0]), kept
+
+    def _fill(self, reduced: torch.Tensor, overflow: bool) -> None:
+        """The step's checks (loss flags, gradient overflow) and BatchNorm sums into their slots of ``reduced``."""
+        reduced[-CHECKS:] = torch.tensor([*self.state.flags, float(overflow)], dtype=torch.float64)
+        for c in self.chunks.values():
+            if c.stats.layers:
+                reduced[c.stats.slot] = gather_sums(c.stats.layers, f"{self.who}, step {self.step}")
 
     def _reduce(self, reduced: torch.Tensor, params: list[nn.Parameter], rec: Recorder | None) -> None:
         """End of the step: wait for the sends, sum the gradients, then AllReduce ``reduced`` over all ranks."""
@@ -252,28 +263,22 @@ class StepRunner:
         if rec is not None:
             rec.idle(start, rec.clock(), "sends to complete")
         moment = f"step {self.step}"
-        with record_function("AllReduce"):
+        with record_function("AllReduce") if self.ranges else NO_RANGE:
             self.reducer.finish(self.timeout, self.who, moment)
         start = rec.clock() if rec is not None else 0.0
-        overflow = self.state.scaler.enabled and overflowed(params)
-        reduced[-CHECKS:] = torch.tensor([*self.state.flags, float(overflow)], dtype=torch.float64)
-        for c in self.chunks.values():
-            if c.stats.layers:
-                reduced[c.stats.slot] = gather_sums(c.stats.layers, f"{self.who}, {moment}")
-        with record_function("loss AllReduce"):
-            waited(dist.all_reduce(reduced, async_op=True), self.timeout, self.who,
-                   f"{moment}: loss AllReduce over all ranks", self.everyone)
+        self._fill(reduced, self.state.scaler.enabled and overflowed(params))
+        with record_function("loss AllReduce") if self.ranges else NO_RANGE:
+            reduce_small(reduced, "sum", self.timeout, self.who, f"{moment}: loss AllReduce over all ranks",
+                         self.everyone)
         for c in self.chunks.values():
             commit(c.stats.layers, reduced[c.stats.slot])
         if rec is not None:
             rec.idle(start, rec.clock(), "loss AllReduce (all ranks)")
 
     def _gradients_back(self, layout: BoundaryLayout, stage: int) -> set[int]:
-        """The values whose gradients come back to this replica of ``stage`` in a backward (per layout, made once)."""
-        if (layout, stage) not in self._back:
-            op = ChunkOp("B", 0, stage) if len(self.chunks) > 1 else Op("B", 0)
-            self._back[(layout, stage)] = {t.value for t in op_transfers(self.plan, layout, self.ctx.rank, op)[0]}
-        return self._back[(layout, stage)]
+        """The values whose gradients come back to this replica of ``stage`` in a backward."""
+        op = ChunkOp("B", 0, stage) if len(self.chunks) > 1 else Op("B", 0)
+        return {t.value for t in op_transfers(self.plan, layout, self.ctx.rank, op)[0]}
 
     def _checked(self, x: torch.Tensor, spec: Spec, t: Transfer) -> torch.Tensor:
         """What goes on the wire must be what the receiver allocated (shape inference is a promise)."""
@@ -292,7 +297,7 @@ class StepRunner:
         pieces: list[list[torch.Tensor]] = [[] for _ in range(count)]
         start = rec.clock() if rec is not None and recvs else 0.0
         if recvs:
-            with record_function(f"recv {op}"):
+            with record_function(f"recv {op}") if self.ranges else NO_RANGE:
                 for t in recvs:
                     pieces[t.value].append(self.p2p.wait_recv(t))
         if rec is not None and recvs:
@@ -316,8 +321,9 @@ class StepRunner:
             ops = [i.compute_op for i in prog if i.action == "compute"]
             stages = [op_stage(self.plan, rank, op) for op in ops]
             arm_at, expect = self._arming(ops, stages) if forwards is None else (-1, None)
+            back = {s: self._gradients_back(layout, s) for s in self.chunks}
             self._programs[(layout, forwards)] = Program(prog, op_receives(prog, rank, self.plan, layout), stages,
-                                                         arm_at, expect)
+                                                         arm_at, expect, back)
         return self._programs[(layout, forwards)]
 
     def _arming(self, ops: list[AnyOp], stages: list[int]) -> tuple[int, dict[int, int]]:
@@ -337,6 +343,15 @@ class StepRunner:
             for p in c.module.parameters():
                 expect[id(p)] = expect.get(id(p), 0) + left
         return arm_at, expect
+
+    def _wire_specs(self, program: Program, key: InputKey) -> list[Spec | None]:
+        """Per instruction of ``program``, for inputs of shapes ``key``: what a receive allocates or a send must
+        carry (None: a compute, or a hand-off between this rank's chunks, which is received as it is)."""
+        k = (id(program), key)
+        if k not in self._wires:
+            self._wires[k] = [None if i.action == "compute" or (i.action == "recv" and i.message.local) else
+                              self._spec(key, i.message) for i in program.instrs]
+        return self._wires[k]
 
     def _spec(self, key: InputKey, t: Transfer) -> Spec:
         spec = self.shapes.specs(key, t.rows)[t.cut][t.value]
