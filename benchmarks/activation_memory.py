@@ -33,6 +33,8 @@ from dapple.models import GPT, lm_loss, random_tokens
 from dapple.planner import Stage
 from dapple.profiler import trace_layers
 
+MODES = {"recompute": True, "layers": "layers", "selective": "selective"}  # --recompute -> recompute=
+
 
 def _process_peak(steps, device: torch.device) -> int:
     """Bytes ``steps()`` adds to this process at its peak."""
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace, m: int, variant: str) -> dict[str, float]:
     schedule, _, extra = variant.partition("+")
     plan = dapple.Plan(global_batch_size=g, micro_batch_size=args.micro_batch, schedule=schedule, stages=stages,
                        layer_names=names)
-    pipe = dapple.pipeline(model, plan, loss_fn, timeout=600, recompute=extra == "recompute",
+    pipe = dapple.pipeline(model, plan, loss_fn, timeout=600, recompute=MODES.get(extra, False),
                            check_inputs=not args.no_check_inputs)
     dist.barrier()
     # from before the first step (the allocator keeps what a step frees, so a later baseline would hide it)
@@ -118,14 +120,17 @@ def main() -> None:
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="fresh runs per point; the median process peak is shown")
-    p.add_argument("--recompute", action="store_true", help="also dapple with every stage recomputing")
+    p.add_argument("--recompute", nargs="*", choices=tuple(MODES), default=None,
+                   help="also dapple with every stage recomputing: whole (recompute, the default when the flag is "
+                        "given alone), layer by layer, selectively")
     p.add_argument("--timed-steps", type=int, default=0, help="also time this many steps (median, seconds)")
     p.add_argument("--no-check-inputs", action="store_true", help="dapple.pipeline(..., check_inputs=False)")
     p.add_argument("--schedules", nargs="+", default=["dapple", "gpipe"], choices=("dapple", "gpipe"))
     p.add_argument("--json", help="also write the raw peaks here")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    variants = tuple(args.schedules) + (("dapple+recompute",) if args.recompute else ())
+    modes = [] if args.recompute is None else (args.recompute or ["recompute"])
+    variants = tuple(args.schedules) + tuple(f"dapple+{m}" for m in modes)
     res = {(s, m): _median_of(args.repeats, lambda: dapple.runtime.launch(run, args.stages, args, m, s))
            for s in variants for m in args.micro_batches}
     shape = f"x seq {args.seq}" if args.model == "gpt" else f"rows of {args.embd} floats"
@@ -145,13 +150,15 @@ def main() -> None:
             vs = f"; dapple / gpipe at M={hi} = {at['dapple', hi] / at['gpipe', hi]:.3f}x" if gp else ""
             if ("dapple", hi) in at:
                 print(f"{what}, stage {r}: dapple M={hi} / M={lo} = {at['dapple', hi] / at['dapple', lo]:.3f}x{vs}")
-    if args.recompute:
-        ratio = [res["dapple+recompute", hi][r]["process"] / res["dapple", hi][r]["process"]
-                 for r in range(args.stages)]
-        print(f"recompute / dapple at M={hi}, process peak per stage: {', '.join(f'{v:.3f}x' for v in ratio)}")
+    for mode in modes:
+        ratio = [res[f"dapple+{mode}", hi][r][what] / res["dapple", hi][r][what]
+                 for what in ("saved", "process") for r in range(args.stages)]
+        print(f"{mode} / dapple at M={hi}, saved activations per stage: "
+              f"{', '.join(f'{v:.3f}x' for v in ratio[:args.stages])}; process peak per stage: "
+              f"{', '.join(f'{v:.3f}x' for v in ratio[args.stages:])}")
         if args.timed_steps:
-            slow = res["dapple+recompute", hi][0]["step_s"] / res["dapple", hi][0]["step_s"]
-            print(f"recompute / dapple at M={hi}, median step time: {slow:.3f}x")
+            slow = res[f"dapple+{mode}", hi][0]["step_s"] / res["dapple", hi][0]["step_s"]
+            print(f"{mode} / dapple at M={hi}, median step time: {slow:.3f}x")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "peaks": {f"{s}/{m}": v for (s, m), v in res.items()}}, fh, indent=1)

@@ -89,8 +89,10 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
                    help="processes searching micro-batch sizes side by side (default auto: one per core for the "
                         "compact search and for a full search whose seeds took 0.1 s, Linux only)")
     p.add_argument("--recompute", choices=tuple(RECOMPUTE), default="off",
-                   help="activation recomputation: off, on (every stage), or auto (only where memory binds: where a "
-                        "stage's K_i would have to drop without it, if that is faster)")
+                   help="activation recomputation: off; on (every stage, whole), layers (every stage, layer by "
+                        "layer), selective (every stage, matmuls kept: a profile that measured it); or auto (whole "
+                        "stages, only where memory binds: where a stage's K_i would have to drop without it, if "
+                        "that is faster)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default=None,
                    help="plan for a job run under autocast in this dtype (activations take half the bytes); the "
                         "plan records it and dapple.pipeline runs it so")
@@ -101,7 +103,7 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
     p.set_defaults(run=_run_plan)
 
 
-RECOMPUTE = {"off": False, "on": True, "auto": "auto"}  # dapple plan --recompute -> dapple.plan's recompute
+RECOMPUTE = {"off": False, "on": True, "layers": "layers", "selective": "selective", "auto": "auto"}  # -> dapple.plan
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ schedule, estimate."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 from . import documents
 from .checks import is_int, positive_int
@@ -26,19 +26,30 @@ VERSION = 1
 MIXED_PRECISIONS = ("bf16", "fp16")  # a plan's mixed_precision: autocast dtype of every stage (None: full precision)
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")  # a plan's reduce_dtype: what gradients travel in (None: their own dtype)
 FULL_PRECISION = "fp32"  # what a caller passes to run a plan made for mixed precision in full precision
+# a stage's activation recomputation: none, the whole stage (True), each layer checkpointed, or selective (the
+# outputs of matmuls, convolutions and attention kept, the rest recomputed)
+RECOMPUTE = (False, True, "layers", "selective")
+Recompute = Union[bool, str]
+
+
+def recompute_value(value: Any) -> bool:
+    """Whether ``value`` is one of :data:`RECOMPUTE` (True and False themselves, not 1 or 0)."""
+    return value is True or value is False or (isinstance(value, str) and value in RECOMPUTE)
 
 
 @dataclass
 class Stage:
     """Layers ``[start, end)`` replicated on ``devices``; ``warmup`` is K_i (None: from the plan's policy, or under a
-    schedule of chunks the forwards its order runs before the stage's first backward); ``recompute``: the stage keeps
-    only its inputs per micro-batch in flight and runs its forward again in the backward (activation
-    recomputation). Stages listing the same devices are chunks of one device group (core.chunks)."""
+    schedule of chunks the forwards its order runs before the stage's first backward); ``recompute``: activation
+    recomputation (:data:`RECOMPUTE`): True, the stage keeps only its inputs per micro-batch in flight and runs its
+    forward again in the backward; "layers", it keeps every layer's inputs and recomputes one layer at a time;
+    "selective", it keeps its inputs and the outputs of matmuls, convolutions and attention, and recomputes the
+    rest. Stages listing the same devices are chunks of one device group (core.chunks)."""
 
     layers: tuple[int, int]
     devices: list[int]
     warmup: int | None = None
-    recompute: bool = False
+    recompute: Recompute = False
 
     def __post_init__(self) -> None:
         self.layers = tuple(self.layers)  # type: ignore[assignment]
@@ -245,8 +256,8 @@ class Plan:
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"{where}.shard_optimizer: expected True or False, got {self.shard_optimizer!r}")
         for i, s in enumerate(self.stages):
-            if not isinstance(s.recompute, bool):
-                raise ValueError(f"{where}.stages[{i}].recompute: expected True or False, got {s.recompute!r}")
+            if not recompute_value(s.recompute):
+                raise ValueError(f"{where}.stages[{i}].recompute: expected one of {RECOMPUTE}, got {s.recompute!r}")
         if not self.stages:
             raise ValueError(f"{where}.stages: expected at least one stage, got none")
         start = check_stages(self.stages, self.micro_batch_size, where)
@@ -330,7 +341,7 @@ class Plan:
                      **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype else {}),
                      **({"shard_optimizer": True} if self.shard_optimizer else {}),
                      "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup,
-                                 **({"recompute": True} if s.recompute else {})} for s in self.stages]}
+                                 **({"recompute": s.recompute} if s.recompute else {})} for s in self.stages]}
         if self.layer_names is not None:
             doc["layer_names"] = list(self.layer_names)
         if self.estimate is not None:
@@ -355,8 +366,9 @@ class Plan:
             layers = g.numbers("layers", length=2, integer=True)
             warmup = g.number("warmup", integer=True, minimum=1) if g.data.get("warmup") is not None else None
             recompute = g.data.get("recompute", False)
-            if not isinstance(recompute, bool):
-                raise documents.DocumentError(f"{g.where}.recompute: expected true or false, got {recompute!r}")
+            if not recompute_value(recompute):
+                raise documents.DocumentError(f"{g.where}.recompute: expected false, true, layers or selective, got "
+                                              f"{recompute!r}")
             return Stage(layers=(layers[0], layers[1]), devices=g.numbers("devices", integer=True), warmup=warmup,
                          recompute=recompute)
 

@@ -41,7 +41,8 @@ def format_plan(plan: "Plan") -> str:
     per_stage = details.get("stages") or []
     lines = [_head(plan)] + _table(plan, per_stage)
     if per_stage:
-        rc = "; recompute: the stage runs its forward again in its backward (in B)" if any(
+        rc = ("; recompute: the stage runs its forward again in its backward (in B): yes, all of it; layers, one "
+              "layer at a time; selective, all but its matmuls, convolutions and attention") if any(
             s.recompute for s in plan.stages) else ""
         lines.append("  (F/B: one micro-batch slice on the slowest replica; AR: gradient AllReduce over the stage's "
                      f"devices; send: activations to the next stage, gradients take as long back{rc})")
@@ -88,7 +89,7 @@ def _table(plan: "Plan", per_stage: list) -> list[str]:
         chunk = (f"{layout.chunk_of(i)} of {layout.chunks}",) if chunked else ()
         rows.append((str(i), _layer_span(plan, *s.layers), f"{device_ranges(s.devices)} (x{len(s.devices)})", *chunk,
                      str(s.warmup), num("forward_ms"), num("backward_ms"), num("allreduce_ms"),
-                     num("send_forward_ms"), num("memory_gb", "{:.2f}")) + (("yes" if s.recompute else "no",)
+                     num("send_forward_ms"), num("memory_gb", "{:.2f}")) + ((_recompute_mark(s.recompute),)
                                                                               if marks else ()))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = []
@@ -177,3 +178,8 @@ def device_ranges(devices: Sequence[int]) -> str:
         parts.append(f"{ds[i]}" if i == j else f"{ds[i]}-{ds[j]}")
         i = j + 1
     return ",".join(parts)
+
+
+def _recompute_mark(mode: object) -> str:
+    """A stage's recompute column: "no", "yes" (the whole stage), or its mode ("layers", "selective")."""
+    return "yes" if mode is True else "no" if not mode else str(mode)

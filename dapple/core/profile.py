@@ -13,6 +13,8 @@ from .checks import is_finite, is_int
 
 VERSION = 1
 
+OPTIONAL = ("weight_ms", "selective_bytes", "selective_ms")  # per-layer measurements older profiles lack
+
 
 @dataclass
 class LayerProfile:
@@ -29,6 +31,11 @@ class LayerProfile:
     # False: no plan may cut after this layer (a tensor crossing there can be neither split by rows nor sent whole;
     # the profiler says which in meta["uncuttable"])
     cuttable: bool = True
+    # selective recomputation (recompute="selective"): the bytes of what it keeps (the outputs of matmuls,
+    # convolutions and attention), and the ms it adds to the backward (the rest of the forward, run again); None:
+    # not measured
+    selective_bytes: list[float] | None = None
+    selective_ms: list[float] | None = None
 
 
 @dataclass
@@ -158,6 +165,27 @@ class Profile:
     def saved_bytes(self, layer: int, batch: float) -> float:
         return self.costs(batch).saved_bytes[layer]
 
+    @property
+    def selective(self) -> bool:
+        """Whether every layer has its selective recomputation measured (``selective_bytes``, ``selective_ms``)."""
+        return all(layer.selective_bytes is not None and layer.selective_ms is not None for layer in self.layers)
+
+    def selective_costs(self, batch: float) -> tuple[list[float], list[float]]:
+        """Per layer at ``batch`` rows: (bytes kept, ms added to the backward) under selective recomputation.
+
+        Raises:
+            ValueError: some layer has not measured them (a profile from before they were, or made by hand).
+        """
+        if not self.selective:
+            missing = [layer.name for layer in self.layers if layer.selective_bytes is None or
+                       layer.selective_ms is None]
+            raise ValueError(f"recompute='selective': the profile of {self.model!r} has no selective recomputation "
+                             f"measurements (selective_bytes, selective_ms) for layers {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}; profile the model again with dapple.profile")
+        xs = self.batch_sizes
+        return ([interpolate(xs, layer.selective_bytes or [], batch) for layer in self.layers],
+                [interpolate(xs, layer.selective_ms or [], batch) for layer in self.layers])
+
     # ---- validation and YAML -------------------------------------------------------------------
     def validate(self, where: str = "Profile") -> None:
         """Raise ValueError naming the offending field if the profile is inconsistent."""
@@ -181,9 +209,9 @@ class Profile:
                 raise TypeError(f"{where}.layers[{i}]: expected a LayerProfile, got {type(layer).__name__}")
             if not isinstance(layer.name, str):
                 raise TypeError(f"{where}.layers[{i}].name: expected a string (the module path), got {layer.name!r}")
-            for key in ("forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "weight_ms"):
+            for key in ("forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", *OPTIONAL):
                 values = getattr(layer, key)
-                if key == "weight_ms" and values is None:
+                if key in OPTIONAL and values is None:
                     continue
                 if not isinstance(values, (list, tuple)) or len(values) != n:
                     raise ValueError(f"{where}.layers[{i}] ({layer.name}).{key}: expected {n} values, one per "
@@ -218,8 +246,9 @@ class Profile:
                  "saved_bytes": [int(v) for v in layer.saved_bytes], "param_bytes": int(layer.param_bytes)}
             if layer.inputs is not None:
                 d["inputs"] = list(layer.inputs)
-            if layer.weight_ms is not None:
-                d["weight_ms"] = [round(float(v), 6) for v in layer.weight_ms]
+            for key in OPTIONAL:
+                if (values := getattr(layer, key)) is not None:
+                    d[key] = [round(float(v), 6) for v in values]
             if not layer.cuttable:
                 d["cuttable"] = False
             layers.append(d)
@@ -249,15 +278,15 @@ class Profile:
 
         def layer(g: documents.Fields) -> LayerProfile:
             g.known("name", "forward_ms", "backward_ms", "boundary_bytes", "saved_bytes", "param_bytes", "inputs",
-                    "weight_ms", "cuttable")
+                    "cuttable", *OPTIONAL)
             inputs = g.numbers("inputs", integer=True, default=[]) if "inputs" in g.data else None
-            weight = g.numbers("weight_ms", n) if "weight_ms" in g.data else None  # older profiles: none
+            measured = {key: g.numbers(key, n) for key in OPTIONAL if key in g.data}  # older profiles: none
             return LayerProfile(name=g.str("name"), forward_ms=g.numbers("forward_ms", n),
                                 backward_ms=g.numbers("backward_ms", n),
                                 boundary_bytes=g.numbers("boundary_bytes", n),
                                 saved_bytes=g.numbers("saved_bytes", n),
                                 param_bytes=g.number("param_bytes", integer=False), inputs=inputs,
-                                weight_ms=weight, cuttable=g.data.get("cuttable", True))
+                                cuttable=g.data.get("cuttable", True), **measured)
 
         layers = f.each("layers", layer)
         meta = f.mapping("meta")

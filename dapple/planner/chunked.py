@@ -9,7 +9,7 @@ import numpy as np
 
 from ..core.chunk_schedule import PLACEMENT_OF
 from ..core.chunks import group_order
-from ..core.plan import Plan, Stage
+from ..core.plan import Plan, Recompute, Stage
 from ..core.schedule import CHUNKED_SCHEDULES
 from . import tuning
 from .judge import faster
@@ -61,7 +61,7 @@ def balanced_cuts(cost: Sequence[Sequence[float]], pieces: Sequence[int],
 
 
 def variant(profile: "Profile", cluster: "Cluster", p: Plan, groups: Sequence[Sequence[int]], schedule: str,
-            recompute: bool = False, optimizer_factor: float = 4.0) -> Plan:
+            recompute: Recompute = False, optimizer_factor: float = 4.0) -> Plan:
     """``p``'s micro-batching on device ``groups`` (each its devices, replica order), two chunks per group in
     ``schedule``'s order, the layers cut by :func:`balanced_cuts` (without estimate or meta)."""
     order = group_order(len(groups), CHUNKS, PLACEMENT_OF[schedule])
@@ -89,7 +89,7 @@ def layouts(p: Plan) -> dict[str, list[list[int]]]:
 
 
 def chunked_trials(profile: "Profile", cluster: "Cluster", p: Plan, schedules: Sequence[str], *, overlap: bool,
-                   optimizer_factor: float, recompute: bool = False) -> tuple[list[dict], dict[int, Plan]]:
+                   optimizer_factor: float, recompute: Recompute = False) -> tuple[list[dict], dict[int, Plan]]:
     """Every variant of ``p`` (:func:`layouts` x ``schedules`` of :data:`CHUNKED_SCHEDULES`): what each came to
     (``layout``, ``groups``, ``schedule``, and ``simulated_ms`` or ``refused``: why it was not simulated), and the
     Plans simulated, by their index in that list."""
@@ -144,8 +144,9 @@ def settle_chunks(p: Plan, args: dict, schedules: tuple[str, ...], named: bool) 
     if not schedules:
         raise ValueError(f"schedule={args['schedule']!r}: a plan of chunks is priced by simulating it; use "
                          f"model='refined' (got model={args['model']!r})")
+    rc = False if args["recompute"] == "auto" else args["recompute"]  # ("auto": the chunks do not recompute)
     trials, plans = chunked_trials(profile, cluster, p, schedules, overlap=overlap,
-                                   optimizer_factor=args["optimizer_factor"], recompute=args["recompute"] is True)
+                                   optimizer_factor=args["optimizer_factor"], recompute=rc)
     record = dict(p.meta.get("schedule_choice") or {})
     record["chunked"] = trials
     base = None if named else record.get("simulated_ms", {}).get(p.schedule)

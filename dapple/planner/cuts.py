@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..core.plan import Stage
-from ..core.profile import LayerProfile, Profile
+from ..core.profile import OPTIONAL, LayerProfile, Profile
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,13 @@ def _join(profile: Profile, members: list[int], group: dict[int, int], g: int) -
 
     inputs = {group[j] for i, x in zip(members, layers)
               for j in (x.inputs if x.inputs is not None else [i - 1] if i else [])} - {g}
-    weight = summed("weight_ms", 0.0) if all(x.weight_ms is not None for x in layers) else None
+    measured = {key: summed(key, 0.0) if all(getattr(x, key) is not None for x in layers) else None for key in OPTIONAL}
     return LayerProfile(name=f"{layers[0].name}..{layers[-1].name}" if extra else layers[0].name,
                         forward_ms=summed("forward_ms", f0), backward_ms=summed("backward_ms", b0),
                         boundary_bytes=list(layers[-1].boundary_bytes), saved_bytes=summed("saved_bytes", 0.0),
-                        param_bytes=sum(x.param_bytes for x in layers), inputs=sorted(inputs), weight_ms=weight)
+                        param_bytes=sum(x.param_bytes for x in layers), inputs=sorted(inputs),
+                        weight_ms=measured["weight_ms"], selective_bytes=measured["selective_bytes"],
+                        selective_ms=measured["selective_ms"])
 
 
 def check_cuts(profile: Profile, stages: Sequence[Stage], where: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..core.checks import flag, is_int, is_real, non_negative_int, number, positive_int
-from ..core.plan import Plan, Stage
+from ..core.plan import Plan, Recompute, Stage
 from ..core.schedule import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_BACKWARD, WARMUP_POLICIES
 from . import tuning
 from .checks import profile_and_cluster
@@ -60,7 +60,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
          model: str = "refined", overlap: bool = True, schedule: str = "dapple", warmup_policy: str | None = None,
          optimizer_factor: float = 4.0, beam: int = 1, micro_batch_sizes: Sequence[int] | None = None,
          max_stages: int | None = None, search: str = "auto", time_limit: float | str | None = "auto",
-         gap: float = 0.0, verify: int = 6, workers: int | str = "auto", recompute: bool | str = False,
+         gap: float = 0.0, verify: int = 6, workers: int | str = "auto", recompute: Recompute = False,
          mixed_precision: str | None = None, shard_optimizer: bool = False) -> Plan:
     """The plan minimising the modelled latency of one iteration of ``global_batch_size`` samples on ``cluster``,
     among the plans that use every device of it (a plan's device ids are the ranks 0..n-1 of the job that runs
@@ -105,7 +105,10 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
         workers: processes searching micro-batch sizes side by side (forked: Linux only; the plan is the same for
             any number); "auto" as docs/planner.md says. A worker that dies or is stuck
             (SearchTuning.worker_stuck) makes plan() raise RuntimeError.
-        recompute: False, True (every stage) or "auto": only where memory binds and it is faster (docs/planner.md).
+        recompute: activation recomputation: False; in every stage, True (its whole forward again in the
+            backward), "layers" (layer by layer: more kept per micro-batch, less at once) or "selective" (the
+            outputs of matmuls, convolutions and attention kept: a profile that measured it); or "auto": the whole
+            stage, only where memory binds and it is faster (docs/planner.md).
         mixed_precision: "bf16"/"fp16": activations take half the bytes (docs/planner.md); None: full precision.
         shard_optimizer: each stage's optimizer state is sharded over its replicas (ZeRO-1: train with
             :func:`dapple.shard_optimizer`): a stage on r replicas holds 2 + (``optimizer_factor`` - 2) / r bytes per
@@ -127,7 +130,7 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
 def _planned(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_batch_size: int | None, *,
              model: str, overlap: bool, schedule: str, warmup_policy: str | None, optimizer_factor: float, beam: int,
              micro_batch_sizes: Sequence[int] | None, max_stages: int | None, search: str,
-             time_limit: float | str | None, gap: float, verify: int, workers: int | str, recompute: bool,
+             time_limit: float | str | None, gap: float, verify: int, workers: int | str, recompute: Recompute,
              mixed_precision: str | None, shard_optimizer: bool) -> Plan:
     """:func:`plan` with ``recompute`` settled: the DP's search of every micro-batch size (it models dapple's
     1F1B), then the final choice among its candidates, simulated under ``schedule`` ("auto": dapple and zb-h1)."""

@@ -22,7 +22,7 @@ from .export_graph import retarget_devices
 from .fx_trace import LeafSpec
 from .layer_graph import LayerGraph
 from .layers import arity, trace_layers
-from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time_weight_shares
+from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time_selective, time_weight_shares
 from .meta_measure import Measured, measure_meta
 from .record import layer_module, record_inputs
 from .sizes import state_storages, tensor_bytes
@@ -223,6 +223,7 @@ def _measure(job: _Job, check_step: bool) -> Measured:
         out.steps.extend(time_rounds(groups, warmup, repeats, bar, wholes=wholes if check_step else None,
                                      device=dev))
         time_weight_shares(layer_timers, WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats)
+        time_selective(layer_timers, WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats)
         del groups, wholes, layer_timers
     return out
 
@@ -251,6 +252,8 @@ def _layer_profiles(lg: LayerGraph, runs: Measured, uncut: list[str | None]) -> 
                          param_bytes=sum(p.numel() * p.element_size() for _, p in params[k]),
                          inputs=lg.layer_inputs(k),
                          weight_ms=[round(m[k].backward_ms * m[k].weight_share, 6) for m in runs.layers],
+                         selective_bytes=[m[k].kept_bytes for m in runs.layers],
+                         selective_ms=[round(m[k].selective_ms, 6) for m in runs.layers],
                          cuttable=uncut[k] is None)
             for k, layer_name in enumerate(lg.names)]
 

@@ -13,8 +13,10 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
 
 from ..core.backward import backward_input, backward_weight
+from ..core.selective import KeptBytes, selective_contexts
 from .record import LayerModule, fresh
 from .sizes import SavedTensors, tensors
 
@@ -30,6 +32,9 @@ class LayerMeasurement:
     backward_s: list[float] = field(default_factory=list)
     weight_s: list[float] = field(default_factory=list)  # split backward runs: the weight-gradient part (W)
     split_s: list[float] = field(default_factory=list)  # the same runs: input gradients and W together
+    kept_bytes: int = 0  # what selective recomputation keeps of the forward (core.selective.SAVED_OPS' outputs)
+    selective_s: list[float] = field(default_factory=list)  # backwards of selectively checkpointed runs
+    plain_s: list[float] = field(default_factory=list)  # backwards of plain runs, alternating with those
 
     @property
     def forward_ms(self) -> float:
@@ -38,6 +43,14 @@ class LayerMeasurement:
     @property
     def backward_ms(self) -> float:
         return statistics.median(self.backward_s) * 1e3
+
+    @property
+    def selective_ms(self) -> float:
+        """What selective recomputation adds to the backward: the median of its backwards over the plain ones'
+        (alternating runs), never below 0; 0 without runs."""
+        if not self.selective_s or not self.plain_s:
+            return 0.0
+        return max(0.0, statistics.median(self.selective_s) - statistics.median(self.plain_s)) * 1e3
 
     @property
     def weight_share(self) -> float:
@@ -100,6 +113,9 @@ class LayerTimer:
         self.grads = [torch.ones_like(t) for t in roots]  # d(output); a loss's own gradient is 1
         if roots:
             torch.autograd.backward(roots, self.grads)
+        with KeptBytes(exclude=self.state) as kept:  # selective recomputation: what it would keep
+            self._forward(self._args())
+        m.kept_bytes = kept.total
         self.result = m
         return m
 
@@ -160,6 +176,23 @@ class LayerTimer:
         result, grads = self._measured()  # set: :meth:`queue` ran
         result.forward_s.append(start.elapsed_time(mid) / 1e3)  # elapsed_time: ms
         result.backward_s.append(mid.elapsed_time(end) / 1e3 if grads else 0.0)
+
+    def selective_run(self) -> None:
+        """A plain forward and backward, then one under a selective checkpoint (``core.selective``: the backward
+        recomputes what it did not keep); records both backwards (``plain_s``, ``selective_s``)."""
+        args, result, grads = self._ready()
+        if not grads:
+            return
+        for store, ctx in ((result.plain_s, None), (result.selective_s, selective_contexts)):
+            run = self._forward if ctx is None else \
+                lambda a: checkpoint(self._forward, a, use_reentrant=False, context_fn=ctx)
+            out, roots = run(args)
+            self.sync()
+            t0 = time.perf_counter()
+            torch.autograd.backward(roots, grads)
+            self.sync()
+            store.append(time.perf_counter() - t0)
+            args = self._args()
 
     def _measured(self) -> tuple[LayerMeasurement, list[Tensor]]:
         """(the result, the gradients backward starts from), set by :meth:`measure_sizes`."""
@@ -257,6 +290,21 @@ def time_weight_shares(groups: list[list[LayerTimer]], runs: int) -> None:
             for timers in groups:
                 for t in timers:
                     t.split_run()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def time_selective(groups: list[list[LayerTimer]], runs: int) -> None:
+    """After the rounds: ``runs`` pairs of plain and selectively checkpointed runs of every layer at every batch size
+    (``LayerTimer.selective_run``), for what selective recomputation adds to each layer's backward."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(runs):
+            for timers in groups:
+                for t in timers:
+                    t.selective_run()
     finally:
         if gc_was_enabled:
             gc.enable()

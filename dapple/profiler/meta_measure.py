@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 from ..core.meta import InitFn, default_init, materialise, release, replace
 from .boundary import shape_of
 from .layer_graph import LayerGraph
-from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time_weight_shares
+from .measure import LayerMeasurement, LayerTimer, call_timer, time_rounds, time_selective, time_weight_shares
 from .record import LayerModule, fresh, layer_module
 from .sizes import state_storages, tensor_bytes
 
@@ -96,6 +96,7 @@ def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ..
                 timed[key] = (lg.names[k], measured)
                 time_rounds([[t, c] for t, c in zip(timers, calls)], warmup, repeats, bar, wholes=None, device=dev)
                 time_weight_shares([[t] for t in timers], weight_runs)
+                time_selective([[t] for t in timers], weight_runs)
             for b, (v, m) in enumerate(zip(values, measured)):
                 out.layers[b].append(m)
                 if not lm.is_last:
@@ -142,3 +143,4 @@ def _take_times(measured: list[LayerMeasurement], first: list[LayerMeasurement])
     for m, f in zip(measured, first):
         m.forward_s, m.backward_s = list(f.forward_s), list(f.backward_s)
         m.weight_s, m.split_s = list(f.weight_s), list(f.split_s)
+        m.selective_s, m.plain_s = list(f.selective_s), list(f.plain_s)

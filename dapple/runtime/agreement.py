@@ -48,7 +48,7 @@ def _callable_name(fn: Any) -> str:
 
 
 def describe(plan: Plan, model: nn.Module, layer_names: Sequence[str], input_names: Sequence[str], *,
-             precision: str | None, recompute: Sequence[bool], loss_fn: Callable, options: dict[str, Any]
+             precision: str | None, recompute: Sequence[Any], loss_fn: Callable, options: dict[str, Any]
              ) -> Description:
     """This rank's :class:`Description`: the plan (stages, micro-batching, schedule, layer names), the traced
     model (layers, inputs, every parameter's and buffer's name, shape and dtype), the features it runs with
@@ -68,7 +68,7 @@ def describe(plan: Plan, model: nn.Module, layer_names: Sequence[str], input_nam
                  "stages": str(plan.num_stages), **stages},
         "plan's layer list": {"layer_names": "none"} if names is None else
         {"layer_names": f"{len(names)} names", **{f"layer_names[{i}]": repr(str(n)) for i, n in enumerate(names)}},
-        "options": {"mixed_precision": str(precision), "recompute": str([bool(r) for r in recompute]),
+        "options": {"mixed_precision": str(precision), "recompute": str(list(recompute)),
                     "loss_fn": _callable_name(loss_fn), **{k: repr(v) for k, v in options.items()}},
         "model": {"inputs": str(list(input_names)), "layers": f"{len(layer_names)} layers",
                   **{f"layers[{i}]": repr(str(n)) for i, n in enumerate(layer_names)},

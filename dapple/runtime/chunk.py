@@ -9,16 +9,16 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..core.backward import BackwardPlan, WeightWork, backward_weight, plan_backward, run_backward_input
-from ..core.plan import Plan
+from ..core.plan import Plan, Recompute
 from .batchnorm import StatsSlot
 from .data import RowSource
 from .distributed import DistContext
 from .loss_checks import sums_rows
 from .precision import LossScaler, Precision
 from .program import BoundaryLayout
+from .recompute import run_recomputed
 from .stages import ModelInputs, StageGraph, resolve_output
 
 Tensors = tuple[Optional[RowSource], ...]  # inputs or targets, sliced by global batch rows (None: not read here)
@@ -71,15 +71,16 @@ class StageChunk:
         graph, module: the stage's computation (``module`` on this rank's device).
         rows: this replica's rows of every micro-batch (every chunk of a device group has the same).
         stats: its deferred BatchNorms' slot in the loss AllReduce.
-        recompute: the stage runs its forward again in its backward.
+        recompute: how the stage runs its forward again in its backward (``core.plan.RECOMPUTE``; False: never).
         split: the schedule splits its backward into B and W (never for a recomputing stage: B runs it whole).
     """
 
     def __init__(self, state: StepState, stage: int, graph: StageGraph, module: nn.Module, rows: tuple[int, int],
-                 stats: StatsSlot, *, recompute: bool = False, split: bool = False):
+                 stats: StatsSlot, *, recompute: Recompute = False, split: bool = False):
         self.state, self.stage, self.graph, self.module, self.rows = state, stage, graph, module, rows
         self.stats, self.recompute, self.split = stats, recompute, split
         self.forward_module: nn.Module = module  # what runs the forwards: ``module``, or its evaluation twin
+        self.train_module: nn.Module = module  # what runs them in training (recompute="layers": layer by layer)
         plan = state.plan
         self.last = stage == plan.num_stages - 1
         # the previous stage is a chunk of this rank: its values come as they are (not copies off a link)
@@ -119,9 +120,9 @@ class StageChunk:
                 env[name] = x.clone() if copy else x
         args = [env[a] for a in g.args]
         with self.noted(j, lambda: f"in the forward of layers {self.layers}"), st.precision.autocast(st.ctx.device):
-            if self.recompute and torch.is_grad_enabled():  # keep the inputs only: the backward runs the forward again
-                outs = checkpoint(self.forward_module, *args, use_reentrant=False)
-            else:
+            if self.recompute in (True, "selective") and torch.is_grad_enabled():  # the backward recomputes
+                outs = run_recomputed(self.forward_module, args, self.recompute)
+            else:  # (a "layers" stage's train module checkpoints each layer itself)
                 outs = self.forward_module(*args)
         env.update(zip(g.outs, outs))
         if self.last:

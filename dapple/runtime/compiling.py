@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, cast
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ class StageCompiler:
         return self._done[id(module)]
 
 
-def stage_compiler(compile: Any, schedule: str, recompute: list[bool]) -> StageCompiler | None:
+def stage_compiler(compile: Any, schedule: str, recompute: Sequence[Any]) -> StageCompiler | None:
     """The compiler for ``dapple.pipeline(..., compile=)``: None for False; torch.compile's defaults for True; a
     mapping is torch.compile's keyword arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``).
 

@@ -15,7 +15,7 @@ from torch import nn
 from ..core.checks import flag, number
 from ..core.dist import first_line, timeout_seconds
 from ..core.meta import InitFn, check_init_fn
-from ..core.plan import Plan
+from ..core.plan import Plan, Recompute
 from ..core.schedule import SPLIT_BACKWARD
 from ..core.split_concat import slice_bounds
 from ..profiler.fx_trace import LeafSpec
@@ -37,7 +37,7 @@ from .p2p import PipelineError
 from .precision import LossScaler, Precision, allreduce_dtype
 from .program import Transfer
 from .rank_batch import rank_batch
-from .recompute import check_recomputable, recomputing
+from .recompute import check_recomputable, layered_module, recomputing
 from .replan import StateMove, Switch, check_replan, close_groups, rebuild_args
 from .shapes import BoundaryShapes
 from .stages import StageGraph, layer_paths, model_inputs, node_places, rank_module, split_stages, stage_module
@@ -66,7 +66,7 @@ class Pipeline:
                  backend: str | None = None, tracer: str | None = None, example_inputs: Any = None,
                  dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
                  layers: Sequence[str] | None = None, check_inputs: bool = True,
-                 mixed_precision: str | None = None, recompute: bool | Sequence[bool] | None = None,
+                 mixed_precision: str | None = None, recompute: Recompute | Sequence[Recompute] | None = None,
                  reduce_dtype: str | None = None, compile: bool | Mapping[str, Any] = False,
                  init_fn: InitFn | None = None):
         # what replan() builds another plan's pipeline from: the same options, the model's structure (no data)
@@ -146,6 +146,9 @@ class Pipeline:
         self._norm_group: dist.ProcessGroup | None = None  # and the group of its AllReduce
         state = StepState(plan, self.ctx, loss_fn, inputs, precision, self.scaler)
         chunks = self._chunks(state, model, graphs, flags, deferred_batch_norm)
+        for c in chunks:
+            if c.recompute == "layers":  # (a stage's module is a graph: split_stages)
+                c.train_module = layered_module(graphs[c.stage].module, {n.name: k for n, k in lg.layer_of.items()})
         self._runner = StepRunner(state, chunks, shapes, channels, self.timeout)
         self.training = bool(model.training)  # the model's mode; pipe.train() / pipe.eval() change it
         self._eval_modules: dict[int, nn.Module] = {}  # made on the first eval(): each stage with training flags off
@@ -154,7 +157,7 @@ class Pipeline:
         self._own_rec: Recorder | None = start_recorder(self, KEEP_STEPS) if trace else None
         self.recorder: Recorder | None = self._own_rec  # tracing: None (off) or the recorder the steps log into
 
-    def _chunks(self, state: StepState, model: nn.Module, graphs: Sequence[StageGraph], recompute: list[bool],
+    def _chunks(self, state: StepState, model: nn.Module, graphs: Sequence[StageGraph], recompute: list[Recompute],
                 deferred_batch_norm: bool) -> list[StageChunk]:
         """This rank's stages as the step runs them, each with its deferred BatchNorms' slot (every rank knows every
         stage's, so the vector of the loss AllReduce is laid out alike everywhere)."""
@@ -364,7 +367,7 @@ class Pipeline:
         """What runs each chunk's forwards in the current mode: the stage, or its evaluation twin; compiled if
         asked."""
         for c in self._runner.chunks.values():
-            module = c.module if self.training else self._evaluation_module(c.stage, c.module)
+            module = c.train_module if self.training else self._evaluation_module(c.stage, c.module)
             c.forward_module = module if self._compiler is None else self._compiler(module)
 
     def _evaluation_module(self, stage: int, module: nn.Module) -> nn.Module:
@@ -483,7 +486,7 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
              backend: str | None = None, tracer: str | None = None, example_inputs: Any = None,
              dynamic_shapes: Any = None, trace: bool = False, deferred_batch_norm: bool = False,
              layers: Sequence[str] | None = None, check_inputs: bool = True, mixed_precision: str | None = None,
-             recompute: bool | Sequence[bool] | None = None, reduce_dtype: str | None = None,
+             recompute: Recompute | Sequence[Recompute] | None = None, reduce_dtype: str | None = None,
              compile: bool | Mapping[str, Any] = False, init_fn: InitFn | None = None) -> Pipeline:
     """Run ``model`` as planned: this rank keeps only its stage and trains it with ``train_step``.
 
@@ -530,9 +533,12 @@ def pipeline(model: nn.Module, plan: Plan, loss_fn: Callable[..., torch.Tensor],
             own dtypes. None (default): as the plan says (``plan.mixed_precision``; a plan without it: the model's
             own dtypes). A value other than a plan's recorded one runs as asked, with a warning on rank 0 (the
             plan's memory and time estimates assumed its own).
-        recompute: activation recomputation: a stage keeps only its inputs per micro-batch in flight and runs its
-            forward again in the backward (``torch.utils.checkpoint``); True or False for every stage, one bool per
-            stage, or None: as the plan's stages say (``Stage.recompute``).
+        recompute: activation recomputation (``torch.utils.checkpoint``): True, a stage keeps only its inputs per
+            micro-batch in flight and runs its forward again in the backward; "layers", it keeps every layer's
+            inputs and recomputes one layer at a time (less memory at once in the backward); "selective", it keeps
+            its inputs and the outputs of matmuls, convolutions and attention and recomputes the rest (little time);
+            False: none. One of them for every stage, one per stage, or None: as the plan's stages say
+            (``Stage.recompute``).
         reduce_dtype: the dtype gradients travel in for the stage AllReduce: "bf16" or "fp16" (half the bytes of
             fp32 on the links; each bucket is rounded to it, summed, and written back in the gradients' dtype),
             "fp32", or None (default): as the plan says (``plan.reduce_dtype``; a plan without it: the gradients'

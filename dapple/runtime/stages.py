@@ -137,14 +137,14 @@ def split_stages(lg: LayerGraph, stage_layers: Sequence[tuple[int, int]]) -> lis
         module = fx.GraphModule(lg.gm, graph, f"Stage{s}")  # copies referenced submodules under their paths
         stage = StageGraph(index=s, module=module, args=args, outs=outs,
                            recv=carry[s - 1] if s > 0 else [], send=carry[s] if s < num_stages - 1 else [],
-                           inputs=[a for a in args if a in model_inputs], modified=_modified_in_place(module))
+                           inputs=[a for a in args if a in model_inputs], modified=modified_in_place(module))
         stages.append(stage)
     out_node = next(n for n in lg.gm.graph.nodes if n.op == "output")
     stages[-1].output = fx.node.map_arg(out_node.args[0], lambda n: _Ref(n.name))
     return stages
 
 
-def _modified_in_place(gm: fx.GraphModule) -> set[str]:
+def modified_in_place(gm: fx.GraphModule) -> set[str]:
     """Placeholders that an op changes in place (``relu_``, ``x.add_``, ``nn.ReLU(inplace=True)``).
 
     Received values become autograd leaves, which may not be modified in place; the engine hands

@@ -188,5 +188,6 @@ def test_a_stage_that_recomputes_round_trips_and_only_then_is_written(tmp_path):
     assert [s.recompute for s in Plan.load(tmp_path / "p.yaml").stages] == [False, True]
     doc["stages"][0]["recompute"] = "yes"
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
-    with pytest.raises(DocumentError, match=r"stages\[0\]\.recompute: expected true or false, got 'yes'"):
+    with pytest.raises(DocumentError, match=r"stages\[0\]\.recompute: expected false, true, layers or selective, got "
+                                            r"'yes'"):
         Plan.load(tmp_path / "bad.yaml")

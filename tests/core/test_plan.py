@@ -33,8 +33,23 @@ def test_mixed_precision_round_trips_and_only_then_is_written(tmp_path):
 def test_bad_mixed_precision_or_recompute_is_named():
     with pytest.raises(ValueError, match=r"Plan.mixed_precision: .*got 'half'"):
         _plan(mixed_precision="half")
-    with pytest.raises(ValueError, match=r"Plan.stages\[1\].recompute: expected True or False, got 1"):
-        Plan(8, 4, [Stage((0, 2), [0]), Stage((2, 4), [1], recompute=1)])
+    for bad in (1, "all"):
+        with pytest.raises(ValueError, match=r"Plan.stages\[1\].recompute: expected one of \(False, True, 'layers', "
+                                             rf"'selective'\), got {bad!r}"):
+            Plan(8, 4, [Stage((0, 2), [0]), Stage((2, 4), [1], recompute=bad)])
+
+
+def test_recompute_modes_round_trip_and_show_in_the_table(tmp_path):
+    plan = Plan(12, 4, [Stage((0, 2), [0], recompute="layers"), Stage((2, 4), [1], recompute="selective"),
+                        Stage((4, 6), [2], recompute=True)])
+    plan.save(tmp_path / "p.yaml")
+    assert [s.recompute for s in Plan.load(tmp_path / "p.yaml").stages] == ["layers", "selective", True]
+    rows = str(plan).splitlines()[3:6]
+    assert [r.split()[-1] for r in rows] == ["layers", "selective", "yes"]
+    (tmp_path / "bad.yaml").write_text((tmp_path / "p.yaml").read_text().replace("selective", "some"))
+    with pytest.raises(DocumentError, match=r"bad.yaml.stages\[1\].recompute: expected false, true, layers or "
+                                            r"selective, got 'some'"):
+        Plan.load(tmp_path / "bad.yaml")
 
 
 def test_the_precision_a_run_uses():

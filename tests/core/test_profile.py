@@ -191,3 +191,21 @@ def test_weight_ms_is_optional_round_trips_and_gives_the_weight_share(tmp_path):
     assert "weight_ms" not in older.to_dict()["layers"][0] and older.weight_share(0, 1, 8) is None
     with pytest.raises(ValueError, match=r"layers\[0\] \(a\)\.weight_ms: expected 1 values"):
         Profile("m", "cpu", [8], [LayerProfile("a", [1.0], [2.0], [0], [0], 0, weight_ms=[1.0, 2.0])])
+
+
+def test_selective_measurements_round_trip_and_are_optional(tmp_path):
+    import dataclasses
+
+    from dapple.profiler import LayerProfile
+    layers = [LayerProfile("a", [1.0], [2.0], [10], [20], 4, selective_bytes=[5.0], selective_ms=[0.5]),
+              LayerProfile("b", [1.0], [2.0], [10], [20], 4)]
+    prof = Profile("m", "cpu", [4], layers)
+    prof.save(tmp_path / "p.yaml")
+    back = Profile.load(tmp_path / "p.yaml")
+    assert back.layers[0].selective_bytes == [5.0] and back.layers[0].selective_ms == [0.5]
+    assert back.layers[1].selective_bytes is None and not back.selective
+    whole = dataclasses.replace(prof, layers=[layers[0], dataclasses.replace(layers[1], selective_bytes=[1.0],
+                                                                             selective_ms=[0.0])])
+    assert whole.selective and whole.selective_costs(8) == ([10.0, 2.0], [1.0, 0.0])
+    with pytest.raises(ValueError, match=r"layers\[0\] \(a\).selective_ms: expected 1 values"):
+        Profile("m", "cpu", [4], [dataclasses.replace(layers[0], selective_ms=[0.5, 1.0])])

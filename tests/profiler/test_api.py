@@ -14,6 +14,7 @@ from torch import nn
 import dapple
 from dapple.models import GPT, EmulatedNet, ResNet, lm_loss, random_tokens
 from dapple.profiler import TraceError
+from dapple.profiler.api import WEIGHT_RUNS
 from tests.conftest import EXPORT_OK
 from tests.profiler.test_layers import Masked
 
@@ -152,7 +153,10 @@ def test_timed_rounds_interleave_batch_sizes():
     m = RowLog()
     dapple.profile(nn.Sequential(m, nn.Tanh()), torch.randn(4, 4), batch_sizes=(1, 2, 4), repeats=6, warmup=1,
                    progress=False, leaf_modules=(RowLog,))
-    timed = m.rows[-3 * 6:]  # the last calls are the timed runs: 6 rounds x 3 batch sizes
+    # the timed runs (6 rounds x 3 batch sizes), then per batch size WEIGHT_RUNS split runs (a forward each) and
+    # as many selective ones (a plain forward, a checkpointed one, its recomputation)
+    after = 3 * WEIGHT_RUNS * (1 + 3)
+    timed = m.rows[-3 * 6 - after:-after]
     assert sorted(timed) == sorted([1, 2, 4] * 6)
     longest = max(len(list(g)) for _, g in itertools.groupby(timed))
     assert longest <= 2, f"batch sizes ran in blocks: {timed}"  # a round is every size once (rotated)
@@ -363,3 +367,15 @@ def test_the_weight_gradient_part_of_each_backward_is_measured():
     assert first.weight_ms[0] / first.backward_ms[0] >= 0.9, first
     assert 0.4 <= prof.weight_share(1, 2, 4) <= 0.6
     assert dapple.Profile.from_dict(prof.to_dict()).layers[1].weight_ms == second.weight_ms
+
+
+def test_the_profile_measures_what_selective_recomputation_keeps_and_costs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    prof = dapple.profile(model, torch.randn(6, 8), batch_sizes=(2, 6), repeats=3, warmup=1, progress=False)
+    assert prof.selective
+    lin, tanh, head = prof.layers
+    assert lin.selective_bytes == [2 * 16 * 4, 6 * 16 * 4]  # the addmm's output, fp32
+    assert tanh.selective_bytes == [0, 0]  # nothing kept: the tanh runs again
+    assert head.selective_bytes == [2 * 4 * 4, 6 * 4 * 4]
+    assert all(ms >= 0 for layer in prof.layers for ms in layer.selective_ms)

@@ -183,6 +183,8 @@ CASES: dict[str, tuple[Callable, tuple, dict]] = {
     "plan_bf16_run_fp32": (case_plan_precision, ("fp32",), {}),
     "recompute_all": (case_recompute, (CHAIN_STAGES, 9, 3, True), {}),
     "recompute_some_gpt": (case_recompute, (GPT_STAGES, 8, 4, [True, False, True]), {"gpt": True}),
+    "recompute_modes_gpt": (case_recompute, (GPT_STAGES, 8, 4, ["layers", "selective", "layers"]), {"gpt": True}),
+    "recompute_selective": (case_recompute, (CHAIN_STAGES, 9, 3, "selective"), {}),
     "recompute_batchnorm": (case_recompute_batchnorm, (), {}),
     "reduce_bf16": (case_reduce_dtype, (), {}),
     "summed_loss": (case_summed_loss, (), {}),

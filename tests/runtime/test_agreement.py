@@ -123,8 +123,8 @@ def _one_rank_fails(_: Any) -> tuple[str, float]:
 @pytest.mark.slow
 def test_a_rank_failing_before_the_agreement_is_named_on_every_rank_at_once():
     got = run_ranks(_one_rank_fails, 3, None, timeout=120)
-    assert got[1][0].startswith("ValueError: recompute: expected None (the plan's), True, False or one bool per "
-                                "stage (3), got [True]"), got[1]
+    assert got[1][0].startswith("ValueError: recompute: expected None (the plan's), one of (False, True, 'layers', "
+                                "'selective') or one of them per stage (3), got [True]"), got[1]
     for rank in (0, 2):
         msg, seconds = got[rank]
         assert msg == (f"PipelineError: rank {rank}: dapple.pipeline: rank 1 failed building its pipeline: "

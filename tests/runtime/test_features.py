@@ -50,13 +50,16 @@ def test_fp16_skips_an_overflowing_step_on_every_rank(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["recompute_all", "recompute_some_gpt"])
-def test_recomputation_is_exact(results, case):
+@pytest.mark.parametrize("case, flags", [("recompute_all", [True] * 4),
+                                         ("recompute_some_gpt", [True, True, False, True]),
+                                         ("recompute_modes_gpt", ["layers", "layers", "selective", "layers"]),
+                                         ("recompute_selective", ["selective"] * 4)])
+def test_recomputation_is_exact(results, case, flags):
+    """Whole stages, layer by layer and selective: the loss and gradients of single-process training (float64)."""
     for rank, per_step in enumerate(r[case] for r in results):
         for res in per_step:
             assert res["loss"] <= TOL and all(e <= TOL for e in res["grads"].values()), (case, rank, res)
-    flags = [r[case][0]["recompute"] for r in results]
-    assert flags == ([True] * 4 if case == "recompute_all" else [True, True, False, True])
+    assert [r[case][0]["recompute"] for r in results] == flags
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import numpy as np
 
 from ...core.buckets import BUCKET_BYTES, bucket
 from ...core.checks import flag, number, positive_int
+from ...core.plan import RECOMPUTE, Recompute
 from ...core.split_concat import routes
 from .. import tuning
 from .memory import StageBytes, activation_scale, recompute_mode, static_factor
@@ -98,7 +99,8 @@ class CostModel:
         micro_batch_size: rows of one micro-batch.
         optimizer_factor: static bytes per parameter byte (4: fp32 weights, gradients, Adam's two moments).
         bucket_bytes: the gradient bucket size of the overlapped AllReduce (``core.buckets``).
-        recompute: whether the stages it prices recompute activations by default (methods take it per stage too).
+        recompute: how the stages it prices recompute activations by default (``core.plan.RECOMPUTE``; methods
+            take it per stage too). "selective" needs a profile that measured it (``Profile.selective``).
         mixed_precision: "bf16" or "fp16": activations (saved and sent) take half the profiled fp32 bytes;
             parameters, gradients, optimizer state and the gradient AllReduce stay fp32. None: full precision.
         shard_optimizer: the optimizer state of a stage on r replicas is sharded over them (ZeRO-1): each holds
@@ -107,13 +109,15 @@ class CostModel:
 
     def __init__(self, profile: "Profile", cluster: "Cluster", micro_batch_size: int,
                  optimizer_factor: float = 4.0, bucket_bytes: float = BUCKET_BYTES, *,
-                 recompute: bool | str = False, mixed_precision: str | None = None, shard_optimizer: bool = False):
+                 recompute: Recompute = False, mixed_precision: str | None = None, shard_optimizer: bool = False):
         positive_int("micro_batch_size", micro_batch_size)
         number("optimizer_factor", optimizer_factor, positive=True)
         number("bucket_bytes", bucket_bytes, positive=True, finite=True)
-        recompute_mode(recompute, (False, True))
+        recompute_mode(recompute, RECOMPUTE)
         flag("shard_optimizer", shard_optimizer, "shard each stage's optimizer state over its replicas")
-        self.recompute: bool = recompute is True  # recompute_mode let only True or False itself through
+        self.recompute: Recompute = recompute
+        if recompute == "selective":
+            profile.selective_costs(micro_batch_size)  # (a ValueError now, where the profile cannot price it)
         self.mixed_precision, self.shard_optimizer = mixed_precision, shard_optimizer
         self.activation_scale = activation_scale(mixed_precision)  # bytes of an activation per profiled byte
         self.profile, self.cluster, self.micro = profile, cluster, micro_batch_size
@@ -130,6 +134,7 @@ class CostModel:
         self._comm_canon: dict[tuple, CommPair] = {}  # the same for servers relabelled 0, 1, ...
         self._routes: dict[tuple, list] = {}  # (senders, receivers) -> split_concat.routes of a micro-batch
         self._bbytes: dict[int, np.ndarray] = {}
+        self._selective: dict[int, tuple[list[float], list[float]]] = {}  # rows -> prefix sums (bytes, ms)
         self._routes_ms: dict[tuple, np.ndarray] = {}
         self._ar: dict[tuple, float] = {}
 
@@ -149,15 +154,26 @@ class CostModel:
                                                   _prefix([x * scale for x in self.profile.costs(rows).saved_bytes]))
         return hit
 
-    def compute_rows(self, a: int, c: int, rows: int, recompute: bool = False) -> tuple[float, float]:
+    def compute_rows(self, a: int, c: int, rows: int, recompute: Recompute = False) -> tuple[float, float]:
         """(forward ms, backward ms) of layers [a, c) on a slice of ``rows`` rows, run as one op (a < c); a
-        recomputing stage's backward runs its forward first (backward += forward)."""
+        recomputing stage's backward runs its forward again first: all of it (True, "layers"), or what selective
+        recomputation does not keep ("selective": the profile's ``selective_ms``)."""
         f, b, _ = self.prefix_sums(rows)
         fw = f[c] - f[a] + self.call_f
         bw = b[c] - b[a] + self.call_b
+        if recompute == "selective":
+            return fw, bw + self._selective_sums(rows)[1][c] - self._selective_sums(rows)[1][a]
         return fw, bw + fw if recompute else bw
 
-    def compute(self, a: int, c: int, replicas: int, recompute: bool | None = None) -> tuple[float, float]:
+    def _selective_sums(self, rows: int) -> tuple[list[float], list[float]]:
+        """Prefix sums over layers of (bytes kept, ms added) under selective recomputation (memoised)."""
+        hit = self._selective.get(rows)
+        if hit is None:
+            kept, ms = self.profile.selective_costs(rows)
+            hit = self._selective[rows] = (_prefix([x * self.activation_scale for x in kept]), _prefix(ms))
+        return hit
+
+    def compute(self, a: int, c: int, replicas: int, recompute: Recompute | None = None) -> tuple[float, float]:
         """(F_s, B_s): forward and backward ms of layers [a, c) on the slowest of ``replicas`` replicas
         (``recompute`` None: the model's own)."""
         return self.compute_rows(a, c, self.rows(replicas), self.recompute if recompute is None else recompute)
@@ -173,14 +189,27 @@ class CostModel:
         the profile does not measure and the caller holds in any case: 0."""
         return 0.0 if a == 0 else float(self._boundary(self.rows(replicas))[a - 1])
 
-    def stage_bytes(self, a: int, c: int, replicas: int, recompute: bool) -> StageBytes:
-        """What layers [a, c) on ``replicas`` replicas hold (memory.StageBytes), recomputing or not."""
+    def stage_bytes(self, a: int, c: int, replicas: int, recompute: Recompute) -> StageBytes:
+        """What layers [a, c) on ``replicas`` replicas hold (memory.StageBytes), recomputing or not.
+
+        Per slice in flight and once beside them (while one slice's backward recomputes): no recomputation, all its
+        saved activations; True, its inputs, and once the whole stage's activations; "layers", every layer's
+        inputs (the tensors crossing each cut inside the stage), and once the largest layer's activations;
+        "selective", its inputs and what the profile says selective recomputation keeps, and once the rest."""
         static, saved = self.static_bytes(a, c, replicas), self.saved_bytes(a, c, replicas)
+        rows = self.rows(replicas)
+        if recompute == "layers":
+            inside = float(self._boundary(rows)[a:c - 1].sum())
+            one = max(self.profile.costs(rows).saved_bytes[a:c]) * self.activation_scale
+            return StageBytes(static, self.input_bytes(a, replicas) + inside, one)
+        if recompute == "selective":
+            kept = self._selective_sums(rows)[0][c] - self._selective_sums(rows)[0][a]
+            return StageBytes(static, self.input_bytes(a, replicas) + kept, max(0.0, saved - kept))
         if recompute:
             return StageBytes(static, self.input_bytes(a, replicas), saved)
         return StageBytes(static, saved)
 
-    def fits(self, a: int, c: int, replicas: int, recompute: bool | None = None) -> int:
+    def fits(self, a: int, c: int, replicas: int, recompute: Recompute | None = None) -> int:
         """D: micro-batch slices of layers [a, c) on ``replicas`` replicas that fit in device memory at once
         (``recompute`` None: the model's own)."""
         rc = self.recompute if recompute is None else recompute
@@ -330,16 +359,16 @@ class CostModel:
         groups = bucket([self.param_bytes[layer] for layer in layers], self.bucket_bytes)
         return [(layers[g[-1]], sum(self.param_bytes[layers[i]] for i in g)) for g in groups]
 
-    def bucket_ready(self, a: int, c: int, rows: int, recompute: bool = False) -> list[tuple[float, float]]:
+    def bucket_ready(self, a: int, c: int, rows: int, recompute: Recompute = False) -> list[tuple[float, float]]:
         """Per bucket of :meth:`buckets`: (ms from the start of the last backward of a ``rows``-row slice until
         it has produced the bucket's gradients, bytes). That backward runs layers c-1 .. a (after the call's own
-        cost, and a recomputing stage's forward); a bucket is done after its lowest layer."""
+        cost, and what a recomputing stage runs again first); a bucket is done after its lowest layer."""
         bsum = self.prefix_sums(rows).backward
-        first = self.call_b + (self.compute_rows(a, c, rows)[0] if recompute else 0.0)
+        first = self.call_b + self.compute_rows(a, c, rows, recompute)[1] - self.compute_rows(a, c, rows)[1]
         return [(bsum[c] - bsum[low] + first, nbytes) for low, nbytes in self.buckets(a, c)]
 
     def overlapped_ending(self, a: int, c: int, layout: ServerLayout, rows: int | None = None,
-                          recompute: bool | None = None) -> float:
+                          recompute: Recompute | None = None) -> float:
         """Ms from the start of the stage's last backward to the end of its AllReduce, when each bucket is
         reduced as soon as the last backward has produced it (DDP-style overlap); >= that backward's time
         (``recompute`` None: the model's own)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...core.checks import flag, positive_int
-from ...core.plan import FULL_PRECISION, Estimate, Plan, Stage, check_fit, check_stages
+from ...core.plan import FULL_PRECISION, RECOMPUTE, Estimate, Plan, Recompute, Stage, check_fit, check_stages
 from ...core.schedule import (
     CHUNKED_SCHEDULES,
     SCHEDULES,
@@ -121,7 +121,7 @@ def stage_list(stages: Sequence | Plan, num_layers: int, cluster: "Cluster", mic
 
 def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]], M: int, policy: str = "A",
                    warmup: Sequence[int] | None = None, *, check: bool = True, endings: bool = True,
-                   recompute: Sequence[bool] | None = None) -> PricedStages:
+                   recompute: Sequence[Recompute] | None = None) -> PricedStages:
     """Interleaved costs of stages ``spans`` and D per stage (paper V-C).
 
     Args:
@@ -133,14 +133,14 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]]
         check: raise NoFitError, naming the stage, when a stage does not fit in device memory.
         endings: price E, the overlapped AllReduce's ending of each stage (False: E = B, for a caller that
             prices no overlap).
-        recompute: per stage, whether it recomputes; None: as ``cm.recompute`` says.
+        recompute: per stage, how it recomputes (``core.plan.RECOMPUTE``); None: as ``cm.recompute`` says.
     """
     F, B, AR, E, D, chain, window, queue, RC = [], [], [], [], [], [], [], [], []
     hot: tuple = ()  # the busiest inbound links of stage i (transfers.queues), from the transfer into it
     users: dict = {}  # per server, the communication stages on its uplink and downlink (transfers.feeds)
     mem = cm.cluster.device_memory
     for i, (a, c, lay) in enumerate(spans):
-        rc = cm.recompute if recompute is None else bool(recompute[i])
+        rc = cm.recompute if recompute is None else recompute[i]
         f, b = cm.compute(a, c, len(lay), rc)
         need = cm.stage_bytes(a, c, len(lay), rc)
         d = need.slices(mem)
@@ -178,13 +178,13 @@ def pipeline_costs(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]]
                                       RC), D)
 
 
-def _check_memory(i: int, need: StageBytes, mem: float, recompute: bool, warmup: int) -> None:
+def _check_memory(i: int, need: StageBytes, mem: float, recompute: Recompute, warmup: int) -> None:
     """check_stage_memory of stage ``i`` holding ``need`` with K_i = ``warmup``."""
     check_stage_memory(i, need.static, need.per_slice, mem, warmup, need.once if recompute else None)
 
 
 def _check_warmup(cm: CostModel, spans: Sequence[tuple[int, int, ServerLayout]], K: list[int], D: list[int],
-                  recompute: list[bool]) -> None:
+                  recompute: list[Recompute]) -> None:
     """NoFitError naming the first stage whose given K_i is more than its D slices fit (recomputing as
     ``recompute`` says)."""
     for i, (a, c, lay) in enumerate(spans):
@@ -220,8 +220,9 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence | Plan, gl
             (formula 2 with the pivot of Algorithm 1).
         overlap: AllReduce overlapped with the last backward, bucket by bucket (default True, as
             :func:`dapple.plan` and the runtime).
-        recompute: None: as the stages say (``Stage.recompute``; tuples: no); False or True: every stage;
-            "auto": as :func:`auto_recompute` says (K_i from the policy then, or M each for gpipe).
+        recompute: None: as the stages say (``Stage.recompute``; tuples: no); False, True, "layers" or
+            "selective": every stage (``core.plan.RECOMPUTE``); "auto": as :func:`auto_recompute` says (K_i from the
+            policy then, or M each for gpipe).
         mixed_precision: "bf16" or "fp16" (activations in half the bytes), "fp32" (full precision), or None: a
             Plan's own ``mixed_precision`` (otherwise full precision).
         shard_optimizer: each stage's optimizer state is sharded over its replicas (ZeRO-1, as
@@ -244,10 +245,11 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence | Plan, gl
     check_cuts(profile, sts, "evaluate")
     M = opt.global_batch_size // b
     if opt.schedule in CHUNKED_SCHEDULES:
-        recompute_mode(recompute, (None, False, True))
-        cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor, recompute=bool(recompute),
-                       mixed_precision=opt.mixed_precision, shard_optimizer=shard_optimizer)
-        chunk_flags = [s.recompute for s in sts] if recompute is None else [bool(recompute)] * len(sts)
+        recompute_mode(recompute, (None, *RECOMPUTE))
+        cm = CostModel(profile, cluster, b, optimizer_factor=optimizer_factor,
+                       recompute=False if recompute is None else recompute, mixed_precision=opt.mixed_precision,
+                       shard_optimizer=shard_optimizer)
+        chunk_flags = [s.recompute for s in sts] if recompute is None else [recompute] * len(sts)
         return _chunked(profile, cluster, cm, sts, opt, chunk_flags)
     given = _given_warmup(sts, M, opt.schedule)
     recompute_mode(recompute, (None,) + RECOMPUTE_MODES)
@@ -256,17 +258,17 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence | Plan, gl
                    recompute=False if recompute is None or auto else recompute, mixed_precision=opt.mixed_precision,
                    shard_optimizer=shard_optimizer)
     spans = [Span(s.layers[0], s.layers[1], layout_of(cluster, s.devices)) for s in sts]
-    flags: list[bool] | None
+    flags: list[Recompute] | None
     if auto:
         given = [M] * len(sts) if opt.schedule == "gpipe" else None
-        flags = auto_recompute(cm, spans, M, opt.warmup_policy, given, opt.model, opt.overlap)
+        flags = [r for r in auto_recompute(cm, spans, M, opt.warmup_policy, given, opt.model, opt.overlap)]
     else:
         flags = [s.recompute for s in sts] if recompute is None else None
     pc, D = pipeline_costs(cm, spans, M, opt.warmup_policy, given, recompute=flags)
     lat = pc.latency(opt.model, opt.overlap)
     lat = lat._replace(ending=lat.ending + profile.step_ms)  # the step's own fixed cost (Profile.step_ms)
     if opt.schedule in SPLIT_BACKWARD:
-        rc = flags if flags is not None else [bool(recompute)] * len(sts)
+        rc = flags if flags is not None else [recompute if recompute is not None else False] * len(sts)
         played = Plan(opt.global_batch_size, b, [Stage(s.layers, s.devices, k, r) for s, k, r in zip(sts, pc.K, rc)],
                       schedule=opt.schedule, mixed_precision=opt.mixed_precision, shard_optimizer=shard_optimizer)
         if why := split_backward_unfit(cm, played.stages, M, cluster.device_memory):
@@ -277,7 +279,7 @@ def evaluate(profile: "Profile", cluster: "Cluster", stages: Sequence | Plan, gl
 
 
 def _chunked(profile: "Profile", cluster: "Cluster", cm: CostModel, stages: list[Stage], opt: _Options,
-             recompute: list[bool]) -> Estimate:
+             recompute: list[Recompute]) -> Estimate:
     """evaluate() of stages that are chunks (a schedule of :data:`CHUNKED_SCHEDULES`): the simulated iteration (no
     closed form prices them), each chunk's costs, each device's memory (every chunk's activations in flight)."""
     if opt.model != "refined":
@@ -411,14 +413,14 @@ def _stage_details(cm: CostModel, pc: PipelineCosts, i: int, span: Span, d: int,
     device's)."""
     a, c, lay = span
     k = pc.K[i]
-    rc = bool(pc.recompute and pc.recompute[i])
+    rc = pc.recompute[i] if pc.recompute else False
     out = {"layers": [a, c], "replicas": len(lay), "rows": cm.rows(len(lay)),
            "forward_ms": round(pc.F[2 * i], 6), "backward_ms": round(pc.B[2 * i], 6),
            "allreduce_ms": round(pc.AR[2 * i], 6), "warmup": k, "max_in_flight": int(min(d, 1 << 20)),
            "memory_gb": round((cm.stage_bytes(a, c, len(lay), rc).peak(k if rc else held) if memory is None
                                else memory) / 1e9, 4)}
     if rc:
-        out["recompute"] = True
+        out["recompute"] = rc
     if overlap and len(lay) > 1:
         out["overlapped_ending_ms"] = round(pc.E[2 * i], 6)
     if 2 * i + 1 < len(pc.F):  # it sends to a next stage

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 GB = 1e9
 WEIGHTS_AND_GRADIENTS = 2.0  # of the optimizer factor, what every replica holds whole: the weights and gradients
-RECOMPUTE_MODES = (False, True, "auto")  # dapple.plan's: never, every stage, only where memory binds (planning.py)
+# dapple.plan's: never, every stage (the whole stage, layer by layer, selectively), only where memory binds
+# (planning.py)
+RECOMPUTE_MODES = (False, True, "layers", "selective", "auto")
 
 
 class NoFitError(ValueError):
@@ -95,15 +97,15 @@ def check_stage_memory(stage: int, static_bytes: float, saved_bytes: float, devi
     """Raise NoFitError naming the stage and by how much it exceeds device memory with K_i = ``warmup``.
 
     Args:
-        recomputed: for a recomputing stage, the full activations of the one slice it recomputes (``saved_bytes``
-            is then what a slice in flight keeps: its inputs); None: the stage does not recompute.
+        recomputed: for a recomputing stage, the activations of the one slice it recomputes at a time
+            (``saved_bytes`` is then what a slice in flight keeps); None: the stage does not recompute.
     """
     once = recomputed or 0.0
     need = stage_memory(static_bytes + once, saved_bytes, warmup)
     if need <= device_memory:
         return
     held = (f"{warmup} x {saved_bytes / GB:.3f} GB of saved activations per micro-batch slice" if recomputed is None
-            else f"{warmup} x {saved_bytes / GB:.3f} GB of inputs per micro-batch slice + {once / GB:.3f} GB of one "
+            else f"{warmup} x {saved_bytes / GB:.3f} GB kept per micro-batch slice + {once / GB:.3f} GB of one "
                  f"recomputed slice's activations")
     raise NoFitError(
         f"stage {stage} does not fit in device memory: it needs {need / GB:.3f} GB "

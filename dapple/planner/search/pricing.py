@@ -118,8 +118,9 @@ class StageCosts:
         fs = pad + [fpre[c] - f0 + cf for c in range(j + 1, end)]
         bs = pad + [bpre[c] - b0 + cb for c in range(j + 1, end)]
         ars = pad + cm.allreduce_ends(j, end, m, multi)
-        if cm.recompute:  # a recomputing stage's backward runs its forward too, and it holds its inputs per slice
-            bs = pad + [b + f for b, f in zip(bs[j + 1:], fs[j + 1:])]
+        if cm.recompute:  # a recomputing stage's backward runs (some of) its forward too; it holds less per slice
+            rows = cm.rows(m)
+            bs = pad + [cm.compute_rows(j, c, rows, cm.recompute)[1] for c in range(j + 1, end)]
             return StageLists(fs, bs, ars, [0] * (j + 1) + [cm.fits(j, c, m) for c in range(j + 1, end)])
         static = cm.static_bytes
         ds = [0] * (j + 1) + [slices_that_fit(static(j, c, m), spre[c] - s0, mem) for c in range(j + 1, end)]

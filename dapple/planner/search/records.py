@@ -24,7 +24,7 @@ class SearchConfig:
         partial_kinds: only placements after which the partly used servers come in at most this many kinds
             (free devices, replicas of the new stage); None: any (the full search), 1: the compact search.
         gap: prune what cannot beat the best plan so far by more than this fraction.
-        recompute, mixed_precision: the stages' activation recomputation (False, True or "auto") and autocast
+        recompute, mixed_precision: the stages' activation recomputation (memory.RECOMPUTE_MODES) and autocast
             dtype (None, "bf16" or "fp16"), as CostModel prices them.
         shard_optimizer: a stage's optimizer state is sharded over its replicas (CostModel.static_bytes).
     """

@@ -107,7 +107,8 @@ def test_plan_records_mixed_precision_and_bf16_can_make_a_plan_fit():
     p = dapple.plan(PROF, c, 32, 8, mixed_precision="bf16", verify=0)
     assert p.mixed_precision == "bf16" and "mixed precision bf16" in str(p)
     assert Plan.from_dict(p.to_dict()) == p
-    with pytest.raises(ValueError, match=r"recompute: expected one of \(False, True, 'auto'\), got 'yes'"):
+    with pytest.raises(ValueError, match=r"recompute: expected one of \(False, True, 'layers', 'selective', 'auto'\), "
+                                             r"got 'yes'"):
         dapple.plan(PROF, c, 32, 8, recompute="yes")
     with pytest.raises(ValueError, match=r"mixed_precision: expected one of \('bf16', 'fp16'\).*got 'half'"):
         dapple.plan(PROF, c, 32, 8, mixed_precision="half")
@@ -146,3 +147,44 @@ def test_auto_recomputation_keeps_what_a_zero_bubble_plan_needs_to_hold_k0():
     assert evaluate(PROF, tight, zb).latency_ms == pytest.approx(zb.estimate.latency_ms)
     plain = dapple.plan(PROF, tight, 32, 8, recompute="auto")  # 1F1B: the last stage holds one, no recomputation
     assert [s.recompute for s in plain.stages] == [True, False]
+
+
+def _measured(kept: float, ms: float):
+    """PROF with selective recomputation measured: ``kept`` bytes and ``ms`` ms per row of every layer."""
+    import dataclasses
+    layers = [dataclasses.replace(x, selective_bytes=[kept * 8], selective_ms=[ms * 8]) for x in PROF.layers]
+    return dataclasses.replace(PROF, layers=layers)
+
+
+def test_layer_by_layer_keeps_every_layers_inputs_and_recomputes_one_layer_at_a_time():
+    cm = CostModel(PROF, cluster(1, 2), 8)
+    f, b = cm.compute(1, 4, 1)
+    assert cm.compute(1, 4, 1, recompute="layers") == (f, b + f)  # every layer once again: the whole forward
+    layers = cm.stage_bytes(1, 4, 1, "layers")
+    assert layers.per_slice == 3 * 8e6  # the inputs of layers 1, 2 and 3 (1e6 B per row each)
+    assert layers.once == 8e8  # one layer's activations at a time (the whole stage: 2.4e9)
+    assert cm.stage_bytes(1, 4, 1, True).once == 2.4e9
+    est = evaluate(PROF, cluster(1, 2), Plan(32, 8, [Stage((0, 2), [0], recompute="layers"), Stage((2, 4), [1])]))
+    assert est.details["stages"][0]["recompute"] == "layers"
+
+
+def test_selective_recomputation_is_priced_from_what_the_profile_measured():
+    prof = _measured(kept=3e7, ms=0.25)
+    cm = CostModel(prof, cluster(1, 2), 8)
+    f, b = cm.compute(1, 3, 1)
+    assert cm.compute(1, 3, 1, recompute="selective") == pytest.approx((f, b + 2 * 0.25 * 8))
+    sel = cm.stage_bytes(1, 3, 1, "selective")
+    assert sel.per_slice == pytest.approx(8e6 + 2 * 3e7 * 8)  # its input and what the two layers keep
+    assert sel.once == pytest.approx(1.6e9 - 2 * 3e7 * 8)  # the rest, run again for one slice
+    assert CostModel(prof, cluster(1, 2), 8, mixed_precision="bf16").stage_bytes(1, 3, 1, "selective").per_slice \
+        == pytest.approx(sel.per_slice / 2)
+    assert cm.bucket_ready(0, 2, 8, "selective")[0][0] == pytest.approx(cm.bucket_ready(0, 2, 8)[0][0] + 2 * 2)
+    plan = dapple.plan(prof, cluster(1, 2), 32, recompute="selective", micro_batch_sizes=[8])
+    assert {s.recompute for s in plan.stages} == {"selective"}
+
+
+def test_selective_recomputation_needs_a_profile_that_measured_it():
+    with pytest.raises(ValueError, match=r"recompute='selective': the profile of 'linear' has no selective "
+                                         r"recomputation measurements \(selective_bytes, selective_ms\) for layers "
+                                         r"\['layer0', 'layer1', 'layer2', 'layer3'\]; profile the model again"):
+        CostModel(PROF, cluster(1, 2), 8, recompute="selective")
