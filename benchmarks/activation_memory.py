@@ -101,6 +101,30 @@ def run(args: argparse.Namespace, m: int, variant: str) -> dict[str, float]:
     return {"saved": meter.peak, "process": process, "step_s": statistics.median(times) if times else 0.0}
 
 
+def _modelled(args: argparse.Namespace, modes: list[str], m: int) -> None:
+    """The planner's peak per stage under each recompute mode over its peak without, from a profile of the model
+    (dapple.profile at the micro-batch size; ``cluster``: one server, memory to spare)."""
+    torch.manual_seed(0)
+    model, cuts, loss_fn, x, y = (_mlp if args.model == "mlp" else _gpt)(args, args.micro_batch)
+    prof = dapple.profile(model, (x,), targets=(y,), loss_fn=loss_fn, batch_sizes=[args.micro_batch], repeats=3,
+                          progress=False)
+    cluster = dapple.Cluster(1, args.stages, 1e10, 1e10, 0.0, 0.0, 1e12)
+    stages = [Stage((cuts[s], cuts[s + 1]), [s]) for s in range(args.stages)]
+    plan = dapple.Plan(global_batch_size=args.micro_batch * m, micro_batch_size=args.micro_batch, stages=stages,
+                       layer_names=prof.layer_names)
+    peak = {mode: [s["memory_gb"] for s in dapple.planner.evaluate(prof, cluster, plan, recompute=MODES.get(
+        mode, False)).details["stages"]] for mode in ["off", *modes]}
+    static = [b / 1e9 for b in _static(prof, cuts, args.stages)]
+    for mode in modes:  # activations only: the model's static bytes (parameters x optimizer factor) left out
+        ratio = [(peak[mode][r] - static[r]) / (peak["off"][r] - static[r]) for r in range(args.stages)]
+        print(f"{mode} / dapple, modelled (planner, activations): {', '.join(f'{v:.3f}x' for v in ratio)}")
+
+
+def _static(prof: Any, cuts: list[int], stages: int) -> list[float]:
+    """Parameters x the optimizer factor (4) per stage, as the planner counts them."""
+    return [4.0 * sum(layer.param_bytes for layer in prof.layers[cuts[s]:cuts[s + 1]]) for s in range(stages)]
+
+
 def _median_of(repeats: int, once) -> dict[int, dict[str, int]]:
     """Per rank, the run whose process peak is the median of ``repeats`` fresh runs (the allocator's reuse of
     freed memory varies from run to run)."""
@@ -150,6 +174,8 @@ def main() -> None:
             vs = f"; dapple / gpipe at M={hi} = {at['dapple', hi] / at['gpipe', hi]:.3f}x" if gp else ""
             if ("dapple", hi) in at:
                 print(f"{what}, stage {r}: dapple M={hi} / M={lo} = {at['dapple', hi] / at['dapple', lo]:.3f}x{vs}")
+    if modes:
+        _modelled(args, modes, hi)
     for mode in modes:
         ratio = [res[f"dapple+{mode}", hi][r][what] / res["dapple", hi][r][what]
                  for what in ("saved", "process") for r in range(args.stages)]
