@@ -162,8 +162,16 @@ class CostModel:
         fw = f[c] - f[a] + self.call_f
         bw = b[c] - b[a] + self.call_b
         if recompute == "selective":
-            return fw, bw + self._selective_sums(rows)[1][c] - self._selective_sums(rows)[1][a]
+            return fw, bw + self.recompute_ms(a, c, rows, recompute)
         return fw, bw + fw if recompute else bw
+
+    def recompute_ms(self, a: int, c: int, rows: int, recompute: Recompute) -> float:
+        """What recomputation adds to the backward of layers [a, c) on a ``rows``-row slice: nothing, the forward
+        (True, "layers"), or the profile's ``selective_ms`` summed ("selective")."""
+        if recompute == "selective":
+            ms = self._selective_sums(rows)[1]
+            return ms[c] - ms[a]
+        return self.compute_rows(a, c, rows)[0] if recompute else 0.0
 
     def _selective_sums(self, rows: int) -> tuple[list[float], list[float]]:
         """Prefix sums over layers of (bytes kept, ms added) under selective recomputation (memoised)."""
@@ -364,7 +372,7 @@ class CostModel:
         it has produced the bucket's gradients, bytes). That backward runs layers c-1 .. a (after the call's own
         cost, and what a recomputing stage runs again first); a bucket is done after its lowest layer."""
         bsum = self.prefix_sums(rows).backward
-        first = self.call_b + self.compute_rows(a, c, rows, recompute)[1] - self.compute_rows(a, c, rows)[1]
+        first = self.call_b + self.recompute_ms(a, c, rows, recompute)
         return [(bsum[c] - bsum[low] + first, nbytes) for low, nbytes in self.buckets(a, c)]
 
     def overlapped_ending(self, a: int, c: int, layout: ServerLayout, rows: int | None = None,
