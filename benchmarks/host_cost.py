@@ -7,6 +7,7 @@ summed over the ranks, divided by the step's 2 x M x S forward and backward ops)
 also writes a cProfile of dapple's steps to DIR/dapple_rank0.prof (``python -m pstats``).
 
     PYTHONPATH=$PWD python benchmarks/host_cost.py --micro-batches 16 --steps 20
+    PYTHONPATH=$PWD python benchmarks/host_cost.py --separate --clock thread   # each engine alone; main thread
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import cProfile
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,18 +57,25 @@ def _pippy_step(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def run(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+ENGINES = {"dapple 1F1B": _dapple_step, "PiPPy Schedule1F1B": _pippy_step}
+
+
+def run(args: argparse.Namespace, only: str | None = None) -> dict[str, list[tuple[float, float]]]:
+    """Time both engines in interleaved rounds in these processes, or ``only`` that one."""
     torch.set_num_threads(1)
+    if not dist.is_initialized():  # (dapple.pipeline joins the group itself; PiPPy alone needs it)
+        dist.init_process_group("gloo")
     m, b = args.micro_batches, args.micro_batch
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(b * m, args.width, generator=gen), torch.randint(0, 4, (b * m,), generator=gen)
-    steps = {"dapple 1F1B": _dapple_step(args, x, y), "PiPPy Schedule1F1B": _pippy_step(args, x, y)}
+    steps = {name: make(args, x, y) for name, make in ENGINES.items() if only in (None, name)}
+    clock = time.thread_time if args.clock == "thread" else time.process_time
     for step in steps.values():
         timed_steps(step, 3)
     out: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for _ in range(args.rounds):  # interleaved rounds: load drifts hit both alike
         for name, step in steps.items():
-            out[name] += timed_steps(step, args.steps)
+            out[name] += timed_steps(step, args.steps, clock)
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(lambda: [steps["dapple 1F1B"]() for _ in range(args.steps)])
@@ -85,12 +94,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-check-inputs", action="store_true", help="dapple.pipeline(..., check_inputs=False)")
     p.add_argument("--profile", help="also write a cProfile of rank 0's dapple steps into this directory")
+    p.add_argument("--separate", action="store_true",
+                   help="each engine in processes of its own (only its process groups), one after the other")
+    p.add_argument("--clock", choices=("process", "thread"), default="process",
+                   help="CPU time of the whole process (its gloo threads too) or of the main thread only")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    res = dapple.runtime.launch(run, S, args)[0]
+    if args.separate:
+        res = {name: dapple.runtime.launch(run, S, args, name)[0][name] for name in ENGINES}
+    else:
+        res = dapple.runtime.launch(run, S, args)[0]
     ops = 2 * args.micro_batches * S
     print(f"{S} stages x 2 zero-time layers, M = {args.micro_batches} of {args.micro_batch} rows, "
-          f"{args.rounds} x {args.steps} steps per engine; CPU per op: a step's CPU over all ranks / {ops} F and B ops")
+          f"{args.rounds} x {args.steps} steps per engine ({'separate processes' if args.separate else 'interleaved'});"
+          f" CPU per op: a step's {args.clock} CPU over all ranks / {ops} F and B ops")
     print(f"{'engine':<20}{'median step ms':>16}{'CPU ms per op':>15}")
     med = {}
     for name, runs in res.items():
