@@ -182,7 +182,8 @@ class StepRunner:
                     raise RuntimeError(f"{self.who}: {t} sends value {t.value}, which its op left None")
                 # detached: a send in flight until the step's end must not keep the graph (a split backward
                 # retains it, so its saved tensors would live on)
-                piece = (value if spec.whole else value[lo:lo + t.rows]).detach()
+                whole = spec.whole or (lo == 0 and t.rows == value.shape[0])  # (a slice costs host time)
+                piece = (value if whole else value[lo:lo + t.rows]).detach()
                 with record_function(f"send {t.kind} {t.micro_batch} to {t.dst}") if self.ranges else NO_RANGE:
                     self.p2p.send(t, self._checked(piece, spec, t))
             else:
