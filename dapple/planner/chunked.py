@@ -109,12 +109,59 @@ def chunked_trials(profile: "Profile", cluster: "Cluster", p: Plan, schedules: S
                 rec["refused"] = why
                 continue
             try:
-                rec["simulated_ms"] = round(simulate(q, profile, cluster, overlap=overlap).latency_ms, 6)
+                ms = simulate(q, profile, cluster, overlap=overlap).latency_ms
             except Deadlock as e:  # an order that cannot run (its runtime would wait forever too)
                 rec["refused"] = str(e)
                 continue
+            q, ms, rec["moves"] = moved_cuts(q, ms, lambda x: _simulated(x, profile, cluster, cm, overlap))
+            rec["simulated_ms"] = round(ms, 6)
             plans[len(records) - 1] = q
     return records, plans
+
+
+def moved_cuts(q: Plan, ms: float, judge: Callable[[Plan], float | None],
+               budget: int | None = None) -> tuple[Plan, float, int]:
+    """``q`` (simulated at ``ms``) with its chunk cuts moved one layer at a time while the simulator (``judge``: ms,
+    or None for a plan that does not fit or run) says faster, at most ``budget`` (SearchTuning.chunk_moves)
+    simulations: the balanced cuts weigh compute and transfers, not a replicated chunk's AllReduce or the
+    schedule's order. Returns (the plan, its ms, the moves taken)."""
+    budget = tuning.TUNING.chunk_moves if budget is None else budget
+    tried, moves, better = 0, 0, True
+    while better and tried < budget:
+        better = False
+        for k in range(len(q.stages) - 1):  # the cut between chunk k and k + 1 (pipeline order)
+            for step in (-1, 1):
+                cand = _shifted(q, k, step)
+                if cand is None or tried >= budget:
+                    continue
+                tried += 1
+                got = judge(cand)
+                if got is not None and got < ms * (1 - tuning.TUNING.tie):
+                    q, ms, moves, better = cand, got, moves + 1, True
+    return q, ms, moves
+
+
+def _shifted(q: Plan, k: int, step: int) -> Plan | None:
+    """``q`` with the cut after chunk ``k`` moved ``step`` layers (None where a chunk would be left empty)."""
+    (a, c), (_, e) = q.stages[k].layers, q.stages[k + 1].layers
+    cut = c + step
+    if not a < cut < e:
+        return None
+    spans = [s.layers for s in q.stages]
+    spans[k], spans[k + 1] = (a, cut), (cut, e)
+    stages = [Stage(span, list(s.devices), None, s.recompute) for span, s in zip(spans, q.stages)]  # K_i anew
+    return Plan(q.global_batch_size, q.micro_batch_size, stages, schedule=q.schedule, warmup_policy=q.warmup_policy,
+                layer_names=q.layer_names, mixed_precision=q.mixed_precision, shard_optimizer=q.shard_optimizer)
+
+
+def _simulated(q: Plan, profile: "Profile", cluster: "Cluster", cm: CostModel, overlap: bool) -> float | None:
+    """``q``'s simulated ms, or None where it does not fit in memory or cannot run."""
+    if chunked_unfit(cm, q.stages, q.num_micro_batches, q.schedule, cluster.device_memory):
+        return None
+    try:
+        return simulate(q, profile, cluster, overlap=overlap).latency_ms
+    except Deadlock:
+        return None
 
 
 def _refused(num_layers: int, groups: int, work: int) -> str:

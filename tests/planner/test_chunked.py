@@ -142,3 +142,30 @@ def test_a_variant_whose_order_deadlocks_is_refused(monkeypatch):
     one = Plan(32, 4, [dapple.planner.Stage((2 * i, 2 * i + 2), [i]) for i in range(4)])
     records, plans = chunked_trials(PROF, C, one, CHUNKED_SCHEDULES, overlap=True, optimizer_factor=4.0)
     assert not plans and all(r["refused"].startswith("schedule deadlocks") for r in records)
+
+
+def test_moved_cuts_follow_the_simulator_within_the_budget():
+    """The local search over chunk cuts takes a move only where the judge says faster, and stops at its budget."""
+    q = variant(PROF, C, dapple.plan(PROF, C, 32, 4, verify=0), [[0, 1], [2, 3]], "interleaved-1f1b")
+    start = [s.layers for s in q.stages]
+    target = [(0, 1), (1, 3), (3, 6), (6, 8)]
+
+    def judge(p):  # a made-up cost: the distance of the cuts from the target's (None: 'does not fit')
+        cuts = [s.layers for s in p.stages]
+        return None if cuts[0] == (0, 2) and cuts != start else 100.0 + sum(
+            abs(a - b) for (a, _), (b, _) in zip(cuts, target))
+    got, ms, moves = chunked.moved_cuts(q, judge(q), judge, budget=200)
+    assert [s.layers for s in got.stages] == target and ms == 100.0 and moves == judge(q) - 100.0
+    assert all(s.warmup is not None for s in got.stages) and got.schedule == "interleaved-1f1b"
+    same, ms0, none = chunked.moved_cuts(q, judge(q), judge, budget=0)
+    assert same is q and none == 0 and ms0 == judge(q)
+    slower, _, _ = chunked.moved_cuts(q, judge(q), lambda p: 1e9, budget=200)  # nothing faster: nothing moves
+    assert [s.layers for s in slower.stages] == start
+
+
+def test_trials_record_the_moves_their_cuts_took():
+    p = dapple.plan(PROF, C, 32, 4, verify=0)
+    records, plans = chunked_trials(PROF, C, p, CHUNKED_SCHEDULES, overlap=True, optimizer_factor=4.0)
+    for i, q in plans.items():
+        assert records[i]["moves"] >= 0
+        assert records[i]["simulated_ms"] == pytest.approx(simulate(q, PROF, C, overlap=True).latency_ms, abs=1e-6)
