@@ -67,9 +67,14 @@ def main() -> None:
     print("the search's plan, one stage per device group: " + ", ".join(f"{k} {v:.2f} ms" for k, v in own.items()))
     for t in choice.get("chunked", []):
         print(f"  two chunks, {t['schedule']} on {t['layout']}: "
-              + (f"{t['simulated_ms']:.2f} ms" if "simulated_ms" in t else f"not tried: {t['refused']}"))
+              + (f"{t['simulated_ms']:.2f} ms" if "simulated_ms" in t else f"not tried: {t['refused']}")
+              + (f" ({t['moves']} cut moves)" if "moves" in t else ""))
     print(f"dapple.plan(schedule='auto'): {p.schedule}, "
           f"{[(s.layers, s.devices) for s in p.stages]}, {chunked_ms:.2f} ms")
+    v = dapple.plan(prof, cluster, g, b, schedule="zb-v", workers=1)  # by name: its fastest variant, cuts moved
+    moves = [t.get("moves") for t in v.meta["schedule_choice"]["chunked"] if "moves" in t]
+    print(f"dapple.plan(schedule='zb-v'): {simulate(v, prof, cluster).latency_ms:.2f} ms ({moves[0]} cut moves), "
+          f"{[(s.layers, s.devices) for s in v.stages]}")
     replicated = p.chunks.chunks > 1 and any(s.replicas > 1 for s in p.stages)
     print(f"replicated chunk: {'yes' if replicated else 'no'}; simulated gain over one stage per rank: "
           f"{base_ms / chunked_ms:.3f}x" + (f", over the search's plan: {min(own.values()) / chunked_ms:.3f}x"

@@ -109,12 +109,10 @@ def chunked_trials(profile: "Profile", cluster: "Cluster", p: Plan, schedules: S
                 rec["refused"] = why
                 continue
             try:
-                ms = simulate(q, profile, cluster, overlap=overlap).latency_ms
+                rec["simulated_ms"] = round(simulate(q, profile, cluster, overlap=overlap).latency_ms, 6)
             except Deadlock as e:  # an order that cannot run (its runtime would wait forever too)
                 rec["refused"] = str(e)
                 continue
-            q, ms, rec["moves"] = moved_cuts(q, ms, lambda x: _simulated(x, profile, cluster, cm, overlap))
-            rec["simulated_ms"] = round(ms, 6)
             plans[len(records) - 1] = q
     return records, plans
 
@@ -164,6 +162,23 @@ def _simulated(q: Plan, profile: "Profile", cluster: "Cluster", cm: CostModel, o
         return None
 
 
+def _move_the_closest(trials: list[dict], plans: dict[int, Plan], base: float | None, args: dict,
+                      overlap: bool) -> None:
+    """The fastest variant, where within SearchTuning.verify_within of ``base`` (the plan of one stage per group;
+    None: any), with its cuts moved (:func:`moved_cuts`); its record gains ``moves``."""
+    if not plans:
+        return
+    k = min(plans, key=lambda i: trials[i]["simulated_ms"])
+    ms = trials[k]["simulated_ms"]
+    if base is not None and ms > base * (1 + tuning.TUNING.verify_within):
+        return
+    profile, cluster, q = args["profile"], args["cluster"], plans[k]
+    cm = CostModel(profile, cluster, q.micro_batch_size, optimizer_factor=args["optimizer_factor"],
+                   mixed_precision=q.mixed_precision, shard_optimizer=q.shard_optimizer)
+    plans[k], ms, trials[k]["moves"] = moved_cuts(q, ms, lambda x: _simulated(x, profile, cluster, cm, overlap))
+    trials[k]["simulated_ms"] = round(ms, 6)
+
+
 def _refused(num_layers: int, groups: int, work: int) -> str:
     """Why a layout of ``groups`` device groups is not tried ("" where it is); ``work``: devices x micro-batches."""
     if groups < 2:
@@ -199,6 +214,7 @@ def settle_chunks(p: Plan, args: dict, schedules: tuple[str, ...], named: bool) 
     base = None if named else record.get("simulated_ms", {}).get(p.schedule)
     if base is None and not named:
         base = simulate(p, profile, cluster, overlap=overlap).latency_ms
+    _move_the_closest(trials, plans, base, args, overlap)
     best = None
     for k in sorted(plans):
         if faster(trials[k]["simulated_ms"], base):

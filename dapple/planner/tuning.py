@@ -33,7 +33,7 @@ class SearchTuning:
     # the final choice (judge.py)
     verify_within: float = 0.1  # candidates modelled more than this fraction above the DP's plan are not simulated
     simulate_limit: int = 50_000  # devices x micro-batches above which plan() does not simulate its candidates
-    chunk_moves: int = 32  # simulations a two-chunk variant's local search of its cuts may run (0: none)
+    chunk_moves: int = 16  # simulations the fastest two-chunk variant's local search of its cuts may run (0: none)
     tie: float = 1e-3  # a later candidate or schedule must simulate this fraction faster to be taken
     chunked_variants: bool = True  # schedule="auto" (refined model): also the plan's two-chunk variants (chunked.py)
     # worker processes (workers.py)

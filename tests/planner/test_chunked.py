@@ -163,9 +163,9 @@ def test_moved_cuts_follow_the_simulator_within_the_budget():
     assert [s.layers for s in slower.stages] == start
 
 
-def test_trials_record_the_moves_their_cuts_took():
-    p = dapple.plan(PROF, C, 32, 4, verify=0)
-    records, plans = chunked_trials(PROF, C, p, CHUNKED_SCHEDULES, overlap=True, optimizer_factor=4.0)
-    for i, q in plans.items():
-        assert records[i]["moves"] >= 0
-        assert records[i]["simulated_ms"] == pytest.approx(simulate(q, PROF, C, overlap=True).latency_ms, abs=1e-6)
+def test_the_fastest_variant_has_its_cuts_moved_and_says_how_many():
+    p = dapple.plan(PROF, C, 32, 4, schedule="auto", verify=0)
+    trials = p.meta["schedule_choice"]["chunked"]
+    moved = [t for t in trials if "moves" in t]
+    assert len(moved) == 1 and moved[0]["moves"] >= 0
+    assert moved[0]["simulated_ms"] == min(t["simulated_ms"] for t in trials if "simulated_ms" in t)
