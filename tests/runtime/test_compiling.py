@@ -1,5 +1,6 @@
-"""torch.compile of each stage on 2 processes: the same losses and gradients as eager (float64), recompiling for a
-new shape and a train/eval switch as torch.compile does, and zb-h1 refused with the reason."""
+"""torch.compile of each stage on 2 processes: the same losses and gradients as eager (float64, also recomputing layer
+by layer and selectively), recompiling for a new shape and a train/eval switch as torch.compile does, and zb-h1
+refused with the reason."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def case_compile() -> dict[str, Any]:
     out["loss"] = max(abs(a - b) for a, b in zip(loss0, loss1))
     out["grads"] = max(float((grads0[n] - grads1[n]).abs().max()) for n in grads0)
     out["kind"], out["compiled"] = kind, compiled
+    out["recomputed"] = _recomputed_compiled()
     try:
         model = _gpt(torch.float64)
         dapple.pipeline(model, _plan(model, STAGES, 8, 4, schedule="zb-h1"), lm_loss, timeout=60, compile=True)
@@ -52,6 +54,21 @@ def case_compile() -> dict[str, Any]:
     except ValueError as e:
         out["zb"] = str(e)
     return out
+
+
+def _recomputed_compiled() -> dict[str, float]:
+    """A step with stage 0 recomputing layer by layer and stage 1 selectively, compiled (aot_eager) and eager: the
+    largest loss and gradient differences (float64)."""
+    got = []
+    for option in (False, {"backend": "aot_eager"}):
+        model = _gpt(torch.float64)
+        pipe = dapple.pipeline(model, _plan(model, STAGES, 8, 4), lm_loss, timeout=60, compile=option,
+                               recompute=["layers", "selective"])
+        x, y = dapple.models.random_tokens(8, 8, 32, generator=torch.Generator().manual_seed(3))
+        got.append((pipe.train_step(x, y), {n: p.grad.clone() for n, p in pipe.named_parameters()
+                                            if p.grad is not None}))
+    (l0, g0), (l1, g1) = got
+    return {"loss": abs(l0 - l1), "grads": max(float((g0[n] - g1[n]).abs().max()) for n in g0)}
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +94,9 @@ def test_compile_options_are_checked_before_any_work():
         stage_compiler("max-autotune", "dapple", [False])
     with pytest.raises(ValueError, match="schedule 'zb-h1' splits each backward"):
         stage_compiler({"backend": "aot_eager"}, "zb-h1", [True, False])
+
+
+@pytest.mark.slow
+def test_compiled_stages_recompute_layer_by_layer_and_selectively_as_eager(results):
+    for rank, res in enumerate(r["recomputed"] for r in results):
+        assert res["loss"] < 1e-12 and res["grads"] < 1e-12, (rank, res)
