@@ -283,28 +283,24 @@ def time_rounds(groups: list[list[LayerTimer]], warmup: int, repeats: int, bar: 
 def time_weight_shares(groups: list[list[LayerTimer]], runs: int) -> None:
     """After the rounds: ``runs`` split backward runs of every layer at every batch size (``LayerTimer.split_run``),
     for each layer's weight-gradient share of its backward."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(runs):
-            for timers in groups:
-                for t in timers:
-                    t.split_run()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    _each_run(groups, runs, LayerTimer.split_run)
 
 
 def time_selective(groups: list[list[LayerTimer]], runs: int) -> None:
     """After the rounds: ``runs`` pairs of plain and selectively checkpointed runs of every layer at every batch size
     (``LayerTimer.selective_run``), for what selective recomputation adds to each layer's backward."""
+    _each_run(groups, runs, LayerTimer.selective_run)
+
+
+def _each_run(groups: list[list[LayerTimer]], runs: int, run: Callable[[LayerTimer], None]) -> None:
+    """``run`` every timer of ``groups`` ``runs`` times, round by round, with the garbage collector paused."""
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         for _ in range(runs):
             for timers in groups:
                 for t in timers:
-                    t.selective_run()
+                    run(t)
     finally:
         if gc_was_enabled:
             gc.enable()
