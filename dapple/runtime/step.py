@@ -99,7 +99,7 @@ class StepRunner:
         self.settled = True
         self._programs: dict[tuple, Program] = {}
         self._wires: dict[tuple[int, InputKey], list[Spec | None]] = {}  # per program and input shapes
-        self.ranges = False  # open record_function ranges (only under a profiler: each costs ~20 us of host time)
+        self.ranges = False  # open record_function ranges: only under a profiler (each costs host time)
 
     @property
     def step(self) -> int:
@@ -235,6 +235,7 @@ class StepRunner:
         reduced = torch.zeros(self.stats_length, dtype=torch.float64, device=self.ctx.device)  # as in a step
         kept: list[tuple[range, Any]] = []
         self.p2p.rec = self.reducer.rec = None
+        self.ranges = torch.autograd._profiler_enabled()
         with torch.no_grad():
             self._play(Pass(program, key, layout, xs, ys, reduced[0], None, True, kept if outputs else None))
             self.p2p.finish()
@@ -250,13 +251,6 @@ class StepRunner:
         self.settled = True
         return float(reduced[0]), kept
 
-    def _fill(self, reduced: torch.Tensor, overflow: bool) -> None:
-        """The step's checks (loss flags, gradient overflow) and BatchNorm sums into their slots of ``reduced``."""
-        reduced[-CHECKS:] = torch.tensor([*self.state.flags, float(overflow)], dtype=torch.float64)
-        for c in self.chunks.values():
-            if c.stats.layers:
-                reduced[c.stats.slot] = gather_sums(c.stats.layers, f"{self.who}, step {self.step}")
-
     def _reduce(self, reduced: torch.Tensor, params: list[nn.Parameter], rec: Recorder | None) -> None:
         """End of the step: wait for the sends, sum the gradients, then AllReduce ``reduced`` over all ranks."""
         start = rec.clock() if rec is not None else 0.0
@@ -267,7 +261,11 @@ class StepRunner:
         with record_function("AllReduce") if self.ranges else NO_RANGE:
             self.reducer.finish(self.timeout, self.who, moment)
         start = rec.clock() if rec is not None else 0.0
-        self._fill(reduced, self.state.scaler.enabled and overflowed(params))
+        overflow = self.state.scaler.enabled and overflowed(params)
+        reduced[-CHECKS:] = torch.tensor([*self.state.flags, float(overflow)], dtype=torch.float64)
+        for c in self.chunks.values():
+            if c.stats.layers:
+                reduced[c.stats.slot] = gather_sums(c.stats.layers, f"{self.who}, {moment}")
         with record_function("loss AllReduce") if self.ranges else NO_RANGE:
             reduce_small(reduced, "sum", self.timeout, self.who, f"{moment}: loss AllReduce over all ranks",
                          self.everyone)
