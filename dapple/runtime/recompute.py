@@ -11,7 +11,7 @@ from torch import nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-from ..core.plan import RECOMPUTE, Recompute
+from ..core.plan import RECOMPUTE, Recompute, recompute_value
 from ..core.selective import selective_contexts
 from .stages import modified_in_place
 
@@ -26,17 +26,13 @@ def recomputing(plan: Any, recompute: Any) -> list[Recompute]:
     """
     if recompute is None:
         return [s.recompute for s in plan.stages]
-    if _mode(recompute):
+    if recompute_value(recompute):
         return [recompute] * plan.num_stages
     flags = list(recompute) if isinstance(recompute, Sequence) and not isinstance(recompute, str) else None
-    if flags is None or len(flags) != plan.num_stages or not all(_mode(f) for f in flags):
+    if flags is None or len(flags) != plan.num_stages or not all(recompute_value(f) for f in flags):
         raise ValueError(f"recompute: expected None (the plan's), one of {RECOMPUTE} or one of them per stage "
                          f"({plan.num_stages}), got {recompute!r}")
     return flags
-
-
-def _mode(value: Any) -> bool:
-    return value is True or value is False or (isinstance(value, str) and value in RECOMPUTE)
 
 
 def check_recomputable(module: nn.Module, stage: int) -> None:
