@@ -107,7 +107,7 @@ def _modelled(args: argparse.Namespace, modes: list[str], m: int) -> None:
     torch.manual_seed(0)
     model, cuts, loss_fn, x, y = (_mlp if args.model == "mlp" else _gpt)(args, args.micro_batch)
     prof = dapple.profile(model, (x,), targets=(y,), loss_fn=loss_fn, batch_sizes=[args.micro_batch], repeats=3,
-                          progress=False)
+                          progress=False, selective="selective" in modes)
     cluster = dapple.Cluster(1, args.stages, 1e10, 1e10, 0.0, 0.0, 1e12)
     stages = [Stage((cuts[s], cuts[s + 1]), [s]) for s in range(args.stages)]
     plan = dapple.Plan(global_batch_size=args.micro_batch * m, micro_batch_size=args.micro_batch, stages=stages,

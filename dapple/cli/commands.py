@@ -34,6 +34,8 @@ def _add_profile(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before profiling")
     p.add_argument("--quiet", action="store_true", help="do not print the profile")
+    p.add_argument("--selective", action="store_true",
+                   help="also measure selective recomputation (for dapple plan --recompute selective)")
     p.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
                    help="tracer: torch.fx, torch.export, or auto (fx, export where fx fails; default)")
     p.add_argument("--layers", nargs="+", default=None, metavar="PATH",
@@ -53,7 +55,7 @@ def _run_profile(args: argparse.Namespace) -> int:
                    device=args.device, concrete_args=getattr(ex, "concrete_args", None),
                    leaf_modules=getattr(ex, "leaf_modules", ()) or (), name=getattr(ex, "name", None) or None,
                    tracer=args.tracer, dynamic_shapes=getattr(ex, "dynamic_shapes", None),
-                   layers=args.layers or getattr(ex, "layers", None))
+                   layers=args.layers or getattr(ex, "layers", None), selective=args.selective)
     if not args.quiet:
         print(prof)
     if args.output:
@@ -90,9 +92,9 @@ def _add_plan(sub: "argparse._SubParsersAction") -> None:
                         "compact search and for a full search whose seeds took 0.1 s, Linux only)")
     p.add_argument("--recompute", choices=tuple(RECOMPUTE), default="off",
                    help="activation recomputation: off; on (every stage, whole), layers (every stage, layer by "
-                        "layer), selective (every stage, matmuls kept: a profile that measured it); or auto (whole "
-                        "stages, only where memory binds: where a stage's K_i would have to drop without it, if "
-                        "that is faster)")
+                        "layer), selective (every stage, matmuls kept: a profile made with --selective); or auto "
+                        "(whole stages, only where memory binds: where a stage's K_i would have to drop without it, "
+                        "if that is faster)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default=None,
                    help="plan for a job run under autocast in this dtype (activations take half the bytes); the "
                         "plan records it and dapple.pipeline runs it so")

@@ -181,7 +181,8 @@ class Profile:
                        layer.selective_ms is None]
             raise ValueError(f"recompute='selective': the profile of {self.model!r} has no selective recomputation "
                              f"measurements (selective_bytes, selective_ms) for layers {missing[:4]}"
-                             f"{' ...' if len(missing) > 4 else ''}; profile the model again with dapple.profile")
+                             f"{' ...' if len(missing) > 4 else ''}; profile the model again with "
+                             f"dapple.profile(..., selective=True) (dapple profile --selective)")
         xs = self.batch_sizes
         return ([interpolate(xs, layer.selective_bytes or [], batch) for layer in self.layers],
                 [interpolate(xs, layer.selective_ms or [], batch) for layer in self.layers])

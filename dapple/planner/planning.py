@@ -107,8 +107,8 @@ def plan(profile: "Profile", cluster: "Cluster", global_batch_size: int, micro_b
             (SearchTuning.worker_stuck) makes plan() raise RuntimeError.
         recompute: activation recomputation: False; in every stage, True (its whole forward again in the
             backward), "layers" (layer by layer: more kept per micro-batch, less at once) or "selective" (the
-            outputs of matmuls, convolutions and attention kept: a profile that measured it); or "auto": the whole
-            stage, only where memory binds and it is faster (docs/planner.md).
+            outputs of matmuls, convolutions and attention kept: a profile made with selective=True); or "auto":
+            the whole stage, only where memory binds and it is faster (docs/planner.md).
         mixed_precision: "bf16"/"fp16": activations take half the bytes (docs/planner.md); None: full precision.
         shard_optimizer: each stage's optimizer state is sharded over its replicas (ZeRO-1: train with
             :func:`dapple.shard_optimizer`): a stage on r replicas holds 2 + (``optimizer_factor`` - 2) / r bytes per

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.checks import is_int
+from ..core.checks import flag, is_int
 from ..core.meta import InitFn, check_init_fn, is_meta_model
 from ..core.profile import LayerProfile, Profile
 from .batch import Batch, as_tensors, check_batch_sizes, common_batch_size, resize, to_model
@@ -38,7 +38,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
             concrete_args: dict[str, Any] | None = None, leaf_modules: LeafSpec = (), name: str | None = None,
             progress: bool | None = None, check_step: bool = False, tracer: str = "auto",
             dynamic_shapes: Any = None, layers: Sequence[str] | None = None,
-            init_fn: InitFn | None = None) -> Profile:
+            init_fn: InitFn | None = None, selective: bool = False) -> Profile:
     """Measure every layer of ``model`` (forward/backward ms, boundary/saved/param bytes) at each batch size.
 
     Layers are timed on their own, from inputs recorded in one run of the whole model per batch size, in rounds
@@ -70,6 +70,10 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         leaf_modules: module classes or qualified names torch.fx keeps as opaque calls.
         name: the profile's model name (default: the model's class name).
         progress: a progress bar over layers (None: only when stderr is a terminal).
+        selective: also measure what selective recomputation keeps and adds per layer (``selective_bytes``,
+            ``selective_ms``: what ``dapple.plan(..., recompute="selective")`` prices): a forward per layer and
+            batch size, and after the rounds as many plain and selectively checkpointed runs as the weight
+            shares' (profiling takes about a third longer).
         check_step: also time whole-model steps in the same rounds, into ``meta["step_ms"]``,
             ``meta["layers_over_step"]`` (the layers' forward + backward summed, over a whole step; 1.0 when they
             add up exactly) and ``meta["stage_over_step"]`` (the same for what the cost model charges the model
@@ -90,6 +94,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         rounds: what each layer's times include for being called at all, which a stage pays once.
     """
     _check_options(model, loss_fn, targets, repeats, warmup, check_step, init_fn)
+    flag("selective", selective, "measure selective recomputation")
     on_meta = is_meta_model(model)
     by_name = keyword_tensors(example_inputs, "example_inputs")  # inputs by keyword: in the traced order below
     inputs = as_tensors(example_inputs, "example_inputs") if by_name is None else ()
@@ -111,7 +116,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
                desc=f"profiling {name or type(model).__name__}",
                disable=not (sys.stderr.isatty() if progress is None else progress))
     try:
-        job = _Job(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, bar)
+        job = _Job(model, lg, inputs, target_list, sizes, loss_fn, dev, dtype, warmup, repeats, bar, selective)
         runs = _measure_meta(job, init_fn) if on_meta else _measure(job, check_step)
     finally:
         bar.close()
@@ -126,7 +131,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     if on_meta:  # which layers took an identical earlier layer's times
         meta.update(materialised="one layer at a time", reused=runs.reused)
     prof = Profile(model=name or type(model).__name__, device=str(dev), batch_sizes=sizes,
-                   layers=_layer_profiles(lg, runs, uncut), meta=meta, call_ms=call_ms)
+                   layers=_layer_profiles(lg, runs, uncut, selective), meta=meta, call_ms=call_ms)
     if check_step:  # the yardstick: a whole-model step, timed in the same rounds as the layers
         meta.update(_step_ratios(prof, runs.steps))
     return prof
@@ -193,6 +198,7 @@ class _Job:
     warmup: int
     repeats: int
     bar: Any  # tqdm
+    selective: bool = False  # also measure selective recomputation
 
 
 def _measure(job: _Job, check_step: bool) -> Measured:
@@ -212,7 +218,8 @@ def _measure(job: _Job, check_step: bool) -> Measured:
             values = record_inputs(lg, layers, x)
             out.boundary.append([sum(tensor_bytes(values[n]) for n in lg.crossing(k)) for k in range(lg.num_layers)])
             out.crossing.append(crossing_shapes(lg, values))
-            timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev) for lm in layers]
+            timers = [LayerTimer(lm, values, loss_fn=loss_fn, targets=ys, state=state, device=dev,
+                                 selective=job.selective) for lm in layers]
             out.layers.append([t.measure_sizes() for t in timers])
             out.calls.append(call_timer(dev, dtype, state))
             bar.update(len(timers) + 1)
@@ -223,7 +230,8 @@ def _measure(job: _Job, check_step: bool) -> Measured:
         out.steps.extend(time_rounds(groups, warmup, repeats, bar, wholes=wholes if check_step else None,
                                      device=dev))
         time_weight_shares(layer_timers, WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats)
-        time_selective(layer_timers, WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats)
+        if job.selective:
+            time_selective(layer_timers, WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats)
         del groups, wholes, layer_timers
     return out
 
@@ -237,12 +245,12 @@ def _measure_meta(job: _Job, init_fn: InitFn | None) -> Measured:
         ys = [tuple(to_model(resize(t, b), dev, dtype) for t in job.targets) for b in job.sizes]
         return measure_meta(job.model, job.lg, xs, ys, loss_fn=job.loss_fn, dev=dev, dtype=dtype, warmup=job.warmup,
                             repeats=repeats, weight_runs=WEIGHT_RUNS if repeats >= WEIGHT_RUNS else repeats,
-                            init_fn=init_fn, bar=job.bar)
+                            init_fn=init_fn, bar=job.bar, selective=job.selective)
 
 
-def _layer_profiles(lg: LayerGraph, runs: Measured, uncut: list[str | None]) -> list[LayerProfile]:
-    """One LayerProfile per layer: its medians, bytes and inputs at every batch size, and whether a plan may cut
-    after it (``uncut``: why not, or None)."""
+def _layer_profiles(lg: LayerGraph, runs: Measured, uncut: list[str | None], selective: bool) -> list[LayerProfile]:
+    """One LayerProfile per layer: its medians, bytes and inputs at every batch size, whether a plan may cut after
+    it (``uncut``: why not, or None), and with ``selective`` what selective recomputation keeps and adds."""
     saved = [_saved_once(lg, measured) for measured in runs.layers]
     params = lg.params_by_layer()
     return [LayerProfile(name=layer_name,
@@ -252,8 +260,8 @@ def _layer_profiles(lg: LayerGraph, runs: Measured, uncut: list[str | None]) -> 
                          param_bytes=sum(p.numel() * p.element_size() for _, p in params[k]),
                          inputs=lg.layer_inputs(k),
                          weight_ms=[round(m[k].backward_ms * m[k].weight_share, 6) for m in runs.layers],
-                         selective_bytes=[m[k].kept_bytes for m in runs.layers],
-                         selective_ms=[round(m[k].selective_ms, 6) for m in runs.layers],
+                         selective_bytes=[m[k].kept_bytes for m in runs.layers] if selective else None,
+                         selective_ms=[round(m[k].selective_ms, 6) for m in runs.layers] if selective else None,
                          cuttable=uncut[k] is None)
             for k, layer_name in enumerate(lg.names)]
 

@@ -81,8 +81,9 @@ class LayerTimer:
     """
 
     def __init__(self, lm: LayerModule, values: dict[fx.Node, Any], *, loss_fn: Callable | None, targets: Any,
-                 state: set[int], device: torch.device):
+                 state: set[int], device: torch.device, selective: bool = False):
         self.lm, self.values, self.targets, self.state = lm, values, targets, state
+        self.selective = selective  # measure_sizes also measures what selective recomputation keeps
         self.loss_fn = loss_fn if lm.is_last else None
         self.sync, self.device = synchronizer(device), device
         self.grads: list[Tensor] | None = None
@@ -113,9 +114,10 @@ class LayerTimer:
         self.grads = [torch.ones_like(t) for t in roots]  # d(output); a loss's own gradient is 1
         if roots:
             torch.autograd.backward(roots, self.grads)
-        with KeptBytes(exclude=self.state) as kept:  # selective recomputation: what it would keep
-            self._forward(self._args())
-        m.kept_bytes = kept.total
+        if self.selective:
+            with KeptBytes(exclude=self.state) as kept:  # selective recomputation: what it would keep
+                self._forward(self._args())
+            m.kept_bytes = kept.total
         self.result = m
         return m
 

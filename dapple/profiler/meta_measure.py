@@ -65,7 +65,7 @@ def structure(lm: LayerModule, name: str, values: list[dict[fx.Node, Any]]) -> t
 
 def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ...]], targets: list[tuple], *,
                  loss_fn: Callable | None, dev: torch.device, dtype: torch.dtype, warmup: int, repeats: int,
-                 weight_runs: int, init_fn: InitFn | None, bar: Any) -> Measured:
+                 weight_runs: int, init_fn: InitFn | None, bar: Any, selective: bool = False) -> Measured:
     """Profile every layer of meta-device ``model`` (traced as ``lg``) at each batch size's ``inputs`` and
     ``targets`` (on ``dev``), one layer on the device at a time.
 
@@ -85,8 +85,8 @@ def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ..
         done, moved = _make_real(model, lm, holders, dev, init, lg.names[k])
         try:
             key = structure(lm, lg.names[k], values)
-            timers = [LayerTimer(lm, v, loss_fn=loss_fn, targets=ys, state=state_storages([lm.gm]), device=dev)
-                      for v, ys in zip(values, targets)]
+            timers = [LayerTimer(lm, v, loss_fn=loss_fn, targets=ys, state=state_storages([lm.gm]), device=dev,
+                                 selective=selective) for v, ys in zip(values, targets)]
             measured = [t.measure_sizes() for t in timers]
             if key in timed:  # a repeated block: the first one's times
                 reused[lg.names[k]], first = timed[key]
@@ -96,7 +96,8 @@ def measure_meta(model: nn.Module, lg: LayerGraph, inputs: list[tuple[Tensor, ..
                 timed[key] = (lg.names[k], measured)
                 time_rounds([[t, c] for t, c in zip(timers, calls)], warmup, repeats, bar, wholes=None, device=dev)
                 time_weight_shares([[t] for t in timers], weight_runs)
-                time_selective([[t] for t in timers], weight_runs)
+                if selective:
+                    time_selective([[t] for t in timers], weight_runs)
             for b, (v, m) in enumerate(zip(values, measured)):
                 out.layers[b].append(m)
                 if not lm.is_last:

@@ -153,9 +153,7 @@ def test_timed_rounds_interleave_batch_sizes():
     m = RowLog()
     dapple.profile(nn.Sequential(m, nn.Tanh()), torch.randn(4, 4), batch_sizes=(1, 2, 4), repeats=6, warmup=1,
                    progress=False, leaf_modules=(RowLog,))
-    # the timed runs (6 rounds x 3 batch sizes), then per batch size WEIGHT_RUNS split runs (a forward each) and
-    # as many selective ones (a plain forward, a checkpointed one, its recomputation)
-    after = 3 * WEIGHT_RUNS * (1 + 3)
+    after = 3 * WEIGHT_RUNS  # the timed runs (6 rounds x 3 batch sizes), then WEIGHT_RUNS split runs per size
     timed = m.rows[-3 * 6 - after:-after]
     assert sorted(timed) == sorted([1, 2, 4] * 6)
     longest = max(len(list(g)) for _, g in itertools.groupby(timed))
@@ -372,10 +370,16 @@ def test_the_weight_gradient_part_of_each_backward_is_measured():
 def test_the_profile_measures_what_selective_recomputation_keeps_and_costs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    prof = dapple.profile(model, torch.randn(6, 8), batch_sizes=(2, 6), repeats=3, warmup=1, progress=False)
+    prof = dapple.profile(model, torch.randn(6, 8), batch_sizes=(2, 6), repeats=3, warmup=1, progress=False,
+                          selective=True)
     assert prof.selective
     lin, tanh, head = prof.layers
     assert lin.selective_bytes == [2 * 16 * 4, 6 * 16 * 4]  # the addmm's output, fp32
     assert tanh.selective_bytes == [0, 0]  # nothing kept: the tanh runs again
     assert head.selective_bytes == [2 * 4 * 4, 6 * 4 * 4]
     assert all(ms >= 0 for layer in prof.layers for ms in layer.selective_ms)
+    plain = dapple.profile(model, torch.randn(6, 8), batch_sizes=(2, 6), repeats=3, warmup=1, progress=False)
+    assert not plain.selective and plain.layers[0].selective_bytes is None  # measured only when asked: it costs
+    with pytest.raises(TypeError, match=r"selective: expected True or False \(measure selective recomputation\), "
+                                         r"got 'yes'"):
+        dapple.profile(model, torch.randn(6, 8), selective="yes")

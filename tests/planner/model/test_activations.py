@@ -186,5 +186,6 @@ def test_selective_recomputation_is_priced_from_what_the_profile_measured():
 def test_selective_recomputation_needs_a_profile_that_measured_it():
     with pytest.raises(ValueError, match=r"recompute='selective': the profile of 'linear' has no selective "
                                          r"recomputation measurements \(selective_bytes, selective_ms\) for layers "
-                                         r"\['layer0', 'layer1', 'layer2', 'layer3'\]; profile the model again"):
+                                         r"\['layer0', 'layer1', 'layer2', 'layer3'\]; profile the model again with "
+                                         r"dapple.profile\(..., selective=True\) \(dapple profile --selective\)"):
         CostModel(PROF, cluster(1, 2), 8, recompute="selective")
