@@ -71,9 +71,7 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
         name: the profile's model name (default: the model's class name).
         progress: a progress bar over layers (None: only when stderr is a terminal).
         selective: also measure what selective recomputation keeps and adds per layer (``selective_bytes``,
-            ``selective_ms``: what ``dapple.plan(..., recompute="selective")`` prices): a forward per layer and
-            batch size, and after the rounds as many plain and selectively checkpointed runs as the weight
-            shares' (profiling takes about a third longer).
+            ``selective_ms``, which ``recompute="selective"`` is priced from; profiling takes about a third longer).
         check_step: also time whole-model steps in the same rounds, into ``meta["step_ms"]``,
             ``meta["layers_over_step"]`` (the layers' forward + backward summed, over a whole step; 1.0 when they
             add up exactly) and ``meta["stage_over_step"]`` (the same for what the cost model charges the model
