@@ -42,13 +42,12 @@ def profile(model: nn.Module, example_inputs: Batch, loss_fn: Callable[[Any, Any
     """Measure every layer of ``model`` (forward/backward ms, boundary/saved/param bytes) at each batch size.
 
     Layers are timed on their own, from inputs recorded in one run of the whole model per batch size, in rounds
-    that run every layer at every batch size (so a burst of load spreads over all of them); times are medians.
-    The model is profiled in training mode in its own dtype; its device, flags, buffers (BatchNorm statistics),
-    gradients and the RNG are left as they were.
+    that run every layer at every batch size (a burst of load spreads over all of them); times are medians. The
+    model is profiled in training mode in its own dtype; its device, flags, buffers, gradients and RNG are kept.
 
-    A model on the meta device (``with torch.device("meta"):``) is profiled one layer at a time, each made real on
-    ``device`` (``init_fn``), run on the real outputs of the layers before it, timed and freed; a layer identical
-    to an earlier one (a repeated block) takes its times (``meta["reused"]``). Sizes are the real model's.
+    A model on the meta device is profiled one layer at a time, each made real on ``device`` (``init_fn``), run on
+    the real outputs of the layers before it, timed and freed; a repeated block takes its first copy's times
+    (``meta["reused"]``). Sizes are the real model's.
 
     Args:
         model: the module to profile.
