@@ -82,9 +82,7 @@ def layered_module(module: fx.GraphModule, layer_of: dict[str, int]) -> fx.Graph
     graph = split.graph
     for n in list(graph.nodes):
         if n.op == "call_module" and n.target.startswith("submod_"):
-            layer_gm = split.get_submodule(n.target)
-            changed = modified_in_place(layer_gm) if isinstance(layer_gm, fx.GraphModule) else set()
-            cloned = tuple(sorted(_placeholder_index(layer_gm, changed)))
+            cloned = _changed_inputs(split.get_submodule(n.target))
             with graph.inserting_before(n):
                 layer = graph.get_attr(n.target)
                 call = graph.call_function(_run_layer, (layer, cloned, *n.args), dict(n.kwargs))
@@ -94,9 +92,10 @@ def layered_module(module: fx.GraphModule, layer_of: dict[str, int]) -> fx.Graph
     return split
 
 
-def _placeholder_index(gm: nn.Module, names: set[str]) -> set[int]:
-    """The positions of the placeholders ``names`` among ``gm``'s inputs."""
+def _changed_inputs(gm: nn.Module) -> tuple[int, ...]:
+    """The positions, among a layer's inputs, of those it changes in place (``stages.modified_in_place``)."""
     if not isinstance(gm, fx.GraphModule):
-        return set()
+        return ()
+    changed = modified_in_place(gm)
     holders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return {i for i, name in enumerate(holders) if name in names}
+    return tuple(i for i, name in enumerate(holders) if name in changed)

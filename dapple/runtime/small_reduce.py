@@ -1,8 +1,8 @@
 """AllReduce of a few control values (batch agreement, loss, flags): recursive doubling over P2P on gloo."""
 
-# gloo's AllReduce is a ring of 2 (P - 1) hops, each a thread wake-up: on 4 ranks of a loaded host a 40-element
-# vector takes about 4 ms, against 0.5 ms for log2(P) rounds of pairwise exchange (benchmarks/RESULTS.md, "Host
-# cost per op"). NCCL's AllReduce of a small vector is one kernel: there dist.all_reduce is used as it is.
+# gloo's AllReduce is a ring of 2 (P - 1) hops, each a thread wake-up, where log2(P) rounds of pairwise exchange
+# do (the step's cost: benchmarks/RESULTS.md, "Schedule efficiency"). NCCL's AllReduce of a small vector is one
+# kernel: there dist.all_reduce is used as it is.
 #
 #     P = 4:  round 1  0 <-> 1   2 <-> 3        P = 5:  4 -> 0 (folded in), rounds 1-2 on 0..3, then 0 -> 4
 #             round 2  0 <-> 2   1 <-> 3

@@ -211,7 +211,8 @@ class CostModel:
             one = max(self.profile.costs(rows).saved_bytes[a:c]) * self.activation_scale
             return StageBytes(static, self.input_bytes(a, replicas) + inside, one)
         if recompute == "selective":
-            kept = self._selective_sums(rows)[0][c] - self._selective_sums(rows)[0][a]
+            sums = self._selective_sums(rows)[0]
+            kept = sums[c] - sums[a]
             return StageBytes(static, self.input_bytes(a, replicas) + kept, max(0.0, saved - kept))
         if recompute:
             return StageBytes(static, self.input_bytes(a, replicas), saved)
